@@ -1,0 +1,74 @@
+"""Errors of the transport, typed by who is at fault.
+
+- ``PeerProtocolError``: the remote peer sent something it must not (malformed frame, size over
+  a limit, unknown codec or kind, truncated message). The stream is reset and the peer may be
+  penalised; nothing on our side is wrong.
+- ``PeerUnavailable``: the peer could not be reached or went away (dial failure, reset, deadline).
+- ``TransportClosed``: the local host is shutting down or was never started.
+- ``LocalUsageError``: our own caller passed something invalid (a bug on this side).
+"""
+
+from __future__ import annotations
+
+
+class TransportError(Exception):
+    """Base of every error raised by ``transport``."""
+
+    #: short machine-readable code, sent to peers in error replies and used as a counter label
+    code = "transport_error"
+
+
+class PeerProtocolError(TransportError):
+    """The remote peer violated the wire protocol."""
+
+    code = "protocol_violation"
+
+
+class MalformedFrame(PeerProtocolError):
+    code = "malformed_frame"
+
+
+class LimitExceeded(PeerProtocolError):
+    """A size announced by the peer is above a configured limit; refused before allocating."""
+
+    code = "limit_exceeded"
+
+
+class TruncatedMessage(PeerProtocolError):
+    """The stream ended (EOF or reset) in the middle of a frame."""
+
+    code = "truncated"
+
+
+class UnknownCodec(PeerProtocolError):
+    code = "unknown_codec"
+
+
+class UnknownKind(PeerProtocolError):
+    code = "unknown_kind"
+
+
+class CodecError(PeerProtocolError):
+    """Payload does not match the tensor metadata (size, dtype, codec parameters)."""
+
+    code = "codec_error"
+
+
+class PeerUnavailable(TransportError):
+    """The peer cannot be reached, reset the stream, or missed a deadline."""
+
+    code = "peer_unavailable"
+
+
+class DeadlineExceeded(PeerUnavailable):
+    code = "deadline"
+
+
+class TransportClosed(TransportError):
+    code = "closed"
+
+
+class LocalUsageError(TransportError):
+    """Our own caller passed something invalid: a bug on this side, not the peer's."""
+
+    code = "local_usage"
