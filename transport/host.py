@@ -1,0 +1,479 @@
+"""A py-libp2p host for an asyncio program.
+
+``Host`` is an async context manager that owns one py-libp2p host running on trio in a
+dedicated thread (see ``transport.bridge``) and offers asyncio coroutines: dial, handlers per
+protocol id, streams of framed messages, request/response with a deadline, ping and
+publish/subscribe. Security is Noise only and multiplexing yamux only: a peer offering
+plaintext, secio, TLS or mplex is refused. Identify and ping (``/ipfs/ping/1.0.0``) are answered
+for any standard libp2p implementation.
+
+Workarounds for py-libp2p 0.8.1 (shared/notes/py-libp2p.md): every handler is guarded (an
+exception escaping one would stop the whole host); one connection per peer so a dial does not
+wait 250 ms for a second one; an explicit dial lifts the 60 s negative dial cache; inbound
+handshakes time out quickly and the inbound cap is high, so idle sockets cannot lock peers out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import trio
+
+from transport.bridge import TrioThread
+from transport.codecs import CodecSpec
+from transport.counters import Counters
+from transport.errors import (
+    DeadlineExceeded,
+    LocalUsageError,
+    PeerProtocolError,
+    PeerUnavailable,
+    RemoteError,
+    TransportClosed,
+    TransportError,
+)
+from transport.frames import Message
+from transport.identity import Identity
+from transport.limits import Limits
+from transport.pubsub import PubsubBridge, PubsubOptions, Subscription
+from transport.stream import Stream
+
+log = logging.getLogger("transport.host")
+
+PING_PROTOCOL = "/ipfs/ping/1.0.0"
+Handler = Callable[[Stream], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostOptions:
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    #: inbound connections (handshaking ones included) before new ones are refused
+    max_connections: int = 1024
+    #: an inbound connection that has not finished Noise+yamux by then is dropped
+    handshake_timeout_s: float = 5.0
+    dial_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+    #: codec used for tensors when a send does not name one
+    codec: CodecSpec = field(default_factory=lambda: CodecSpec(name="none"))
+    #: None: no pubsub router is started
+    pubsub: PubsubOptions | None = field(default_factory=PubsubOptions)
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise LocalUsageError("HostOptions.listen needs at least one multiaddr")
+        for name in ("max_connections",):
+            if getattr(self, name) < 1:
+                raise LocalUsageError(f"HostOptions.{name} must be at least 1")
+        for name in ("handshake_timeout_s", "dial_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise LocalUsageError(f"HostOptions.{name} must be positive")
+
+
+class Host:
+    """``async with Host(identity, options) as host:`` — listening once entered."""
+
+    #: idle request streams kept per (peer, protocol)
+    IDLE_STREAMS_PER_KEY = 8
+
+    def __init__(self, identity: Identity, options: HostOptions | None = None) -> None:
+        self.identity = identity
+        self.options = options or HostOptions()
+        self.peer_id: str = identity.peer_id
+        self.counters = Counters()
+        self.bridge = TrioThread(name=f"libp2p-{self.peer_id[-6:]}")
+        self._handlers: dict[str, Handler] = {}
+        self._addrs: list[str] = []
+        self._t_host: Any = None  # the libp2p host: trio side only
+        self._t_nursery: trio.Nursery | None = None
+        self._pubsub = PubsubBridge(self) if self.options.pubsub is not None else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._idle: dict[tuple[str, str], list[Stream]] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def __aenter__(self) -> Host:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.bridge.start(self._t_main)
+        log.info("libp2p host %s listening on %s", self.peer_id, ", ".join(self._addrs))
+
+    async def close(self) -> None:
+        for streams in self._idle.values():
+            for stream in streams:
+                stream.reset_soon()
+        self._idle.clear()
+        for task in list(self._handler_tasks):
+            task.cancel()
+        if self._handler_tasks:
+            await asyncio.wait(self._handler_tasks, timeout=5.0)
+        await self.bridge.stop()
+
+    @property
+    def addrs(self) -> list[str]:
+        """Listening multiaddrs with ``/p2p/<peer id>``, real ports (never 0)."""
+        return list(self._addrs)
+
+    # ---- handlers ------------------------------------------------------------------------
+    def set_handler(self, protocol: str, handler: Handler) -> None:
+        """Serve ``protocol`` with ``handler(stream)``, now or when the host starts.
+
+        The handler runs as an asyncio task. If it raises, the stream is reset, the error is
+        logged and counted, the peer gets an error reply when possible, and the host goes on.
+        """
+        if not protocol.startswith("/"):
+            raise LocalUsageError(f"protocol ids start with '/', got {protocol!r}")
+        self._handlers[protocol] = handler
+        if self.bridge.running:
+            self.bridge.run_sync_soon(self._t_register, protocol)
+
+    def remove_handler(self, protocol: str) -> None:
+        self._handlers.pop(protocol, None)
+        if self.bridge.running:
+            self.bridge.run_sync_soon(self._t_unregister, protocol)
+
+    # ---- outbound ------------------------------------------------------------------------
+    async def dial(self, addr: str, *, timeout: float | None = None) -> str:
+        """Connect to a ``.../p2p/<id>`` multiaddr; returns the peer id."""
+        timeout = timeout or self.options.dial_timeout_s
+        try:
+            return await self.bridge.call(self._t_dial, addr, timeout)
+        except PeerUnavailable:
+            self.counters.add("dial_failures")
+            raise
+
+    async def open_stream(self, peer_id: str, protocol: str, *,
+                          timeout: float | None = None) -> Stream:
+        timeout = timeout or self.options.dial_timeout_s
+        ns = await self.bridge.call(self._t_new_stream, peer_id, protocol, timeout)
+        return Stream(self, ns, peer_id, protocol)
+
+    async def request(self, peer_id: str, protocol: str, message: Message, *,
+                      timeout: float | None = None, codec: CodecSpec | None = None
+                      ) -> Message:
+        """Send one message and return the peer's reply (served by ``set_request_handler``).
+
+        Streams are pooled per (peer, protocol) and reused, so a request costs one round trip.
+        If a pooled stream turns out dead before any reply arrived (the peer restarted), the
+        request is sent once more on a fresh stream: handlers must tolerate a duplicate.
+        """
+        timeout = timeout or self.options.request_timeout_s
+        key = (peer_id, protocol)
+        try:
+            async with asyncio.timeout(timeout):
+                pooled = self._idle.get(key)
+                if pooled:
+                    stream = pooled.pop()
+                    try:
+                        reply = await stream.exchange(message, codec=codec)
+                    except PeerUnavailable:
+                        self.counters.add("pooled_stream_stale")
+                    else:
+                        self._return_to_pool(key, stream)
+                        return reply
+                stream = await self.open_stream(peer_id, protocol, timeout=timeout)
+                reply = await stream.exchange(message, codec=codec)
+                self._return_to_pool(key, stream)
+                return reply
+        except TimeoutError:
+            self.counters.add("deadlines_missed")
+            raise DeadlineExceeded(f"{protocol} with {peer_id}: no reply within "
+                                   f"{timeout:.3g} s") from None
+
+    def _return_to_pool(self, key: tuple[str, str], stream: Stream) -> None:
+        idle = self._idle.setdefault(key, [])
+        if stream.closed or len(idle) >= self.IDLE_STREAMS_PER_KEY:
+            stream.reset_soon() if not stream.closed else None
+            return
+        idle.append(stream)
+
+    def set_request_handler(self, protocol: str,
+                            serve: Callable[[Message, str], Awaitable[Message]]) -> None:
+        """Answer requests on ``protocol``: ``serve(message, peer_id)`` returns the reply.
+
+        A typed error raised by ``serve`` (``TransportError`` or any exception with a string
+        ``code``) goes back to the requester as an error reply, which raises ``RemoteError``
+        there; then the stream is closed. Anything else is also counted and logged as our bug.
+        """
+
+        async def handler(stream: Stream) -> None:
+            while (message := await stream.receive()) is not None:
+                try:
+                    reply = await serve(message, stream.peer_id)
+                except (PeerProtocolError, PeerUnavailable, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    code = getattr(exc, "code", None)
+                    if not isinstance(code, str):
+                        raise
+                    self.counters.add(f"request_errors.{code}")
+                    await stream.send_error(code, str(exc))
+                    return
+                await stream.send(reply)
+
+        self.set_handler(protocol, handler)
+
+    async def ping(self, peer_id: str, *, timeout: float = 5.0) -> float:
+        """Round trip of a standard libp2p ping, in seconds (full precision)."""
+        return await self.bridge.call(self._t_ping, peer_id, timeout)
+
+    async def connected_peers(self) -> list[str]:
+        return await self.bridge.call(self._t_connected_peers)
+
+    async def disconnect(self, peer_id: str) -> None:
+        await self.bridge.call(self._t_disconnect, peer_id)
+
+    # ---- publish/subscribe ---------------------------------------------------------------
+    async def publish(self, topic: str, data: bytes) -> None:
+        if self._pubsub is None:
+            raise LocalUsageError("this host was started without pubsub")
+        await self._pubsub.publish(topic, data)
+
+    async def subscribe(self, topic: str, *, queue_size: int = 256) -> Subscription:
+        if self._pubsub is None:
+            raise LocalUsageError("this host was started without pubsub")
+        return await self._pubsub.subscribe(topic, queue_size=queue_size)
+
+    # ---- asyncio side of inbound streams -------------------------------------------------
+    def _start_handler(self, protocol: str, stream: Stream, done: trio.Event) -> None:
+        handler = self._handlers.get(protocol)
+        task = asyncio.ensure_future(self._run_handler(handler, stream))
+        self._handler_tasks.add(task)
+
+        def finished(t: asyncio.Task[None]) -> None:
+            self._handler_tasks.discard(t)
+            try:
+                self.bridge.run_sync_soon(done.set)
+            except TransportClosed:
+                pass
+
+        task.add_done_callback(finished)
+        stream._handler_task = task  # type: ignore[attr-defined]
+
+    async def _run_handler(self, handler: Handler | None, stream: Stream) -> None:
+        self.counters.add("streams_accepted")
+        if handler is None:  # removed between negotiation and dispatch
+            stream.reset_soon()
+            return
+        try:
+            await handler(stream)
+        except PeerProtocolError as exc:
+            self.counters.add(f"protocol_errors.{exc.code}")
+            log.info("peer %s broke %s: %s", stream.peer_id, stream.protocol, exc)
+            await stream.send_error(exc.code, str(exc))
+            stream.reset_soon()
+        except (PeerUnavailable, RemoteError) as exc:
+            self.counters.add("peer_unavailable")
+            log.debug("peer %s on %s went away: %s", stream.peer_id, stream.protocol, exc)
+            stream.reset_soon()
+        except asyncio.CancelledError:
+            stream.reset_soon()
+            raise
+        except Exception as exc:
+            self.counters.add("handler_errors")
+            log.exception("handler for %s failed on a stream from %s", stream.protocol,
+                          stream.peer_id)
+            code = exc.code if isinstance(exc, TransportError) else "internal_error"
+            await stream.send_error(code, f"{type(exc).__name__}: {exc}")
+            stream.reset_soon()
+        else:
+            try:
+                await stream.close()
+            except TransportError:
+                pass
+
+    # ---- trio side -----------------------------------------------------------------------
+    async def _t_main(self, ready: Callable[[], None]) -> None:
+        import multiaddr
+        from libp2p import new_host
+        from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
+        from libp2p.network.config import ConnectionConfig
+        from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
+        from libp2p.security.noise.transport import Transport as NoiseTransport
+        from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
+        from libp2p.stream_muxer.yamux.yamux import Yamux
+
+        key_pair = self.identity.key_pair
+        listen = [multiaddr.Multiaddr(a) for a in self.options.listen]
+        config = ConnectionConfig(
+            max_connections_per_peer=1,
+            max_connections=self.options.max_connections + 50,
+            min_connections=50,
+            high_watermark=self.options.max_connections + 50,
+            inbound_upgrade_timeout=self.options.handshake_timeout_s,
+            outbound_upgrade_timeout=self.options.handshake_timeout_s,
+            dial_timeout=self.options.dial_timeout_s,
+        )
+        host = new_host(
+            key_pair=key_pair,
+            sec_opt={NOISE_ID: NoiseTransport(key_pair, noise_privkey=new_x25519().private_key)},
+            muxer_opt={YAMUX_ID: Yamux},
+            connection_config=config,
+            listen_addrs=listen,
+        )
+        self._t_host = host
+        for protocol in self._handlers:
+            self._t_register(protocol)
+        async with host.run(listen), trio.open_nursery() as nursery:
+            self._t_nursery = nursery
+            if self._pubsub is not None:
+                await self._pubsub.t_start(host, nursery)
+            suffix = f"/p2p/{self.peer_id}"
+            self._addrs = [a if a.endswith(suffix) else a + suffix
+                           for a in (str(m) for m in host.get_addrs())]
+            ready()
+            await trio.sleep_forever()
+
+    def spawn_trio(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Trio side: run a background task owned by the host's nursery."""
+        if self._t_nursery is not None:
+            self._t_nursery.start_soon(fn, *args)
+
+    def _t_register(self, protocol: str) -> None:
+        from libp2p.custom_types import TProtocol
+
+        if self._t_host is not None:
+            self._t_host.set_stream_handler(TProtocol(protocol), self._t_make_handler(protocol))
+
+    def _t_unregister(self, protocol: str) -> None:
+        from libp2p.custom_types import TProtocol
+
+        if self._t_host is not None:
+            self._t_host.remove_stream_handler(TProtocol(protocol))
+
+    def _t_make_handler(self, protocol: str) -> Callable[[Any], Awaitable[None]]:
+        async def handle(net_stream: Any) -> None:
+            # Nothing may escape: py-libp2p lets a handler's exception stop the whole host.
+            stream: Stream | None = None
+            try:
+                peer_id = net_stream.muxed_conn.peer_id.to_base58()
+                stream = Stream(self, net_stream, peer_id, protocol)
+                done = trio.Event()
+                self.bridge.to_asyncio(self._start_handler, protocol, stream, done)
+                try:
+                    await done.wait()
+                except trio.Cancelled:  # host closing: stop the asyncio handler too
+                    task = getattr(stream, "_handler_task", None)
+                    if task is not None:
+                        self.bridge.to_asyncio(task.cancel)
+                    raise
+            except trio.Cancelled:
+                raise
+            except BaseException:
+                self.counters.add("handler_errors")
+                log.exception("inbound %s stream failed before its handler ran", protocol)
+                try:
+                    with trio.CancelScope(shield=True):
+                        await net_stream.reset()
+                except BaseException:
+                    pass
+
+        return handle
+
+    async def _t_dial(self, addr: str, timeout: float) -> str:
+        import multiaddr
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as exc:
+            raise LocalUsageError(f"cannot dial {addr!r}: not a multiaddr ending in /p2p/<peer "
+                                  f"id> ({exc})") from None
+        if info.peer_id == self._t_host.get_id():
+            raise LocalUsageError(f"refusing to dial {addr}: that is this host's own peer id")
+        self._t_host.get_network().unblock_peer(info.peer_id)  # it may be back: try again now
+        try:
+            with trio.fail_after(timeout):
+                await self._t_host.connect(info)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"dial {addr}: no connection within {timeout:.3g} s") from None
+        except Exception as exc:
+            raise PeerUnavailable(f"dial {addr} failed: {_cause(exc)}") from None
+        return info.peer_id.to_base58()
+
+    async def _t_new_stream(self, peer_id: str, protocol: str, timeout: float) -> Any:
+        from libp2p.custom_types import TProtocol
+
+        pid = _t_peer_id(peer_id)
+        try:
+            with trio.fail_after(timeout):
+                return await self._t_host.new_stream(pid, [TProtocol(protocol)])
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"open {protocol} to {peer_id}: no stream within "
+                                  f"{timeout:.3g} s") from None
+        except Exception as exc:
+            raise PeerUnavailable(f"open {protocol} to {peer_id} failed: {_cause(exc)}") from None
+
+    async def _t_ping(self, peer_id: str, timeout: float) -> float:
+        from libp2p.custom_types import TProtocol
+
+        pid = _t_peer_id(peer_id)
+        payload = os.urandom(32)
+        try:
+            with trio.fail_after(timeout):
+                stream = await self._t_host.new_stream(pid, [TProtocol(PING_PROTOCOL)])
+                try:
+                    start = time.perf_counter()
+                    await stream.write(payload)
+                    echo = b""
+                    while len(echo) < 32:
+                        chunk = await stream.read(32 - len(echo))
+                        if not chunk:
+                            break
+                        echo += chunk
+                    elapsed = time.perf_counter() - start
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await _close_quietly(stream)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"ping {peer_id}: no answer within {timeout:.3g} s") from None
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise PeerUnavailable(f"ping {peer_id} failed: {_cause(exc)}") from None
+        if echo != payload:
+            raise PeerProtocolError(f"ping {peer_id}: the echo does not match what was sent")
+        return elapsed
+
+    async def _t_connected_peers(self) -> list[str]:
+        return [p.to_base58() for p in self._t_host.get_connected_peers()]
+
+    async def _t_disconnect(self, peer_id: str) -> None:
+        await self._t_host.disconnect(_t_peer_id(peer_id))
+
+
+def _t_peer_id(peer_id: str) -> Any:
+    from libp2p.peer.id import ID
+
+    try:
+        return ID.from_base58(peer_id)
+    except Exception:
+        raise LocalUsageError(f"{peer_id!r} is not a libp2p peer id") from None
+
+
+async def _close_quietly(stream: Any) -> None:
+    try:
+        await stream.close()
+    except Exception:
+        pass
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of a libp2p exception chain, for error messages."""
+    parts = []
+    while exc is not None and len(parts) < 4:
+        text = str(exc) or type(exc).__name__
+        if text not in parts:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return ": ".join(parts)
