@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for swarmd: system packages, a virtualenv in .venv, the package and
+# its test tools. Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! [ -f /usr/include/gmp.h ] && ! [ -f /usr/include/x86_64-linux-gnu/gmp.h ] \
+   && ! [ -f /usr/include/aarch64-linux-gnu/gmp.h ]; then
+  # libp2p pins fastecdsa, which compiles against GMP
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgmp-dev >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq libgmp-dev >/dev/null; fi
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# constraints.txt pins the CPU build of torch that lies on this machine's disk; on a GPU
+# machine, install torch for your CUDA first and drop the -c flag.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
