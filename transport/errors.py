@@ -6,6 +6,8 @@
 - ``PeerUnavailable``: the peer could not be reached or went away (dial failure, reset, deadline).
 - ``TransportClosed``: the local host is shutting down or was never started.
 - ``LocalUsageError``: our own caller passed something invalid (a bug on this side).
+- ``IdentityError``: the local identity key file is missing, unreadable, corrupt or too widely
+  readable; the operator must act (the message says what to do).
 """
 
 from __future__ import annotations
@@ -72,3 +74,18 @@ class LocalUsageError(TransportError):
     """Our own caller passed something invalid: a bug on this side, not the peer's."""
 
     code = "local_usage"
+
+
+class RemoteError(TransportError):
+    """The remote peer answered with an error reply; ``code`` and ``message`` are theirs."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"peer replied with error {code}: {message}")
+        self.code = code
+        self.remote_message = message
+
+
+class IdentityError(TransportError):
+    """The local identity key file cannot be used; the message names the file and the fix."""
+
+    code = "identity"

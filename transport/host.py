@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import trio
 
+from transport import libp2p_events
 from transport.bridge import TrioThread
 from transport.codecs import CodecSpec
 from transport.counters import Counters
@@ -244,6 +245,12 @@ class Host:
             raise LocalUsageError("this host was started without pubsub")
         return await self._pubsub.subscribe(topic, queue_size=queue_size)
 
+    def count_protocol_error(self, exc: PeerProtocolError) -> None:
+        """Count a peer's protocol violation once, wherever it is seen first."""
+        if not getattr(exc, "counted", False):
+            exc.counted = True  # type: ignore[attr-defined]
+            self.counters.add(f"protocol_errors.{exc.code}")
+
     # ---- asyncio side of inbound streams -------------------------------------------------
     def _start_handler(self, protocol: str, stream: Stream, done: trio.Event) -> None:
         handler = self._handlers.get(protocol)
@@ -268,7 +275,7 @@ class Host:
         try:
             await handler(stream)
         except PeerProtocolError as exc:
-            self.counters.add(f"protocol_errors.{exc.code}")
+            self.count_protocol_error(exc)
             log.info("peer %s broke %s: %s", stream.peer_id, stream.protocol, exc)
             await stream.send_error(exc.code, str(exc))
             stream.reset_soon()
@@ -303,6 +310,7 @@ class Host:
         from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
         from libp2p.stream_muxer.yamux.yamux import Yamux
 
+        libp2p_events.install(self.counters)
         key_pair = self.identity.key_pair
         listen = [multiaddr.Multiaddr(a) for a in self.options.listen]
         config = ConnectionConfig(

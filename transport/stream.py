@@ -78,6 +78,16 @@ class Stream:
         self._host.counters.add("bytes_sent", frame.total_bytes)
         self._host.counters.add("messages_sent")
 
+    async def write_raw(self, data: bytes, *, timeout: float | None = None) -> None:
+        """Write bytes as they are, bypassing framing: for tests and diagnostic tools."""
+        await self._guarded(self._t_write_raw, bytes(data), timeout=timeout)
+
+    async def _t_write_raw(self, data: bytes) -> None:
+        try:
+            await self._ns.write(data)
+        except Exception as exc:
+            raise _map_io_error(exc, self, "writing") from None
+
     async def send_error(self, code: str, text: str, *, timeout: float = 2.0) -> None:
         """Best effort: tell the peer why we give up on this stream."""
         try:
@@ -111,7 +121,7 @@ class Stream:
                                   f"{self.protocol} (expected one of {sorted(kinds)})")
             return await decode_off_loop(header, payload, self._host.options.limits)
         except PeerProtocolError as exc:
-            self._host.counters.add(f"protocol_errors.{exc.code}")
+            self._host.count_protocol_error(exc)
             self.reset_soon()
             raise
 
@@ -191,7 +201,7 @@ class Stream:
             self.reset_soon()
             raise
         except PeerProtocolError as exc:
-            self._host.counters.add(f"protocol_errors.{exc.code}")
+            self._host.count_protocol_error(exc)
             self.reset_soon()
             raise
         except TransportError:

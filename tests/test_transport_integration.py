@@ -1,0 +1,322 @@
+"""Two real processes on 127.0.0.1 talking real libp2p (Noise + yamux): the peer under test
+runs tests/transport_peer.py; this process is the client. Bad input must get a typed error,
+close only the offending stream, count, and leave the peer serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import msgpack
+import pytest
+import torch
+import uvloop
+
+from transport import frames, identity
+from transport.codecs import CodecSpec
+from transport.errors import RemoteError, TransportError
+from transport.frames import Message
+from transport.host import Host, HostOptions
+
+pytestmark = pytest.mark.integration
+
+PEER = Path(__file__).with_name("transport_peer.py")
+MiB = 1 << 20
+PEER_LIMIT_MIB = 64
+
+
+class PeerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        line = _readline_with_deadline(self.proc, 60.0)
+        self.info = json.loads(line)
+        self.peer_id: str = self.info.get("peer_id", "")
+        self.addr: str = self.info["addrs"][0] if "addrs" in self.info else ""
+
+    @property
+    def port(self) -> int:
+        return int(self.addr.split("/tcp/")[1].split("/")[0])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _readline_with_deadline(proc: subprocess.Popen[str], seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.5):
+                line = proc.stdout.readline()  # type: ignore[union-attr]
+                if line:
+                    return line
+            if proc.poll() is not None:
+                raise RuntimeError(f"peer process exited with {proc.returncode}")
+    proc.kill()
+    raise TimeoutError("peer process did not report its address in time")
+
+
+@pytest.fixture(scope="module")
+def peer() -> Any:
+    p = PeerProcess("serve", str(PEER_LIMIT_MIB))
+    yield p
+    p.stop()
+    assert p.proc.returncode == 0, "the peer under test must survive every test and exit cleanly"
+
+
+def run(scenario: Callable[[Host], Awaitable[Any]], **options: Any) -> Any:
+    async def main() -> Any:
+        async with Host(identity.generate(), HostOptions(**options)) as host:
+            return await asyncio.wait_for(scenario(host), 60)
+
+    return uvloop.run(main())
+
+
+async def stats(host: Host, peer: PeerProcess) -> dict[str, Any]:
+    reply = await host.request(peer.peer_id, "/test/stats/1", Message(kind="stats"))
+    return dict(reply.meta)
+
+
+async def counter(host: Host, peer: PeerProcess, name: str) -> int:
+    return int((await stats(host, peer))["counters"].get(name, 0))
+
+
+async def wait_for_counter(host: Host, peer: PeerProcess, name: str, above: int,
+                           seconds: float = 10.0) -> int:
+    deadline = time.monotonic() + seconds
+    while True:
+        value = await counter(host, peer, name)
+        if value > above or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.05)
+
+
+async def assert_still_serving(host: Host, peer: PeerProcess) -> None:
+    reply = await host.request(peer.peer_id, "/test/echo/1", Message(kind="hello", meta={"x": 1}))
+    assert reply.kind == "hello" and reply.meta == {"x": 1}
+
+
+# ---- the happy paths --------------------------------------------------------------------
+
+def test_request_reply_with_tensors_under_every_codec(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        x = torch.randn(3, 1000)
+        ids = torch.arange(10, dtype=torch.int64)
+        for name in ("none", "fp16", "int8", "int8+zstd"):
+            reply = await host.request(peer.peer_id, "/test/echo/1",
+                                       Message(kind="t", meta={"c": name}, tensors=(x, ids)),
+                                       codec=CodecSpec.parse(name))
+            y, got_ids = reply.tensors
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert torch.equal(got_ids, ids), name
+            err = float((y - x).norm() / x.norm())
+            assert err < {"none": 1e-7, "fp16": 1e-3}.get(name, 1e-2), (name, err)
+
+    run(scenario)
+
+
+def test_ping_and_dial_report_real_values(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        assert all("/tcp/0/" not in a and a.endswith(f"/p2p/{host.peer_id}") for a in host.addrs)
+        assert await host.dial(peer.addr) == peer.peer_id
+        rtt = await host.ping(peer.peer_id)
+        assert 0 < rtt < 5.0
+        assert peer.peer_id in await host.connected_peers()
+
+    run(scenario)
+
+
+# ---- bad input: typed error, stream closed, counter up, still serving -------------------
+
+def test_handler_that_raises_gets_error_reply_and_host_keeps_serving(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await counter(host, peer, "handler_errors")
+        with pytest.raises(RemoteError) as err:
+            await host.request(peer.peer_id, "/test/fail/1", Message(kind="x"))
+        assert err.value.code == "internal_error"
+        assert "always fails" in err.value.remote_message
+        assert await counter(host, peer, "handler_errors") == before + 1
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
+def test_unknown_kind_is_refused(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await counter(host, peer, "protocol_errors.unknown_kind")
+        stream = await host.open_stream(peer.peer_id, "/test/typed/1")
+        await stream.send(Message(kind="ping"))
+        assert (await stream.receive()).kind == "pong"
+        await stream.send(Message(kind="bogus"))
+        with pytest.raises(RemoteError) as err:
+            await stream.receive(timeout=10)
+        assert err.value.code == "unknown_kind"
+        assert await counter(host, peer, "protocol_errors.unknown_kind") == before + 1
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
+def _raw_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    body = msgpack.packb(header)
+    return frames.PREFIX.pack(frames.MAGIC, frames.VERSION, len(body)) + body + payload
+
+
+BAD_FRAMES = {
+    "unknown_codec": _raw_frame({"k": "x", "m": {}, "n": 8, "t": [
+        {"codec": "zz", "dtype": "float32", "shape": [2], "params": {}, "nbytes": 8}]}, b"\0" * 8),
+    "shape_mismatch": _raw_frame({"k": "x", "m": {}, "n": 16, "t": [
+        {"codec": "none", "dtype": "float32", "shape": [10], "params": {}, "nbytes": 16}]},
+        b"\0" * 16),
+    "prefix_over_limit": frames.PREFIX.pack(frames.MAGIC, frames.VERSION, 2**31) + b"\0" * 64,
+    "payload_over_limit": _raw_frame({"k": "x", "m": {}, "n": 2**40, "t": [
+        {"codec": "none", "dtype": "uint8", "shape": [2**40], "params": {}, "nbytes": 2**40}]}),
+    "not_msgpack": frames.PREFIX.pack(frames.MAGIC, frames.VERSION, 5) + b"\xc1\xc1\xc1\xc1\xc1",
+    "bad_magic": b"GET / HTTP/1.1\r\n\r\n",
+}
+EXPECTED_CODE = {"unknown_codec": "unknown_codec", "shape_mismatch": ("codec_error", "malformed_frame"),
+                 "prefix_over_limit": "limit_exceeded", "payload_over_limit": "limit_exceeded",
+                 "not_msgpack": "malformed_frame", "bad_magic": "malformed_frame"}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FRAMES))
+def test_bad_frames_get_typed_errors(peer: PeerProcess, case: str) -> None:
+    expected = EXPECTED_CODE[case]
+    expected = expected if isinstance(expected, tuple) else (expected,)
+
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await stats(host, peer)
+        stream = await host.open_stream(peer.peer_id, "/test/sink/1")
+        await stream.write_raw(BAD_FRAMES[case])
+        try:
+            reply = await stream.receive(timeout=10)
+            pytest.fail(f"expected an error reply, got {reply}")
+        except RemoteError as err:
+            assert err.code in expected, err
+        after = await stats(host, peer)
+        counted = sum(after["counters"].get(f"protocol_errors.{c}", 0)
+                      - before["counters"].get(f"protocol_errors.{c}", 0) for c in expected)
+        assert counted == 1
+        # refused before allocating: the peak memory of the peer did not jump
+        assert after["VmHWM"] - before["VmHWM"] < 32 * MiB
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
+def test_truncated_frame_is_not_a_clean_end(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await counter(host, peer, "protocol_errors.truncated")
+        stream = await host.open_stream(peer.peer_id, "/test/sink/1")
+        frame = frames.encode_message(Message(kind="d", tensors=(torch.zeros(1000),)),
+                                      CodecSpec(name="none"))
+        await stream.write_raw(frame.head + bytes(frame.parts[0][:1000]))
+        await stream.close()  # a clean FIN in the middle of the payload
+        assert await wait_for_counter(host, peer, "protocol_errors.truncated", before) == before + 1
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
+def test_peer_killed_mid_message_is_detected_as_truncation(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await counter(host, peer, "protocol_errors.truncated")
+        killer = await asyncio.to_thread(subprocess.run, [
+            sys.executable, str(PEER), "send-half", peer.addr, str(8 * MiB)],
+            capture_output=True, text=True, timeout=60)
+        assert killer.returncode == -9, killer.stderr[-2000:]
+        assert json.loads(killer.stdout)["sent"] > 4 * MiB
+        assert await wait_for_counter(host, peer, "protocol_errors.truncated", before) == before + 1
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
+def test_garbage_and_http_on_the_libp2p_port(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await counter(host, peer, "inbound_rejected.handshake")
+        for garbage in (os.urandom(4096), b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", peer.port)
+            writer.write(garbage)
+            await writer.drain()
+            await asyncio.wait_for(reader.read(), 15)  # the peer hangs up on us
+            writer.close()
+        assert await wait_for_counter(host, peer, "inbound_rejected.handshake",
+                                      before + 1) >= before + 2
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
+def test_hundreds_of_idle_sockets_do_not_lock_out_a_real_peer(peer: PeerProcess) -> None:
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", peer.port), timeout=5))
+
+        async def scenario(host: Host) -> None:
+            assert await host.dial(peer.addr, timeout=10) == peer.peer_id
+            await assert_still_serving(host, peer)
+
+        run(scenario)
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_receiver_memory_stays_within_twice_the_largest_message(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        # largest allowed payload: the limit minus nothing (codec none puts 4 bytes a value)
+        x = torch.ones(PEER_LIMIT_MIB * MiB // 4)
+        stream = await host.open_stream(peer.peer_id, "/test/sink/1")
+        # warm up the peer's allocator with a small message, then measure the big one
+        await stream.send(Message(kind="d", tensors=(torch.ones(1024),)))
+        warm = await stream.receive(timeout=30)
+        await stream.send(Message(kind="d", tensors=(x,)), codec=CodecSpec(name="none"))
+        got = await stream.receive(timeout=60)
+        await stream.close()
+        assert got.meta["sizes"] == [x.numel()]
+        growth = got.meta["VmHWM"] - warm.meta["VmHWM"]
+        assert growth <= 2 * PEER_LIMIT_MIB * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+
+    run(scenario)
+
+
+def test_message_over_the_limit_is_refused_and_counted(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        before = await counter(host, peer, "protocol_errors.limit_exceeded")
+        x = torch.ones(PEER_LIMIT_MIB * MiB // 4 + 1)
+        stream = await host.open_stream(peer.peer_id, "/test/sink/1")
+        with pytest.raises(TransportError):
+            await stream.send(Message(kind="d", tensors=(x,)), codec=CodecSpec(name="none"))
+            await stream.receive(timeout=30)
+        assert await counter(host, peer, "protocol_errors.limit_exceeded") == before + 1
+        await assert_still_serving(host, peer)
+
+    run(scenario)
