@@ -1,0 +1,648 @@
+"""Typed configuration of swarmd, loaded and validated once.
+
+Sources, highest precedence first:
+
+1. command line flags, passed to :func:`load_config` as ``overrides`` keyed ``"section.key"``;
+2. environment variables ``SWARMD_<SECTION>_<KEY>`` (``SWARMD_NETWORK_LISTEN``); lists are
+   comma-separated, booleans accept true/false/1/0/yes/no/on/off;
+3. the TOML file given with ``--config``;
+4. the defaults declared below.
+
+Every key is declared once, as a field of a section dataclass whose ``metadata["spec"]`` holds
+its one-line doc, what a valid value looks like and its validator. Validation, the error
+messages and the documented default file (:func:`render_default_toml`, shipped as
+``swarmd/default_config.toml``) all come from these declarations.
+
+Every problem raises :class:`swarmd.errors.ConfigError` with one line naming the source (the
+file, ``environment variable SWARMD_...`` or ``command line flag``), the key, the bad value and
+what is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import math
+import re
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from swarmd.errors import ConfigError
+from transport.limits import Limits
+
+__all__ = [
+    "Config", "SwarmConfig", "NetworkConfig", "WireConfig", "HttpConfig", "LogConfig",
+    "FieldSpec", "ConfigError", "load_config", "render_toml", "render_default_toml",
+    "field_specs", "ENV_PREFIX", "RESERVED_ENV", "CODECS",
+]
+
+#: prefix of the environment variables that set configuration keys
+ENV_PREFIX = "SWARMD_"
+#: ``SWARMD_*`` variables that are not configuration keys; the loader ignores them
+RESERVED_ENV = frozenset({"SWARMD_HOME"})
+#: allowed values of ``wire.codec``
+CODECS = tuple(f"{base}{suffix}" for base in ("none", "fp16", "int8") for suffix in ("", "+zstd"))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_LIMITS = Limits()
+
+
+# --------------------------------------------------------------------------- field declarations
+
+class _Invalid(Exception):
+    """Raised by a validator; ``args[0]``, if any, is a detail shown in the error message."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What one configuration key is: its doc line, what a valid value looks like, its check."""
+
+    doc: str
+    #: completes "expected ...", e.g. "an integer from 1 to 22"
+    expected: str
+    #: raises ``_Invalid`` for a value of the right type that is still not acceptable
+    check: Callable[[Any], None] | None = None
+
+
+def _opt(default: Any, doc: str, expected: str, check: Callable[[Any], None] | None = None) -> Any:
+    """Declare a configuration key: its default, doc line, expectation and validator."""
+    if isinstance(default, list):
+        default = tuple(default)
+    return field(default=default, metadata={"spec": FieldSpec(doc, expected, check)})
+
+
+def _int_range(lo: int, hi: int | None = None) -> Callable[[Any], None]:
+    def check(value: int) -> None:
+        if value < lo or (hi is not None and value > hi):
+            raise _Invalid("out of range")
+    return check
+
+
+def _positive_seconds(value: float) -> None:
+    if not value > 0:
+        raise _Invalid("must be greater than 0")
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], None]:
+    def check(value: str) -> None:
+        if value not in choices:
+            close = difflib.get_close_matches(value, choices, n=1)
+            raise _Invalid(f'did you mean "{close[0]}"?' if close else None)
+    return check
+
+
+def _power_of_two(lo: int, hi: int) -> Callable[[Any], None]:
+    def check(value: int) -> None:
+        if not lo <= value <= hi:
+            raise _Invalid("out of range")
+        if value & (value - 1):
+            raise _Invalid("not a power of two")
+    return check
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _swarm_name(value: str) -> None:
+    if not _NAME_RE.fullmatch(value):
+        raise _Invalid(None)
+
+
+def _multiaddrs(*, need_peer_id: bool) -> Callable[[Any], None]:
+    def check(values: tuple[str, ...]) -> None:
+        from multiaddr import Multiaddr  # ~20 ms, only when there is an address to check
+
+        for index, text in enumerate(values, 1):
+            try:
+                addr = Multiaddr(text)
+            except Exception as exc:  # multiaddr raises several types, all ValueError-like
+                detail = str(exc).split(" (string:")[0]
+                raise _Invalid(f"entry {index} {_show(text)} is not a multiaddr: {detail}") from None
+            if need_peer_id and addr.protocols()[-1].name != "p2p":
+                raise _Invalid(f"entry {index} {_show(text)} does not end in /p2p/<peer id>")
+    return check
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:8411"`` -> ``("127.0.0.1", 8411)``; ``"[::1]:80"`` -> ``("::1", 80)``."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise _Invalid("not of the form host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise _Invalid("write an IPv6 address in brackets, like [::1]:8411")
+    port = int(port_text)
+    if port > 65535:
+        raise _Invalid("port out of range")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise _Invalid(f"{_show(host)} is not an IP address or localhost") from None
+    return host, port
+
+
+def _host_port(value: str) -> None:
+    split_host_port(value)
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+# --------------------------------------------------------------------------------- the sections
+
+class _Section:
+    """Shared behaviour of the section dataclasses: normalise and validate on construction."""
+
+    #: the TOML table name
+    SECTION: ClassVar[str]
+    #: the comment above the table in the default file
+    DOC: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            raw = getattr(self, f.name)
+            try:
+                value = _convert(f, raw)
+            except _Invalid as exc:
+                raise ConfigError(_invalid_message(
+                    f"{type(self).__name__}(...)", f"{self.SECTION}.{f.name}", raw, f, exc
+                )) from None
+            if value is not raw:
+                object.__setattr__(self, f.name, value)
+
+
+@dataclass(frozen=True)
+class SwarmConfig(_Section):
+    SECTION: ClassVar[str] = "swarm"
+    DOC: ClassVar[str] = "The swarm this node belongs to."
+
+    name: str = _opt(
+        "swarmd-default",
+        "Name of the swarm; peers only work with peers of the same name, keeping swarms apart.",
+        'a name of 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+        _swarm_name,
+    )
+
+
+@dataclass(frozen=True)
+class NetworkConfig(_Section):
+    SECTION: ClassVar[str] = "network"
+    DOC: ClassVar[str] = "Peer-to-peer networking (libp2p)."
+
+    listen: tuple[str, ...] = _opt(
+        ["/ip4/0.0.0.0/tcp/31337"],
+        "Multiaddrs to accept peer connections on.",
+        'a list of multiaddrs such as "/ip4/0.0.0.0/tcp/31337"',
+        _multiaddrs(need_peer_id=False),
+    )
+    bootstrap: tuple[str, ...] = _opt(
+        [],
+        "Peers to join through, as multiaddrs ending in /p2p/<peer id>; empty starts a new swarm.",
+        'a list of multiaddrs ending in /p2p/<peer id>, such as '
+        '"/ip4/192.0.2.7/tcp/31337/p2p/12D3KooW..."',
+        _multiaddrs(need_peer_id=True),
+    )
+    max_connections: int = _opt(
+        1024, "Most peer connections open at once.", "an integer from 1 to 1000000",
+        _int_range(1, 1_000_000),
+    )
+    handshake_timeout_s: float = _opt(
+        5.0, "Seconds allowed for the security and multiplexer handshake of a new connection.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+    dial_timeout_s: float = _opt(
+        10.0, "Seconds allowed to dial a peer before giving up.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+    request_timeout_s: float = _opt(
+        30.0, "Seconds allowed for one request and its reply.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+
+
+@dataclass(frozen=True)
+class WireConfig(_Section):
+    SECTION: ClassVar[str] = "wire"
+    DOC: ClassVar[str] = "How tensors travel between peers, and what a peer may send us."
+
+    codec: str = _opt(
+        "int8",
+        "Tensor encoding: none, fp16 or int8 (blockwise), each optionally followed by +zstd.",
+        "one of " + ", ".join(f'"{c}"' for c in CODECS),
+        _one_of(CODECS),
+    )
+    int8_block_size: int = _opt(
+        64, "Values per scale block of the int8 codec.",
+        "a power of two from 16 to 65536", _power_of_two(16, 65536),
+    )
+    int8_scale_dtype: str = _opt(
+        "float16", "Type of the per-block scales of the int8 codec.",
+        '"float16" or "float32"', _one_of(("float16", "float32")),
+    )
+    zstd_level: int = _opt(
+        1, "zstd level of the +zstd codecs: 1 is fastest, 22 smallest.",
+        "an integer from 1 to 22", _int_range(1, 22),
+    )
+    max_header_bytes: int = _opt(
+        _LIMITS.max_header_bytes, "Largest frame header accepted from a peer, in bytes (64 KiB).",
+        "a positive integer", _int_range(1),
+    )
+    max_message_bytes: int = _opt(
+        _LIMITS.max_message_bytes,
+        "Largest message payload accepted from a peer, in bytes (256 MiB).",
+        "a positive integer", _int_range(1),
+    )
+    max_tensor_bytes: int = _opt(
+        _LIMITS.max_tensor_bytes,
+        "Largest decoded tensor accepted from a peer, in bytes (1 GiB).",
+        "a positive integer", _int_range(1),
+    )
+    chunk_bytes: int = _opt(
+        _LIMITS.chunk_bytes, "Size of the pieces a payload is streamed in, in bytes (1 MiB).",
+        "a positive integer", _int_range(1),
+    )
+
+
+@dataclass(frozen=True)
+class HttpConfig(_Section):
+    SECTION: ClassVar[str] = "http"
+    DOC: ClassVar[str] = "The local HTTP API that `swarmd status` and the other commands talk to."
+
+    listen: str = _opt(
+        "127.0.0.1:8411", "Address (host:port) the HTTP API listens on; port 0 picks a free one.",
+        'host:port with an IP address or localhost, such as "127.0.0.1:8411"', _host_port,
+    )
+    allow_non_loopback: bool = _opt(
+        False,
+        "Allow a non-loopback http.listen (the API has no authentication: keep it private).",
+        "true or false",
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig(_Section):
+    SECTION: ClassVar[str] = "log"
+    DOC: ClassVar[str] = "Logging."
+
+    level: str = _opt(
+        "info", "Least severe level logged: debug, info, warning or error.",
+        "one of " + ", ".join(f'"{v}"' for v in LOG_LEVELS), _one_of(LOG_LEVELS),
+    )
+    format: str = _opt(
+        "text", "Log line format: text for people, json for machines (one object per line).",
+        '"text" or "json"', _one_of(("text", "json")),
+    )
+
+
+def _cross_checks(get: Callable[[str], Any]) -> Iterator[tuple[str, str]]:
+    """Checks spanning several keys: yields ``(key to blame, message)``."""
+    http_listen = get("http.listen")
+    host, _ = split_host_port(http_listen)
+    if not get("http.allow_non_loopback") and not _is_loopback(host):
+        yield "http.listen", (
+            f"http.listen = {_show(http_listen)} is not a loopback address and the HTTP API has "
+            f"no authentication: listen on 127.0.0.1, or set http.allow_non_loopback = true "
+            f"to expose it anyway"
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; each attribute is one TOML table."""
+
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        for _key, message in _cross_checks(self.get):
+            raise ConfigError(f"Config(...): {message}")
+
+    def get(self, key: str) -> Any:
+        """The value of ``"section.key"``."""
+        section, _, name = key.partition(".")
+        if key not in _SPECS:
+            raise KeyError(key)
+        return getattr(getattr(self, section), name)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (lists for tuples), e.g. for JSON output."""
+        return {
+            s: {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(getattr(self, s)).items()}
+            for s in _SECTIONS
+        }
+
+    def wire_limits(self) -> Limits:
+        """The receiver-side transport limits set by ``[wire]``."""
+        w = self.wire
+        return Limits(
+            max_header_bytes=w.max_header_bytes,
+            max_message_bytes=w.max_message_bytes,
+            max_tensor_bytes=w.max_tensor_bytes,
+            chunk_bytes=w.chunk_bytes,
+        )
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    cls.SECTION: cls for cls in (SwarmConfig, NetworkConfig, WireConfig, HttpConfig, LogConfig)
+}
+_SPECS: dict[str, dataclasses.Field] = {
+    f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+}
+assert list(_SECTIONS) == [f.name for f in dataclasses.fields(Config)]
+assert not any("_" in s for s in _SECTIONS), "a section name with _ breaks SWARMD_<SECTION>_<KEY>"
+
+
+def field_specs() -> dict[str, tuple[Any, FieldSpec]]:
+    """``{"section.key": (default, spec)}`` for every key, in file order."""
+    return {key: (f.default, f.metadata["spec"]) for key, f in _SPECS.items()}
+
+
+# ---------------------------------------------------------------------------- value conversion
+
+_TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float",
+               list: "an array", tuple: "an array", dict: "a table"}
+
+
+def _type_name(value: Any) -> str:
+    for t, name in _TYPE_NAMES.items():
+        if type(value) is t:
+            return name
+    return "a date/time" if type(value).__module__ == "datetime" else type(value).__name__
+
+
+def _convert(f: dataclasses.Field, value: Any) -> Any:
+    """Check the type of a typed value (TOML, override, constructor), normalise it, validate it."""
+    default = f.default
+    kind = type(default)
+    wrong = _Invalid(f"it is {_type_name(value)}")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise wrong
+    elif kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise wrong
+    elif kind is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise wrong
+        value = float(value)
+        if not math.isfinite(value):
+            raise _Invalid("not a finite number")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise wrong
+    elif kind is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise wrong
+        for index, item in enumerate(value, 1):
+            if not isinstance(item, str):
+                raise _Invalid(f"entry {index} is {_type_name(item)}, not a string")
+        value = tuple(value)
+    else:  # pragma: no cover - a declaration with an unsupported default type
+        raise TypeError(f"unsupported config type {kind}")
+    spec: FieldSpec = f.metadata["spec"]
+    if spec.check is not None:
+        spec.check(value)
+    return value
+
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+def _parse_text(f: dataclasses.Field, text: str) -> Any:
+    """Parse an environment variable (or a textual flag) into the key's type, then validate."""
+    kind = type(f.default)
+    value: Any = text
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered not in _TRUE | _FALSE:
+            raise _Invalid("not a boolean (true/false/1/0/yes/no)")
+        value = lowered in _TRUE
+    elif kind is int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise _Invalid("not an integer") from None
+    elif kind is float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise _Invalid("not a number") from None
+    elif kind is tuple:
+        value = tuple(part.strip() for part in text.split(",") if part.strip())
+    return _convert(f, value)
+
+
+# ----------------------------------------------------------------------------------- messages
+
+def _show(value: Any) -> str:
+    """A value as it would be written in TOML, shortened."""
+    text = _toml_value(value) if isinstance(value, (str, bool, int, float, list, tuple)) else repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _invalid_message(source: str, key: str, raw: Any, f: dataclasses.Field, exc: _Invalid) -> str:
+    detail = exc.args[0] if exc.args and exc.args[0] else ""
+    spec: FieldSpec = f.metadata["spec"]
+    return (f"{source}: {key} = {_show(raw)} is invalid"
+            + (f" ({detail})" if detail else "") + f"; expected {spec.expected}")
+
+
+def _suggest_key(section: str | None, name: str) -> str | None:
+    """The closest known ``section.key`` to an unknown one, if any is close."""
+    dotted = f"{section}.{name}" if section else name
+    same_name = [k for k in _SPECS if k.rpartition(".")[2] == name]
+    if same_name:
+        return same_name[0]
+    if section in _SECTIONS:
+        keys = [f.name for f in dataclasses.fields(_SECTIONS[section])]  # type: ignore[arg-type]
+        close = difflib.get_close_matches(name, keys, n=1)
+        if close:
+            return f"{section}.{close[0]}"
+    close = difflib.get_close_matches(dotted, list(_SPECS), n=1)
+    return close[0] if close else None
+
+
+def _did_you_mean(suggestion: str | None, fmt: str = '"{}"') -> str:
+    return f" (did you mean {fmt.format(suggestion)}?)" if suggestion else ""
+
+
+def _env_name(key: str) -> str:
+    return ENV_PREFIX + key.replace(".", "_").upper()
+
+
+# ------------------------------------------------------------------------------------ loading
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a TOML config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (at line {line})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def load_config(
+    path: Path | None,
+    env: Mapping[str, str],
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration from defaults < ``path`` < ``env`` < ``overrides``.
+
+    ``env`` is the process environment (pass ``os.environ``); only ``SWARMD_<SECTION>_<KEY>``
+    names with a known upper-case section are read, and an unknown key in a known section is
+    an error. ``overrides`` maps ``"section.key"`` to a typed value, or to a string parsed as
+    an environment variable would be; ``None`` values (flags not given) are skipped.
+    """
+    values: dict[str, Any] = {key: f.default for key, f in _SPECS.items()}
+    sources: dict[str, str] = {key: "default" for key in _SPECS}
+
+    def put(source: str, key: str, raw: Any, text: bool) -> None:
+        f = _SPECS[key]
+        try:
+            values[key] = _parse_text(f, raw) if text else _convert(f, raw)
+        except _Invalid as exc:
+            raise ConfigError(_invalid_message(source, key, raw, f, exc)) from None
+        sources[key] = source
+
+    if path is not None:
+        source = str(path)
+        for section, table in _read_toml(path).items():
+            if section not in _SECTIONS:
+                if not isinstance(table, dict):
+                    suggestion = _suggest_key(None, section)
+                    raise ConfigError(f'{source}: unknown key "{section}" at the top level, keys '
+                                      f'belong in a [section]{_did_you_mean(suggestion)}')
+                close = difflib.get_close_matches(section, list(_SECTIONS), n=1)
+                raise ConfigError(f"{source}: unknown section [{section}]"
+                                  + _did_you_mean(close[0] if close else None, "[{}]")
+                                  + "; known sections: "
+                                  + ", ".join(f"[{s}]" for s in _SECTIONS))
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: {section} = {_show(table)} is invalid; "
+                                  f"expected a table [{section}]")
+            for name, raw in table.items():
+                key = f"{section}.{name}"
+                if key not in _SPECS:
+                    raise ConfigError(f'{source}: unknown key "{key}"'
+                                      + _did_you_mean(_suggest_key(section, name)))
+                put(source, key, raw, text=False)
+
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
+            continue
+        section_part, sep, name_part = var[len(ENV_PREFIX):].partition("_")
+        section = section_part.lower()
+        if not sep or section not in _SECTIONS or section_part != section.upper():
+            continue  # not shaped like a configuration key
+        key = f"{section}.{name_part.lower()}"
+        source = f"environment variable {var}"
+        if key not in _SPECS or name_part != name_part.upper():
+            suggestion = _suggest_key(section, name_part.lower())
+            raise ConfigError(f'{source}: unknown key "{key}"'
+                              + _did_you_mean(suggestion and _env_name(suggestion), "{}"))
+        put(source, key, env[var], text=True)
+
+    for key, raw in (overrides or {}).items():
+        source = "command line flag"
+        if key not in _SPECS:
+            section, _, name = key.partition(".")
+            raise ConfigError(f'{source}: unknown key "{key}"'
+                              + _did_you_mean(_suggest_key(section, name)))
+        if raw is None:
+            continue
+        put(source, key, raw, text=isinstance(raw, str) and not isinstance(_SPECS[key].default, str))
+
+    for key, message in _cross_checks(values.__getitem__):
+        raise ConfigError(f"{sources[key]}: {message}")
+
+    sections = {}
+    for section, cls in _SECTIONS.items():
+        prefix = section + "."
+        sections[section] = cls(**{k[len(prefix):]: v for k, v in values.items()
+                                   if k.startswith(prefix)})
+    return Config(**sections)
+
+
+# ---------------------------------------------------------------------------------- rendering
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+                 "\r": "\\r"}
+
+
+def _toml_str(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")
+
+
+_HEADER = """\
+# swarmd configuration.
+#
+# Every key is listed with its default value. A key can also be set by an environment variable
+# SWARMD_<SECTION>_<KEY> (e.g. SWARMD_NETWORK_LISTEN, lists comma-separated) or by a command
+# line flag. Precedence: flag > environment variable > this file > default.
+"""
+
+
+def render_toml(config: Config) -> str:
+    """``config`` as a documented TOML file: every key with a one-line comment above it."""
+    parts = [_HEADER]
+    for section, cls in _SECTIONS.items():
+        parts.append(f"\n# {cls.DOC}\n[{section}]\n")
+        for index, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
+            spec: FieldSpec = f.metadata["spec"]
+            if index:
+                parts.append("\n")
+            value = config.get(f"{section}.{f.name}")
+            parts.append(f"# {spec.doc}\n{f.name} = {_toml_value(value)}\n")
+    return "".join(parts)
+
+
+def render_default_toml() -> str:
+    """The documented default configuration (the contents of ``swarmd/default_config.toml``)."""
+    return render_toml(Config())
