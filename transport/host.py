@@ -275,10 +275,8 @@ class Host:
         try:
             await handler(stream)
         except PeerProtocolError as exc:
-            self.count_protocol_error(exc)
             log.info("peer %s broke %s: %s", stream.peer_id, stream.protocol, exc)
-            await stream.send_error(exc.code, str(exc))
-            stream.reset_soon()
+            await stream.fail(exc)
         except (PeerUnavailable, RemoteError) as exc:
             self.counters.add("peer_unavailable")
             log.debug("peer %s on %s went away: %s", stream.peer_id, stream.protocol, exc)
@@ -315,9 +313,12 @@ class Host:
         listen = [multiaddr.Multiaddr(a) for a in self.options.listen]
         config = ConnectionConfig(
             max_connections_per_peer=1,
-            max_connections=self.options.max_connections + 50,
-            min_connections=50,
-            high_watermark=self.options.max_connections + 50,
+            # no auto-connector: it would dial every peer in the peerstore; who we connect
+            # to is membership's decision
+            max_connections=self.options.max_connections,
+            min_connections=0,
+            low_watermark=0,
+            high_watermark=0,
             inbound_upgrade_timeout=self.options.handshake_timeout_s,
             outbound_upgrade_timeout=self.options.handshake_timeout_s,
             dial_timeout=self.options.dial_timeout_s,

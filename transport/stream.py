@@ -90,10 +90,20 @@ class Stream:
 
     async def send_error(self, code: str, text: str, *, timeout: float = 2.0) -> None:
         """Best effort: tell the peer why we give up on this stream."""
+        if self._closed:
+            return
         try:
             await self.send(frames.error_message(code, text), timeout=timeout)
         except TransportError:
             pass
+
+    async def fail(self, exc: TransportError) -> None:
+        """Give up on this stream because of ``exc``: count it if it is the peer's fault,
+        tell the peer (typed error reply, best effort), then reset the stream."""
+        if isinstance(exc, PeerProtocolError):
+            self._host.count_protocol_error(exc)
+        await self.send_error(exc.code, str(exc))
+        self.reset_soon()
 
     # ---- receiving ---------------------------------------------------------------------
     async def receive(self, *, timeout: float | None = None,
@@ -121,8 +131,7 @@ class Stream:
                                   f"{self.protocol} (expected one of {sorted(kinds)})")
             return await decode_off_loop(header, payload, self._host.options.limits)
         except PeerProtocolError as exc:
-            self._host.count_protocol_error(exc)
-            self.reset_soon()
+            await self.fail(exc)
             raise
 
     async def receive_frame(self, *, timeout: float | None = None
@@ -201,8 +210,7 @@ class Stream:
             self.reset_soon()
             raise
         except PeerProtocolError as exc:
-            self._host.count_protocol_error(exc)
-            self.reset_soon()
+            await self.fail(exc)
             raise
         except TransportError:
             self.reset_soon()
