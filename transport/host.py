@@ -289,8 +289,7 @@ class Host:
             log.exception("handler for %s failed on a stream from %s", stream.protocol,
                           stream.peer_id)
             code = exc.code if isinstance(exc, TransportError) else "internal_error"
-            await stream.send_error(code, f"{type(exc).__name__}: {exc}")
-            stream.reset_soon()
+            await stream.fail(_WrappedError(code, f"{type(exc).__name__}: {exc}"))
         else:
             try:
                 await stream.close()
@@ -459,6 +458,14 @@ class Host:
 
     async def _t_disconnect(self, peer_id: str) -> None:
         await self._t_host.disconnect(_t_peer_id(peer_id))
+
+
+class _WrappedError(TransportError):
+    """Our own failure, as reported to the peer."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _t_peer_id(peer_id: str) -> Any:

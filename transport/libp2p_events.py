@@ -24,7 +24,7 @@ SWARM_LOGGER = "libp2p.network.swarm"
 EVENTS = {
     "failed to upgrade security": "inbound_rejected.handshake",
     "Inbound upgrade timeout": "inbound_rejected.timeout",
-    "Inbound connection cap": "inbound_rejected.cap",
+    "reached; rejecting new inbound connection": "inbound_rejected.cap",
     "fail to upgrade mux": "inbound_rejected.muxer",
     "Connection denied by resource manager": "inbound_rejected.resources",
 }

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Collection
 
+import trio
+
 from transport import frames
 from transport.codecs import CodecSpec
 from transport.errors import (
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 
 #: messages whose tensors total more than this are encoded/decoded in a worker thread
 OFFLOAD_BYTES = 256 * 1024
+#: after an error reply, how long the peer has to read it before the stream is reset
+ERROR_REPLY_GRACE_S = 2.0
 #: frames up to this size are written to libp2p in a single write
 SMALL_FRAME_BYTES = 64 * 1024
 
@@ -103,7 +107,20 @@ class Stream:
         if isinstance(exc, PeerProtocolError):
             self._host.count_protocol_error(exc)
         await self.send_error(exc.code, str(exc))
-        self.reset_soon()
+        self._abort_after_reply()
+
+    def _abort_after_reply(self) -> None:
+        """Half-close now, reset after a grace period: yamux drops unread data on reset, so
+        resetting at once would destroy the error reply we just wrote."""
+        if self._closed:
+            return
+        self._closed = True
+        self._host.counters.add("streams_reset")
+        try:
+            self._host.bridge.run_sync_soon(self._host.spawn_trio, _t_close_then_reset, self._ns,
+                                            ERROR_REPLY_GRACE_S)
+        except TransportClosed:
+            pass
 
     # ---- receiving ---------------------------------------------------------------------
     async def receive(self, *, timeout: float | None = None,
@@ -274,6 +291,12 @@ async def _t_close(ns: Any) -> None:
         await ns.close()
     except Exception:
         pass
+
+
+async def _t_close_then_reset(ns: Any, grace: float) -> None:
+    await _t_close(ns)
+    await trio.sleep(grace)
+    await _t_reset(ns)
 
 
 async def _t_reset(ns: Any) -> None:

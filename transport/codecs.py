@@ -1,0 +1,490 @@
+"""Tensor codecs: how one tensor becomes payload bytes on the wire, and back.
+
+Pure functions, no I/O, no configuration read from the environment. The sender picks a
+:class:`CodecSpec`; :func:`encode` returns an :class:`EncodedTensor` whose ``meta()`` goes into the
+frame header and whose ``parts`` are the payload. The receiver calls :func:`expected_payload_bytes`
+on the (untrusted) header to know how many bytes to read, then :func:`decode`.
+
+Codecs (``CODECS`` maps the base name to a codec object; ``"+zstd"`` may follow any of them):
+
+- ``none``: the raw bytes of the tensor, bit-exact for every dtype (bfloat16, NaN payloads included).
+- ``fp16``: floating tensors travel as float16 and are decoded back to their own dtype (values
+  beyond +-65504 become +-inf); integer and bool tensors travel raw (``params["mode"] == "raw"``).
+- ``int8``: blockwise absmax quantisation of floating tensors. The flattened tensor is cut into
+  blocks of ``block_size`` values (the last one may be shorter; nothing is padded). Per block,
+  ``scale = max(absmax / 127, s_min)`` rounded *up* to ``scale_dtype`` (``s_min`` is the smallest
+  positive float16, or the smallest normal float32), and ``q = round(x / scale)`` (half to even) as
+  int8, so ``|q| <= 127`` and an all-zero block decodes to zeros. Payload: the scales, then the
+  int8 values. If a float16 scale would overflow (absmax above ~8.3e6) the whole tensor is sent
+  with float32 scales, recorded in ``params``. float16 scales lose resolution for blocks whose
+  absmax is below ~1e-3 (subnormal scales); choose ``scale_dtype="float32"`` for tiny values.
+  NaN/Inf are not rejected: a block holding a NaN or +-Inf decodes to non-finite values (NaN or
+  +-Inf) over the whole block; other blocks are unaffected. Callers validate their tensors.
+  float64 input is quantised through float32. Integer and bool tensors travel raw.
+- ``+zstd``: the base payload, zstd-compressed as one frame that declares its content size;
+  ``params["raw_nbytes"]`` is the base payload length, checked before decompressing.
+
+Adding a codec means registering one object with the :class:`Codec` methods in ``CODECS``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Protocol
+
+import torch
+import zstandard
+
+from .errors import CodecError, LimitExceeded, LocalUsageError, UnknownCodec
+from .limits import Limits
+
+__all__ = ["CODECS", "DTYPES", "Codec", "CodecSpec", "EncodedTensor", "decode", "encode",
+           "expected_payload_bytes"]
+
+#: wire dtype names and the torch dtypes they stand for (read-only)
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+})
+_DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in DTYPES.items()})
+_FLOATING = frozenset({"float32", "float16", "bfloat16", "float64"})
+_SCALE_DTYPES = MappingProxyType({"float16": torch.float16, "float32": torch.float32})
+_ZSTD = "zstd"
+#: float32 elements per quantisation chunk: the temporary stays in L2 and is reused
+_CHUNK_ELEMS = 1 << 18
+
+Params = dict[str, int | str]
+
+
+class Codec(Protocol):
+    """What ``CODECS`` holds. ``dtype`` arguments are wire names (keys of ``DTYPES``)."""
+
+    name: str
+
+    def encode(self, x: torch.Tensor, spec: CodecSpec) -> tuple[Params, tuple[torch.Tensor, ...]]:
+        """Encode a flat, contiguous CPU tensor; return params and the payload as 1-D tensors."""
+        ...
+
+    def payload_bytes(self, dtype: str, numel: int, params: Params) -> int:
+        """Validate ``params`` (raise ``CodecError``) and return the exact payload length.
+
+        Called on untrusted input; must not allocate anything proportional to ``numel``."""
+        ...
+
+    def decode(self, payload: memoryview, dtype: str, numel: int, params: Params) -> torch.Tensor:
+        """Decode a writable payload of exactly ``payload_bytes`` bytes (``numel > 0``) into a
+        flat tensor of ``dtype``. May alias ``payload``."""
+        ...
+
+
+# ---------------------------------------------------------------------------------- spec
+
+def _split_name(name: str) -> tuple[str, bool] | None:
+    """``"int8+zstd"`` -> ``("int8", True)``; None when the base or a suffix is unknown."""
+    base, *suffixes = name.split("+")
+    if base not in CODECS or suffixes not in ([], [_ZSTD]):
+        return None
+    return base, bool(suffixes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _valid_block_size(value: object) -> bool:
+    return _is_int(value) and 16 <= value <= 65536 and value & (value - 1) == 0  # type: ignore
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecSpec:
+    """What the sender chooses; validated when built (``ValueError`` naming the bad value)."""
+
+    #: ``"none" | "fp16" | "int8"``, optionally with a ``"+zstd"`` suffix, e.g. ``"int8+zstd"``
+    name: str
+    #: int8: values per absmax block (power of two, 16..65536)
+    block_size: int = 64
+    #: int8: ``"float16"`` or ``"float32"``
+    scale_dtype: str = "float16"
+    #: zstd level (1..22) when ``name`` ends with ``"+zstd"``
+    zstd_level: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or _split_name(self.name) is None:
+            raise ValueError(f"unknown codec {self.name!r}: expected one of "
+                             f"{sorted(CODECS)}, optionally followed by '+zstd'")
+        if not _valid_block_size(self.block_size):
+            raise ValueError(f"block_size must be a power of two in 16..65536, "
+                             f"got {self.block_size!r}")
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be 'float16' or 'float32', got {self.scale_dtype!r}")
+        if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
+            raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
+
+    @property
+    def base(self) -> str:
+        """The registered codec name without the ``+zstd`` suffix."""
+        return self.name.split("+", 1)[0]
+
+    @property
+    def zstd(self) -> bool:
+        return self.name.endswith("+" + _ZSTD)
+
+    @classmethod
+    def parse(cls, text: str, **options: Any) -> CodecSpec:
+        """Build a spec from text such as ``"int8+zstd"`` plus keyword options (e.g. from a
+        config file; decimal strings are accepted for the integer options)."""
+        if not isinstance(text, str):
+            raise ValueError(f"codec spec must be a string, got {text!r}")
+        name = text.strip()
+        base, _, suffix = name.partition("+")
+        if base not in CODECS:
+            raise ValueError(f"unknown codec {base!r} in {text!r}: expected one of {sorted(CODECS)}")
+        if suffix and suffix != _ZSTD:
+            raise ValueError(f"unknown codec suffix {suffix!r} in {text!r}: only '+zstd' exists")
+        known = {f.name for f in fields(cls)} - {"name"}
+        for key, value in options.items():
+            if key not in known:
+                raise ValueError(f"unknown codec option {key!r}: expected one of {sorted(known)}")
+            if key in ("block_size", "zstd_level") and isinstance(value, str):
+                if not value.strip().isdigit():
+                    raise ValueError(f"{key} must be an integer, got {value!r}")
+                options[key] = int(value)
+        return cls(name=name, **options)
+
+
+# ---------------------------------------------------------------------------------- bytes
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncodedTensor:
+    """One encoded tensor. ``parts`` are read-only views that may alias the input tensor (codec
+    ``none``, or raw modes): do not modify the tensor until the parts have been sent."""
+
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    params: Params
+    parts: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Total payload length: the sum of the part lengths."""
+        return sum(part.nbytes for part in self.parts)
+
+    def meta(self) -> dict[str, Any]:
+        """The msgpack-able header entry that :func:`decode` takes back."""
+        return {"codec": self.codec, "dtype": self.dtype, "shape": list(self.shape),
+                "params": dict(self.params), "nbytes": self.nbytes}
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of a contiguous CPU tensor, without copying (keeps ``t`` alive)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    buf._owner = t  # type: ignore[attr-defined]  # the view holds buf, buf holds the tensor
+    return memoryview(buf).cast("B").toreadonly()
+
+
+def _raw_tensor(payload: memoryview, dtype: str) -> torch.Tensor:
+    """Interpret a writable, non-empty payload as a flat tensor; aliases it when aligned."""
+    raw = torch.frombuffer(payload, dtype=torch.uint8)
+    if dtype == "bool":
+        return raw != 0  # a byte other than 0/1 is not a valid torch bool: normalise
+    torch_dtype = DTYPES[dtype]
+    if raw.data_ptr() % torch_dtype.itemsize:
+        raw = raw.clone()  # misaligned inside a larger buffer: copy to aligned memory
+    return raw.view(torch_dtype)
+
+
+def _expect_params(params: Params, expected: Mapping[str, object]) -> None:
+    if params != expected:
+        raise CodecError(f"codec params {params!r} do not match the expected {dict(expected)!r}")
+
+
+# ---------------------------------------------------------------------------------- codecs
+
+class _NoneCodec:
+    """Raw tensor bytes, bit-exact for every dtype."""
+
+    name = "none"
+
+    def encode(self, x: torch.Tensor, spec: CodecSpec) -> tuple[Params, tuple[torch.Tensor, ...]]:
+        return {}, (x,)
+
+    def payload_bytes(self, dtype: str, numel: int, params: Params) -> int:
+        _expect_params(params, {})
+        return numel * DTYPES[dtype].itemsize
+
+    def decode(self, payload: memoryview, dtype: str, numel: int, params: Params) -> torch.Tensor:
+        return _raw_tensor(payload, dtype)
+
+
+class _Fp16Codec:
+    """Floating tensors as float16; integer and bool tensors raw."""
+
+    name = "fp16"
+
+    def encode(self, x: torch.Tensor, spec: CodecSpec) -> tuple[Params, tuple[torch.Tensor, ...]]:
+        if _DTYPE_NAMES[x.dtype] not in _FLOATING:
+            return {"mode": "raw"}, (x,)
+        return {"mode": "half"}, (x.to(torch.float16),)
+
+    def payload_bytes(self, dtype: str, numel: int, params: Params) -> int:
+        if dtype in _FLOATING:
+            _expect_params(params, {"mode": "half"})
+            return numel * 2
+        _expect_params(params, {"mode": "raw"})
+        return numel * DTYPES[dtype].itemsize
+
+    def decode(self, payload: memoryview, dtype: str, numel: int, params: Params) -> torch.Tensor:
+        if dtype not in _FLOATING:
+            return _raw_tensor(payload, dtype)
+        return _raw_tensor(payload, "float16").to(DTYPES[dtype])
+
+
+class _Int8Codec:
+    """Blockwise absmax int8 quantisation of floating tensors (see the module docstring)."""
+
+    name = "int8"
+
+    def encode(self, x: torch.Tensor, spec: CodecSpec) -> tuple[Params, tuple[torch.Tensor, ...]]:
+        if _DTYPE_NAMES[x.dtype] not in _FLOATING:
+            return {"mode": "raw"}, (x,)
+        block = spec.block_size
+        if x.numel() == 0:
+            return self._params(block, spec.scale_dtype), ()
+        x = x.float()
+        rows = self._rows(x, block)
+        absmax = [torch.maximum(r.amax(1), r.amin(1).neg_()) for r in rows]
+        scale = (absmax[0] if len(absmax) == 1 else torch.cat(absmax)).div_(127)
+        wire, scale_dtype, wide = _wire_scales(scale, spec.scale_dtype)
+        inverse = wide.reciprocal()
+        q = torch.empty(x.numel(), dtype=torch.int8)
+        first = 0
+        for r, q_rows in zip(rows, self._rows(q, block)):
+            _quantize_rows(r, inverse[first:first + r.shape[0]], q_rows)
+            first += r.shape[0]
+        return self._params(block, scale_dtype), (wire, q)
+
+    @staticmethod
+    def _params(block: int, scale_dtype: str) -> Params:
+        return {"mode": "int8", "block_size": block, "scale_dtype": scale_dtype}
+
+    @staticmethod
+    def _rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
+        """The full blocks as a (n, block) view, then the short last block as (1, tail)."""
+        full, tail = divmod(flat.numel(), block)
+        rows = [flat[:full * block].view(full, block)] if full else []
+        if tail:
+            rows.append(flat[full * block:].view(1, tail))
+        return rows
+
+    def payload_bytes(self, dtype: str, numel: int, params: Params) -> int:
+        if dtype not in _FLOATING:
+            _expect_params(params, {"mode": "raw"})
+            return numel * DTYPES[dtype].itemsize
+        block, scale_dtype = params.get("block_size"), params.get("scale_dtype")
+        if not _valid_block_size(block) or scale_dtype not in _SCALE_DTYPES:
+            raise CodecError(f"bad int8 params {params!r}")
+        _expect_params(params, self._params(block, scale_dtype))  # type: ignore[arg-type]
+        blocks = -(-numel // block)  # type: ignore[operator]
+        return blocks * _SCALE_DTYPES[scale_dtype].itemsize + numel  # type: ignore[index]
+
+    def decode(self, payload: memoryview, dtype: str, numel: int, params: Params) -> torch.Tensor:
+        if dtype not in _FLOATING:
+            return _raw_tensor(payload, dtype)
+        block = int(params["block_size"])
+        scale_dtype = str(params["scale_dtype"])
+        scale_bytes = len(payload) - numel
+        scale = _raw_tensor(payload[:scale_bytes], scale_dtype).float()
+        out = torch.frombuffer(payload[scale_bytes:], dtype=torch.int8).to(torch.float32)
+        first = 0
+        for r in self._rows(out, block):
+            r.mul_(scale[first:first + r.shape[0], None])
+            first += r.shape[0]
+        return out if dtype == "float32" else out.to(DTYPES[dtype])
+
+
+def _wire_scales(scale: torch.Tensor, scale_dtype: str) -> tuple[torch.Tensor, str, torch.Tensor]:
+    """Round the float32 block scales *up* to ``scale_dtype``, so that
+    ``|x| / scale <= 127``. Returns the scales as sent, the scale dtype actually used (float32
+    when a float16 scale would be inf or NaN) and the sent scales as float32."""
+    if scale_dtype == "float16":
+        wide = scale.clamp_min(2.0 ** -24)  # the smallest positive float16; NaN stays NaN
+        half = wide.to(torch.float16)
+        # positive float16 bit patterns are ordered: +1 is the next float16 up (65504 -> inf)
+        half.view(torch.int16).add_(half.float() < wide)
+        if int(half.view(torch.int16).amax()) < 0x7C00:  # no +inf, no positive NaN
+            return half, "float16", half.float()
+    wide = scale.clamp_min_(torch.finfo(torch.float32).tiny)
+    return wide, "float32", wide
+
+
+def _quantize_rows(x: torch.Tensor, inverse: torch.Tensor, q: torch.Tensor) -> None:
+    """``q = round(x * inverse[:, None])`` for (rows, block) views, in L2-sized chunks."""
+    rows, block = x.shape
+    step = max(1, _CHUNK_ELEMS // block)
+    tmp = torch.empty(min(step, rows), block)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        chunk = tmp[:stop - start]
+        torch.mul(x[start:stop], inverse[start:stop, None], out=chunk)
+        chunk.round_()
+        q[start:stop].copy_(chunk)
+
+
+#: registered codecs by base name; ``+zstd`` is applied on top of any of them
+CODECS: dict[str, Codec] = {c.name: c for c in (_NoneCodec(), _Fp16Codec(), _Int8Codec())}
+
+
+# ---------------------------------------------------------------------------------- encode
+
+def encode(tensor: torch.Tensor, spec: CodecSpec) -> EncodedTensor:
+    """Encode ``tensor`` as ``spec`` says.
+
+    The tensor is detached, moved to CPU if it lives on another device (a synchronous copy),
+    and made contiguous if it is not. The returned parts may alias that CPU tensor (codec
+    ``none`` and raw modes). Raises ``LocalUsageError`` for an unsupported tensor.
+    """
+    if not isinstance(spec, CodecSpec):
+        raise LocalUsageError(f"spec must be a CodecSpec, got {type(spec).__name__}")
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        raise LocalUsageError(f"can only encode dense torch tensors, got {type(tensor).__name__}")
+    dtype = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise LocalUsageError(f"unsupported dtype {tensor.dtype}: expected one of {list(DTYPES)}")
+    x = tensor.detach().cpu().resolve_neg().contiguous().view(-1)
+    params, tensors = CODECS[spec.base].encode(x, spec)
+    parts = tuple(_tensor_bytes(t.contiguous()) for t in tensors if t.numel())
+    if spec.zstd:
+        raw = sum(p.nbytes for p in parts)
+        compressor = zstandard.ZstdCompressor(level=spec.zstd_level).compressobj(size=raw)
+        chunks = [compressor.compress(p) for p in parts] + [compressor.flush()]
+        parts = tuple(memoryview(c) for c in chunks if c)
+        params = {**params, "raw_nbytes": raw}
+    return EncodedTensor(codec=spec.name, dtype=dtype, shape=tuple(tensor.shape),
+                         params=params, parts=parts)
+
+
+# ---------------------------------------------------------------------------------- decode
+
+class _Checked(NamedTuple):
+    codec: Codec
+    zstd: bool
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    params: Params  # without "raw_nbytes"
+    nbytes: int  # payload bytes on the wire
+    raw_nbytes: int  # payload bytes after zstd (== nbytes without zstd)
+
+
+def _check(meta: object, limits: Limits) -> _Checked:
+    """Validate an untrusted meta; only integer arithmetic, nothing allocated."""
+    if not isinstance(meta, Mapping):
+        raise CodecError(f"tensor meta must be a map, got {type(meta).__name__}")
+    name = meta.get("codec")
+    if not isinstance(name, str):
+        raise CodecError(f"codec name must be a string, got {name!r}")
+    split = _split_name(name)
+    if split is None:
+        raise UnknownCodec(f"unknown codec {name[:64]!r}")
+    dtype = meta.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CodecError(f"unknown dtype {dtype!r}")
+    shape = meta.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CodecError(f"shape must be a list of non-negative integers, got {shape!r}")
+    if len(shape) > limits.max_dims:
+        raise LimitExceeded(f"tensor has {len(shape)} dims, limit is {limits.max_dims}")
+    # every dimension is bounded too, so that an empty tensor cannot declare absurd strides
+    itemsize, numel, span = DTYPES[dtype].itemsize, 1, 1
+    for d in shape:
+        numel, span = numel * d, span * max(d, 1)
+        if span * itemsize > limits.max_tensor_bytes:
+            raise LimitExceeded(f"tensor of shape {shape!r} and dtype {dtype} exceeds "
+                                f"max_tensor_bytes={limits.max_tensor_bytes}")
+    params = meta.get("params")
+    if not isinstance(params, Mapping) or not all(
+            isinstance(k, str) and (_is_int(v) or isinstance(v, str)) for k, v in params.items()):
+        raise CodecError(f"codec params must map strings to ints or strings, got {params!r}")
+    params = dict(params)
+    raw_nbytes = params.pop("raw_nbytes", None) if split[1] else None
+    codec = CODECS[split[0]]
+    expected = codec.payload_bytes(dtype, numel, params)
+    nbytes = meta.get("nbytes")
+    if not _is_int(nbytes) or nbytes < 0:
+        raise CodecError(f"nbytes must be a non-negative integer, got {nbytes!r}")
+    if nbytes > limits.max_message_bytes:
+        raise LimitExceeded(f"payload of {nbytes} bytes exceeds "
+                            f"max_message_bytes={limits.max_message_bytes}")
+    if not split[1]:
+        if nbytes != expected:
+            raise CodecError(f"nbytes={nbytes} but codec {name} needs {expected} payload bytes")
+        raw_nbytes = expected
+    elif raw_nbytes != expected or not _is_int(raw_nbytes):
+        raise CodecError(f"raw_nbytes={raw_nbytes!r} but codec {name} needs {expected} bytes")
+    if raw_nbytes > limits.max_tensor_bytes:  # type: ignore[operator]
+        raise LimitExceeded(f"decompressed payload of {raw_nbytes} bytes exceeds limits")
+    return _Checked(codec, split[1], dtype, tuple(shape), numel, params, nbytes,
+                    raw_nbytes)  # type: ignore[arg-type]
+
+
+def expected_payload_bytes(meta: dict, limits: Limits) -> int:
+    """Validate an untrusted tensor meta and return how many payload bytes must follow.
+
+    Checks that the codec is known (``UnknownCodec``), that dtype, shape, params and ``nbytes``
+    are well-formed and consistent (``CodecError``), and that dims, decoded size and payload size
+    are within ``limits`` (``LimitExceeded``). Allocates nothing.
+    """
+    return _check(meta, limits).nbytes
+
+
+def _unzstd(payload: memoryview, raw_nbytes: int) -> memoryview:
+    """Decompress one zstd frame that must yield exactly ``raw_nbytes`` bytes."""
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (-1, raw_nbytes):
+            raise CodecError(f"zstd frame declares {declared} bytes, params say {raw_nbytes}")
+        out = zstandard.ZstdDecompressor().decompress(
+            payload, max_output_size=max(raw_nbytes, 1), allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"bad zstd payload: {exc}") from exc
+    if len(out) != raw_nbytes:
+        raise CodecError(f"zstd payload decompressed to {len(out)} bytes, expected {raw_nbytes}")
+    return memoryview(bytearray(out))
+
+
+def decode(meta: dict, payload: memoryview, limits: Limits) -> torch.Tensor:
+    """Decode one tensor from an untrusted ``meta`` and its payload.
+
+    Validation is that of :func:`expected_payload_bytes`, and ``len(payload)`` must equal
+    ``meta["nbytes"]``. Raises only ``PeerProtocolError`` subclasses for bad input
+    (``LocalUsageError`` if ``payload`` is not a byte buffer). Zero-copy: when the payload is
+    writable memory (e.g. a ``bytearray``) and holds raw tensor bytes (codec ``none``, or the raw
+    modes of ``fp16``/``int8``, or ``fp16`` of a float16 tensor), the returned tensor aliases it;
+    a read-only payload is copied first.
+    """
+    checked = _check(meta, limits)
+    try:
+        view = memoryview(payload).cast("B")
+    except TypeError as exc:
+        raise LocalUsageError(f"payload must be a contiguous byte buffer: {exc}") from exc
+    if view.nbytes != checked.nbytes:
+        raise CodecError(f"payload has {view.nbytes} bytes, meta says {checked.nbytes}")
+    if checked.zstd:
+        view = _unzstd(view, checked.raw_nbytes)
+    elif view.readonly and checked.numel:
+        view = memoryview(bytearray(view))
+    torch_dtype = DTYPES[checked.dtype]
+    if checked.numel == 0:
+        return torch.empty(checked.shape, dtype=torch_dtype)
+    flat = checked.codec.decode(view, checked.dtype, checked.numel, checked.params)
+    if flat.dtype != torch_dtype or flat.numel() != checked.numel:
+        raise CodecError(f"codec {checked.codec.name} decoded a {flat.dtype} tensor of "
+                         f"{flat.numel()} values, expected {torch_dtype} x {checked.numel}")
+    return flat.view(checked.shape)
