@@ -21,7 +21,6 @@ Other tools import ``measure_codecs`` and ``measure_memcpy`` (with ``tools/`` on
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -36,22 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transport.codecs import CodecSpec, decode, encode  # noqa: E402
 from transport.limits import Limits  # noqa: E402
+from transport.memory import keep_freed_memory  # noqa: E402
 
 CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd")
 DEFAULT_SHAPE = (8, 512, 1024)
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
 def steady_allocator() -> bool:
-    """Make glibc reuse freed memory instead of unmapping it (see the module docstring).
-    Returns False where that is not possible (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    """Make glibc reuse freed memory instead of unmapping it (see transport.memory)."""
+    return keep_freed_memory()
 
 
 @contextmanager

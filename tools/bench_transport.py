@@ -43,12 +43,15 @@ MiB = 1 << 20
 
 
 def _host_options(torch_threads: int = 1) -> Any:
+    """The same settings in both processes: one torch thread each, freed buffers reused."""
     import torch
 
     from transport.host import HostOptions
     from transport.limits import Limits
+    from transport.memory import keep_freed_memory
 
     torch.set_num_threads(torch_threads)
+    keep_freed_memory()
     return HostOptions(limits=Limits(max_message_bytes=128 * MiB, max_tensor_bytes=512 * MiB),
                        pubsub=None)
 
@@ -150,7 +153,7 @@ async def _client(addr: str, peer_id: str, runs: int, count: int,
     return out
 
 
-def swarmd_figures(runs: int = 3, count: int = 10,
+def swarmd_figures(runs: int = 3, count: int = 16,
                    codec_names: tuple[str, ...] = CODEC_NAMES) -> dict[str, Any]:
     import uvloop
 
@@ -196,7 +199,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
     result["raw_tcp_MBps"] = bench_refs.raw_tcp_MBps()
     result["libp2p_MBps"] = bench_refs.libp2p_MBps()
     result["libp2p_rtt_ms"] = bench_refs.libp2p_rtt_ms()
-    wire = swarmd_figures(runs=1 if quick else 3, count=4 if quick else 10)
+    # 16 messages of 16 MiB float32 per run: the volume the libp2p reference moves per run
+    wire = swarmd_figures(runs=1 if quick else 3, count=4 if quick else 16)
     result["rtt_ms"] = wire.pop("rtt_ms")
     result["memcpy_MBps"] = bench_codecs.measure_memcpy(SHAPE)
     micro = bench_codecs.measure_codecs(SHAPE, threads=1)

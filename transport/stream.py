@@ -241,7 +241,7 @@ class Stream:
                 await ns.write(frame.head + b"".join(frame.parts))
                 return
             await ns.write(frame.head)
-            chunk = self._host.options.limits.chunk_bytes
+            chunk = self._host.write_chunk_bytes
             for part in frame.parts:
                 for offset in range(0, len(part), chunk):
                     await ns.write(part[offset:offset + chunk])
