@@ -328,3 +328,95 @@ def test_message_over_the_limit_is_refused_and_counted(peer: PeerProcess) -> Non
         await assert_still_serving(host, peer)
 
     run(scenario)
+
+
+# ---- standard libp2p behaviour ---------------------------------------------------------
+
+def test_a_plain_py_libp2p_host_can_identify_and_ping_us(peer: PeerProcess) -> None:
+    """Not our wrapper: py-libp2p with its own defaults, on trio, as any libp2p peer would."""
+    import multiaddr
+    import trio
+    from libp2p import new_host
+    from libp2p.host.ping import PingService
+    from libp2p.identity.identify.identify import ID as IDENTIFY
+    from libp2p.identity.identify.pb.identify_pb2 import Identify
+    from libp2p.network.stream.exceptions import StreamEOF
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.utils.varint import decode_varint_from_bytes
+
+    async def main() -> tuple[list[int], Identify]:
+        host = new_host()
+        async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            info = info_from_p2p_addr(multiaddr.Multiaddr(peer.addr))
+            with trio.fail_after(20):
+                await host.connect(info)
+                rtts = await PingService(host).ping(info.peer_id, ping_amt=3)
+                stream = await host.new_stream(info.peer_id, [IDENTIFY])
+                data = b""
+                while True:
+                    try:
+                        chunk = await stream.read()
+                    except StreamEOF:
+                        break
+                    if not chunk:
+                        break
+                    data += chunk
+            length = decode_varint_from_bytes(data)
+            start = len(data) - length
+            return rtts, Identify.FromString(data[start:])
+
+    try:
+        rtts, ident = trio.run(main)
+    except BaseException as exc:  # trio wraps in groups: show the cause
+        raise AssertionError(f"plain libp2p client failed: {exc!r}") from exc
+    assert len(rtts) == 3
+    assert "/ipfs/ping/1.0.0" in ident.protocols and "/test/echo/1" in ident.protocols
+    assert ident.agent_version  # identify answered with our metadata
+
+
+def test_a_restarted_peer_can_be_dialled_again_at_once(tmp_path: Path) -> None:
+    key = tmp_path / "peer.key"
+    first = PeerProcess("serve", "--key", str(key))
+    try:
+        addr, port = first.addr, first.port
+    finally:
+        first.stop()
+
+    async def scenario(host: Host) -> None:
+        from transport.errors import PeerUnavailable
+
+        with pytest.raises(PeerUnavailable):  # it is gone: a failure marks it in libp2p
+            await host.dial(addr, timeout=5)
+        second = await asyncio.to_thread(PeerProcess, "serve", "--key", str(key), "--port",
+                                         str(port))
+        try:
+            assert second.addr == addr  # same identity, same port
+            assert await host.dial(addr, timeout=5) == second.peer_id  # no 60 s blacklist
+            await assert_still_serving(host, second)
+        finally:
+            second.stop()
+
+    run(scenario)
+
+
+def test_publish_subscribe_between_processes(peer: PeerProcess) -> None:
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        sub = await host.subscribe("swarmd-test/topic")
+        # the gossip mesh forms on a heartbeat: publish until one arrives (bounded)
+        deadline = time.monotonic() + 20
+        got = None
+        while got is None and time.monotonic() < deadline:
+            await host.request(peer.peer_id, "/test/publish/1", Message(
+                kind="pub", meta={"topic": "swarmd-test/topic", "data": b"hello"}))
+            try:
+                got = await sub.get(timeout=0.5)
+            except TimeoutError:
+                pass
+        assert got is not None, "no pubsub message arrived within 20 s"
+        assert got.data == b"hello" and got.origin == peer.peer_id
+        await sub.close()
+        with pytest.raises(Exception):
+            await host.publish("t", b"x" * ((1 << 20) + 1))  # gossipsub would drop it silently
+
+    run(scenario)

@@ -2,7 +2,8 @@
 
 Prints one JSON line {"peer_id", "addrs"} once listening, then serves test protocols until its
 stdin closes (so it never outlives the test) or a deadline passes. Modes:
-  serve                     handlers below
+  serve [MAX_MIB] [--key FILE] [--port N]
+                            handlers below; with --key, the identity is kept in FILE
   send-half ADDR SIZE       dial ADDR, start a SIZE-byte message on /test/sink/1, write half of
                             it, then die with SIGKILL (a peer dying mid-message)
 """
@@ -39,10 +40,16 @@ def rss() -> dict[str, int]:
     return status
 
 
-async def serve(max_message_mib: int) -> None:
+async def serve(max_message_mib: int, key: str | None, port: int) -> None:
     limits = Limits(max_message_bytes=max_message_mib * MiB, max_tensor_bytes=4 * max_message_mib * MiB)
-    host = Host(identity.generate(), HostOptions(limits=limits, max_connections=int(
-        os.environ.get("PEER_MAX_CONNECTIONS", "1024"))))
+    ident = identity.generate()
+    if key:
+        from pathlib import Path
+        if Path(key).exists():
+            ident = identity.load(Path(key))
+        else:
+            identity.save(ident, Path(key))
+    host = Host(ident, HostOptions(limits=limits, listen=(f"/ip4/127.0.0.1/tcp/{port}",)))
 
     async def echo(message: Message, peer: str) -> Message:
         return message
@@ -66,6 +73,11 @@ async def serve(max_message_mib: int) -> None:
     host.set_request_handler("/test/echo/1", echo)
     host.set_request_handler("/test/fail/1", fail)
     host.set_request_handler("/test/stats/1", stats)
+    async def publish(message: Message, peer: str) -> Message:
+        await host.publish(message.meta["topic"], message.meta["data"])
+        return Message(kind="published")
+
+    host.set_request_handler("/test/publish/1", publish)
     host.set_handler("/test/sink/1", sink)
     host.set_handler("/test/typed/1", typed)
     async with host:
@@ -93,7 +105,13 @@ async def send_half(addr: str, size: int) -> None:
 def main() -> None:
     mode = sys.argv[1]
     if mode == "serve":
-        uvloop.run(serve(int(sys.argv[2]) if len(sys.argv) > 2 else 64))
+        import argparse
+        parser = argparse.ArgumentParser()
+        parser.add_argument("max_mib", type=int, nargs="?", default=64)
+        parser.add_argument("--key")
+        parser.add_argument("--port", type=int, default=0)
+        args = parser.parse_args(sys.argv[2:])
+        uvloop.run(serve(args.max_mib, args.key, args.port))
     elif mode == "send-half":
         uvloop.run(send_half(sys.argv[2], int(sys.argv[3])))
     else:

@@ -9,6 +9,7 @@ numbers on these shared machines are not):
 - ``raw_tcp_MBps``: plain uvloop sockets, two processes (tools/bench_refs.py)
 - ``libp2p_MBps``: py-libp2p Noise + yamux alone, library defaults, two processes
 - ``rtt_ms``: 100-byte request/response through ``transport.Host`` (pooled stream)
+- ``dial_ms``: a fresh host's dial (TCP + Noise + yamux); py-libp2p alone waits 250 ms per dial
 - ``memcpy_MBps``: ``clone()`` of the activation tensor, one thread
 - ``codecs.<name>``: ``fp32_MBps`` (float32 bytes delivered and decoded per second, end to end
   through swarmd, two processes), ``wire_ratio``, ``rel_rms_error``, ``encode_MBps``,
@@ -132,6 +133,13 @@ async def _client(addr: str, peer_id: str, runs: int, count: int,
     from transport.host import Host
 
     out: dict[str, Any] = {}
+    dials = []
+    for _ in range(5):  # fresh hosts: a full dial (TCP, Noise, yamux) each time
+        async with Host(identity.generate(), _host_options()) as fresh:
+            t = time.perf_counter()
+            await fresh.dial(addr, timeout=10)
+            dials.append(time.perf_counter() - t)
+    out["dial_ms"] = statistics.median(dials) * 1e3
     async with Host(identity.generate(), _host_options()) as host:
         await host.dial(addr)
         ping = Message(kind="ping", meta={"p": b"x" * 100})
@@ -202,6 +210,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     # 16 messages of 16 MiB float32 per run: the volume the libp2p reference moves per run
     wire = swarmd_figures(runs=1 if quick else 3, count=4 if quick else 16)
     result["rtt_ms"] = wire.pop("rtt_ms")
+    result["dial_ms"] = wire.pop("dial_ms")
     result["memcpy_MBps"] = bench_codecs.measure_memcpy(SHAPE)
     micro = bench_codecs.measure_codecs(SHAPE, threads=1)
     result["codecs"] = {name: {**wire[name], **micro[name]} for name in CODEC_NAMES}
@@ -226,6 +235,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
         "int8_decode_ge_0.5x_memcpy": r["int8_decode_vs_memcpy"] >= 0.5,
         "outlier_error_le_0.06": result["int8_outlier_rel_rms_error"] <= 0.06,
         "rtt_le_2ms": result["rtt_ms"] <= 2.0,
+        "dial_below_250ms": result["dial_ms"] < 250.0,
     }
     return result
 
