@@ -11,6 +11,8 @@ numbers on these shared machines are not):
 - ``rtt_ms``: 100-byte request/response through ``transport.Host`` (pooled stream)
 - ``dial_ms``: a fresh host's dial (TCP + Noise + yamux); py-libp2p alone waits 250 ms per dial
 - ``memcpy_MBps``: ``clone()`` of the activation tensor, one thread
+- ``receiver_peak_rss_growth_vs_max_message``: how much the receiver's peak RSS grows while it
+  takes a message of the largest allowed size, as a multiple of that size
 - ``codecs.<name>``: ``fp32_MBps`` (float32 bytes delivered and decoded per second, end to end
   through swarmd, two processes), ``wire_ratio``, ``rel_rms_error``, ``encode_MBps``,
   ``decode_MBps`` (one thread)
@@ -40,7 +42,17 @@ SHAPE = (8, 512, 1024)
 CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd")
 SINK = "/bench/sink/1"
 ECHO = "/bench/echo/1"
+STATS = "/bench/stats/1"
 MiB = 1 << 20
+MAX_MESSAGE_BYTES = 128 * MiB
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _host_options(torch_threads: int = 1) -> Any:
@@ -53,7 +65,8 @@ def _host_options(torch_threads: int = 1) -> Any:
 
     torch.set_num_threads(torch_threads)
     keep_freed_memory()
-    return HostOptions(limits=Limits(max_message_bytes=128 * MiB, max_tensor_bytes=512 * MiB),
+    return HostOptions(limits=Limits(max_message_bytes=MAX_MESSAGE_BYTES,
+                                     max_tensor_bytes=4 * MAX_MESSAGE_BYTES),
                        pubsub=None)
 
 
@@ -89,8 +102,12 @@ async def _serve() -> None:
     async def echo(message: Message, peer: str) -> Message:
         return message
 
+    async def stats(message: Message, peer: str) -> Message:
+        return Message(kind="stats", meta={"peak_rss": _peak_rss()})
+
     host.set_handler(SINK, sink)
     host.set_request_handler(ECHO, echo)
+    host.set_request_handler(STATS, stats)
     async with host:
         print(json.dumps({"addr": host.addrs[0], "peer_id": host.peer_id}), flush=True)
         stdin_closed = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -151,6 +168,14 @@ async def _client(addr: str, peer_id: str, runs: int, count: int,
             await host.request(peer_id, ECHO, ping, timeout=10)
             rtts.append(time.perf_counter() - t)
         out["rtt_ms"] = statistics.median(rtts) * 1e3
+        # memory: the receiver's peak RSS while it takes the largest message it allows
+        big = torch.ones(MAX_MESSAGE_BYTES // 4)
+        await _send_stream(host, peer_id, CodecSpec(name="none"), big[:1024], 1)  # warm
+        before = (await host.request(peer_id, STATS, Message(kind="stats"))).meta["peak_rss"]
+        await _send_stream(host, peer_id, CodecSpec(name="none"), big, 1)
+        after = (await host.request(peer_id, STATS, Message(kind="stats"))).meta["peak_rss"]
+        del big
+        out["receiver_peak_rss_growth_vs_max_message"] = (after - before) / MAX_MESSAGE_BYTES
         x = torch.randn(*SHAPE)
         nbytes = x.numel() * 4
         for name in codec_names:
@@ -211,6 +236,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
     wire = swarmd_figures(runs=1 if quick else 3, count=4 if quick else 16)
     result["rtt_ms"] = wire.pop("rtt_ms")
     result["dial_ms"] = wire.pop("dial_ms")
+    result["receiver_peak_rss_growth_vs_max_message"] = wire.pop(
+        "receiver_peak_rss_growth_vs_max_message")
     result["memcpy_MBps"] = bench_codecs.measure_memcpy(SHAPE)
     micro = bench_codecs.measure_codecs(SHAPE, threads=1)
     result["codecs"] = {name: {**wire[name], **micro[name]} for name in CODEC_NAMES}
@@ -236,6 +263,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
         "outlier_error_le_0.06": result["int8_outlier_rel_rms_error"] <= 0.06,
         "rtt_le_2ms": result["rtt_ms"] <= 2.0,
         "dial_below_250ms": result["dial_ms"] < 250.0,
+        "receiver_memory_le_2x_max_message":
+            result["receiver_peak_rss_growth_vs_max_message"] <= 2.0,
     }
     return result
 
