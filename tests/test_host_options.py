@@ -1,0 +1,27 @@
+"""Configuration reaches the transport unchanged."""
+
+from __future__ import annotations
+
+from transport.codecs import CodecSpec
+
+from swarmd.config import load_config
+from swarmd.host_options import codec_spec, host_options
+
+
+def test_wire_and_network_sections_become_host_options(tmp_path) -> None:
+    path = tmp_path / "swarmd.toml"
+    path.write_text('[network]\nmax_connections = 77\nhandshake_timeout_s = 2.5\n'
+                    '[wire]\ncodec = "int8+zstd"\nint8_block_size = 128\nmax_message_bytes = 1048576\n')
+    config = load_config(path, env={"SWARMD_WIRE_ZSTD_LEVEL": "3"})
+    options = host_options(config)
+    assert options.max_connections == 77
+    assert options.handshake_timeout_s == 2.5
+    assert options.limits.max_message_bytes == 1 << 20
+    assert options.codec == CodecSpec(name="int8+zstd", block_size=128, zstd_level=3)
+    assert options.listen == tuple(config.network.listen)
+
+
+def test_listen_override_wins() -> None:
+    config = load_config(None, env={})
+    assert host_options(config, ["/ip4/127.0.0.1/tcp/0"]).listen == ("/ip4/127.0.0.1/tcp/0",)
+    assert codec_spec(config).name == config.wire.codec
