@@ -1,0 +1,137 @@
+"""The values the daemon's user commands return: one function, two faces.
+
+``swarmd status`` and ``GET /api/v0/status`` serve the same ``StatusInfo``; the CLI prints it as
+text or ``--json``, the HTTP API as JSON. Every type converts to plain JSON with ``to_json()``
+and back with ``from_json()`` (the CLI reads what the HTTP API wrote).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+PEER_STATES = ("joining", "online", "migrating", "leaving")
+
+
+def to_json(value: Any) -> Any:
+    """A dataclass tree as plain JSON values (tuples become lists)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IdInfo:
+    peer_id: str
+    addrs: tuple[str, ...]
+    swarm: str
+    version: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> IdInfo:
+        return cls(peer_id=data["peer_id"], addrs=tuple(data["addrs"]), swarm=data["swarm"],
+                   version=data["version"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerRow:
+    """One peer as this daemon's membership view sees it."""
+
+    peer_id: str
+    stage: int | None
+    state: str
+    throughput: float  # samples/s, as the peer measured and announced it
+    queue: int
+    routable: bool
+    #: why the peer is kept out of routing (unknown stage, other model, ...); None if routable
+    reason: str | None = None
+    #: seconds since its newest announcement was made
+    age_s: float = 0.0
+    addrs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PeerRow:
+        return cls(**{**data, "addrs": tuple(data.get("addrs", ()))})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageRow:
+    stage: int
+    peers: tuple[PeerRow, ...]
+    #: sum of the routable peers' throughput
+    total_throughput: float
+    routable_peers: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StageRow:
+        return cls(stage=data["stage"], peers=tuple(PeerRow.from_json(p) for p in data["peers"]),
+                   total_throughput=data["total_throughput"],
+                   routable_peers=data["routable_peers"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwarmInfo:
+    swarm: str
+    num_stages: int
+    stages: tuple[StageRow, ...]
+    #: the stage with the lowest total throughput (the pipeline's speed); None if no stages
+    bottleneck: int | None
+    #: peers kept out of routing whose stage is unknown here (reason says why)
+    excluded: tuple[PeerRow, ...] = ()
+    #: total peers in the view, this daemon included
+    peers_total: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SwarmInfo:
+        return cls(swarm=data["swarm"], num_stages=data["num_stages"],
+                   stages=tuple(StageRow.from_json(s) for s in data["stages"]),
+                   bottleneck=data["bottleneck"],
+                   excluded=tuple(PeerRow.from_json(p) for p in data.get("excluded", ())),
+                   peers_total=data.get("peers_total", 0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectedPeer:
+    peer_id: str
+    stage: int | None = None
+    state: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusInfo:
+    peer_id: str
+    swarm: str
+    version: str
+    stage: int | None
+    state: str
+    uptime_s: float
+    connected_peers: int
+    throughput: float
+    queue: int
+    #: error and traffic counters, by dotted name (``protocol_errors.truncated``)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StatusInfo:
+        return cls(**data)
+
+
+class DaemonApi(Protocol):
+    """What the HTTP API and the CLI need from a running daemon."""
+
+    def id_info(self) -> IdInfo: ...
+
+    async def status(self) -> StatusInfo: ...
+
+    def swarm(self) -> SwarmInfo: ...
+
+    async def peers(self) -> list[ConnectedPeer]: ...
+
+    async def stop(self) -> None:
+        """Begin a graceful shutdown (returns at once; the daemon exits shortly after)."""
+        ...
