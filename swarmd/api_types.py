@@ -101,6 +101,10 @@ class ConnectedPeer:
     stage: int | None = None
     state: str | None = None
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ConnectedPeer:
+        return cls(**data)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusInfo:

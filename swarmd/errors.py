@@ -25,3 +25,62 @@ class HomeError(SwarmdError):
     """The home directory is missing, not initialised or unusable."""
 
     code = "home"
+
+
+class BadPeerMessage(SwarmdError):
+    """A message from a remote peer is unusable; the peer (or a relay) is at fault, not us.
+
+    ``reason`` is a short machine-readable cause, used as the key of drop counters. The message
+    is dropped and counted; nothing else changes.
+    """
+
+    code = "bad_peer_message"
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class BadAnnouncement(BadPeerMessage):
+    """A membership announcement was forged, unsigned, stale, oversized or malformed."""
+
+    code = "bad_announcement"
+
+
+class BadPullMessage(BadPeerMessage):
+    """A membership pull request or page (view exchange between neighbours) is unusable."""
+
+    code = "bad_pull_message"
+
+
+class ListenError(SwarmdError):
+    """A local server could not bind its address (in use, not on this machine, no permission)."""
+
+    code = "listen"
+
+
+class InternalError(SwarmdError):
+    """A bug in swarmd itself: nothing the operator or a peer did wrong. Please report it."""
+
+    code = "internal_error"
+
+
+class DaemonUnreachable(SwarmdError):
+    """The CLI found a daemon's address in ``<home>/api`` but nothing answers there."""
+
+    code = "daemon_unreachable"
+
+
+class DaemonReplyError(SwarmdError):
+    """The daemon answered the CLI with an error (or with something that is not its API)."""
+
+    code = "daemon_error"
+
+    def __init__(self, message: str, *, status: int | None = None,
+                 reply_code: str | None = None) -> None:
+        super().__init__(message)
+        #: the HTTP status of the reply, None if the reply was not HTTP at all
+        self.status = status
+        #: the ``error.code`` of the daemon's JSON reply, if it had one
+        self.reply_code = reply_code

@@ -13,3 +13,9 @@ fi
 # constraints.txt pins the CPU build of torch that lies on this machine's disk; on a GPU
 # machine, install torch for your CUDA first and drop the -c flag.
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+# The status page's browser test (tests/test_page_browser.py) needs chromium: installed on CI,
+# or when asked for with SWARMD_BROWSER_TESTS=1 (elsewhere that test is skipped).
+if { [ -n "${CI:-}" ] || [ "${SWARMD_BROWSER_TESTS:-}" = 1 ]; } && ! [ -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi
+fi
