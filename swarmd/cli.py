@@ -284,6 +284,72 @@ def text_stop(result: StopResult) -> str:
     return "stopped"
 
 
+# ------------------------------------------------------------------------------------- join
+
+def _join_arguments(parser: argparse.ArgumentParser) -> None:
+    add_home_argument(parser)
+    add_config_argument(parser)
+    parser.add_argument("--listen", metavar="MULTIADDR", action="append",
+                        help="libp2p listen address, repeatable (overrides network.listen)")
+    parser.add_argument("--bootstrap", metavar="MULTIADDR", action="append",
+                        help="peer to join through, .../p2p/<id>, repeatable (overrides "
+                             "network.bootstrap); none starts a new swarm")
+    parser.add_argument("--http", metavar="HOST:PORT",
+                        help="local HTTP API address (overrides http.listen; port 0 picks one)")
+    parser.add_argument("--stage", metavar="N|auto", default="auto",
+                        help="pipeline stage to serve, or auto (the bottleneck stage)")
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    peer_id: str
+    stopped: bool
+
+
+def cmd_join(args: argparse.Namespace) -> JoinResult:
+    import logging
+
+    import libp2p  # noqa: F401  (it resets its logger on import: configure logging after it)
+
+    from swarmd.daemon import JoinOptions, Started, run_join
+    from swarmd.errors import ConfigError
+
+    overrides: dict[str, Any] = {"network.listen": args.listen, "network.bootstrap": args.bootstrap,
+                                 "http.listen": args.http}
+    config = config_from_args(args, overrides)
+    if args.stage == "auto":
+        stage = None
+    else:
+        try:
+            stage = int(args.stage)
+            if stage < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"command line flag --stage: {args.stage!r} is invalid; expected a "
+                              f"stage number (0, 1, ...) or auto") from None
+    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = JoinOptions(home=home_from_args(args), config=config, stage=stage)
+    started: list[Started] = []
+
+    def on_started(info: Started) -> None:
+        started.append(info)
+        if args.json:
+            print(json.dumps(to_jsonable(info)), flush=True)
+        else:
+            print(f"peer id   {info.peer_id}")
+            for addr in info.addrs:
+                print(f"listening {addr}")
+            print(f"http      {info.http_url}", flush=True)
+
+    run_join(options, on_started)
+    return JoinResult(peer_id=started[0].peer_id if started else "", stopped=True)
+
+
+def text_join(result: JoinResult) -> str:
+    return "stopped"
+
+
 COMMANDS: list[Command] = [
     Command("init", "create the home directory, identity key and config file",
             _init_arguments, cmd_init, text_init,
@@ -292,6 +358,12 @@ COMMANDS: list[Command] = [
                         "and config."),
     Command("id", "print this node's peer id and listen addresses",
             _id_arguments, cmd_id, text_id),
+    Command("join", "run the daemon: join (or start) a swarm and serve a stage",
+            _join_arguments, cmd_join, text_join,
+            description="Run the swarmd daemon in the foreground until SIGINT/SIGTERM or "
+                        "`swarmd stop`. With no bootstrap address it starts a new swarm. Prints "
+                        "its peer id, listen addresses (with /p2p/<id>) and HTTP URL once they "
+                        "are bound; writes <home>/api then, and removes it on exit."),
     Command("status", "print the running daemon's state, stage, throughput and counters",
             _daemon_arguments, cmd_status, text_status,
             description="Ask the daemon running for this home (found through <home>/api) for "

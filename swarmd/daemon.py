@@ -1,0 +1,182 @@
+"""``swarmd join``: one daemon per machine.
+
+Owns, in this order (and tears down in reverse): the home lock, the libp2p host, membership,
+the local HTTP API. ``<home>/api`` is written only once the HTTP server is bound and removed on
+exit. SIGINT/SIGTERM start a graceful stop: announce ``leaving``, stop taking work, close
+everything, exit 0 within ``SHUTDOWN_BUDGET_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmd import __version__
+from swarmd.api_types import ConnectedPeer, IdInfo, StatusInfo, SwarmInfo
+from swarmd.config import Config
+from swarmd.reconnect import Backoff, Redialer
+from swarmd.runfiles import HomeLock, remove_api_file, write_api_file
+
+log = logging.getLogger("swarmd.daemon")
+
+#: a stop request must end the process within this many seconds
+SHUTDOWN_BUDGET_S = 8.0
+#: how often connectivity is checked (bootstrap redial)
+CONNECTIVITY_CHECK_S = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinOptions:
+    """What ``swarmd join`` was asked for on top of the configuration."""
+
+    home: Path
+    config: Config
+    listen: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+    http_listen: str | None = None
+    #: a stage number, or None for "auto" (the balancer places the peer)
+    stage: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started:
+    """Printed when the daemon is up."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    http_url: str
+
+
+class Daemon:
+    """The daemon's state and its ``DaemonApi`` (what the HTTP API and CLI read)."""
+
+    def __init__(self, options: JoinOptions) -> None:
+        self.options = options
+        self.config = options.config
+        self.started_at = time.monotonic()
+        self.state = "joining"
+        self.stage = options.stage
+        self.host: Any = None
+        self.membership: Any = None
+        self._stop = asyncio.Event()
+        self._rng = random.Random()
+
+    # ---- DaemonApi ---------------------------------------------------------------------
+    def id_info(self) -> IdInfo:
+        return IdInfo(peer_id=self.host.peer_id, addrs=tuple(self.host.addrs),
+                      swarm=self.config.swarm.name, version=__version__)
+
+    async def status(self) -> StatusInfo:
+        counters = self.host.counters.snapshot()
+        if self.membership is not None:
+            counters.update(self.membership.counters())
+        return StatusInfo(
+            peer_id=self.host.peer_id, swarm=self.config.swarm.name, version=__version__,
+            stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
+            connected_peers=len(await self.host.connected_peers()), throughput=0.0, queue=0,
+            counters=counters)
+
+    def swarm(self) -> SwarmInfo:
+        if self.membership is not None:
+            return self.membership.swarm_info()
+        return SwarmInfo(swarm=self.config.swarm.name, num_stages=0, stages=(), bottleneck=None)
+
+    async def peers(self) -> list[ConnectedPeer]:
+        connected = await self.host.connected_peers()
+        known = self.membership.peer_states() if self.membership is not None else {}
+        return [ConnectedPeer(peer_id=p, stage=known.get(p, (None, None))[0],
+                              state=known.get(p, (None, None))[1]) for p in sorted(connected)]
+
+    async def stop(self) -> None:
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        if not self._stop.is_set():
+            log.info("stop requested")
+            self._stop.set()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def run(self, on_started: Callable[[Started], None] | None = None) -> None:
+        from swarmd.api_token import create_token
+        from swarmd.home import load_identity
+        from swarmd.host_options import host_options
+        from swarmd.http_api import HttpApi
+        from transport.host import Host
+        from transport.memory import keep_freed_memory
+
+        home = self.options.home
+        with HomeLock(home):
+            identity = load_identity(home)
+            keep_freed_memory()
+            token = create_token(home)
+            http = self.config.http
+            async with Host(identity, host_options(self.config, self.options.listen)) as host:
+                self.host = host
+                async with HttpApi(self, listen=self.options.http_listen or http.listen,
+                                   token=token, allow_non_loopback=http.allow_non_loopback
+                                   ) as api:
+                    write_api_file(home, api.url)
+                    try:
+                        self.state = "online"
+                        if on_started is not None:
+                            on_started(Started(peer_id=host.peer_id, addrs=tuple(host.addrs),
+                                               http_url=api.url))
+                        async with asyncio.TaskGroup() as tasks:
+                            tasks.create_task(self._connectivity())
+                            await self._stop.wait()
+                            self.state = "leaving"
+                            raise _Stopping()
+                    except* _Stopping:
+                        pass
+                    finally:
+                        remove_api_file(home, api.url)
+
+    async def _connectivity(self) -> None:
+        """Dial the bootstrap peers at start and whenever every connection is lost."""
+        bootstrap = self.options.bootstrap or tuple(self.config.network.bootstrap)
+        redialer = Redialer(Backoff(initial_s=1.0, max_s=60.0))
+        while True:
+            now = time.monotonic()
+            connected = len(await self.host.connected_peers())
+            if redialer.should_dial(now, connected, bool(bootstrap)):
+                errors = []
+                for addr in bootstrap:
+                    try:
+                        await self.host.dial(addr)
+                    except Exception as exc:  # every failure is reported, none is fatal
+                        errors.append(f"{addr}: {exc}")
+                if len(errors) < len(bootstrap):
+                    if redialer.failures:
+                        log.info("reconnected to the swarm after %d failed rounds",
+                                 redialer.failures)
+                    redialer.succeeded()
+                else:
+                    wait = redialer.failed(now, self._rng)
+                    log.warning("no bootstrap peer answered (%s); retrying in %.0f s",
+                                "; ".join(errors), wait)
+            await asyncio.sleep(CONNECTIVITY_CHECK_S)
+
+
+class _Stopping(Exception):
+    """Ends the daemon's task group on a stop request."""
+
+
+def run_join(options: JoinOptions, on_started: Callable[[Started], None]) -> None:
+    """Run a daemon in this process until SIGINT/SIGTERM or ``POST /api/v0/stop``."""
+    import uvloop
+
+    daemon = Daemon(options)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.request_stop)
+        await daemon.run(on_started)
+
+    uvloop.run(main())
