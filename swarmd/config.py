@@ -189,6 +189,20 @@ class SwarmConfig(_Section):
         'a name of 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or digit',
         _swarm_name,
     )
+    stages: int = _opt(
+        2,
+        "Number of pipeline stages the model is cut into; peers announcing another stage are "
+        "kept out of routing.",
+        "an integer from 1 to 4096",
+        _int_range(1, 4096),
+    )
+    model: str = _opt(
+        "swarmd-default",
+        "Identifier of the model this swarm trains; peers announcing another are kept out of "
+        "routing.",
+        'a name of 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+        _swarm_name,
+    )
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ log = logging.getLogger("swarmd.daemon")
 
 #: a stop request must end the process within this many seconds
 SHUTDOWN_BUDGET_S = 8.0
+#: with --stage auto, how long to wait for a first view before choosing a stage
+PLACEMENT_WAIT_S = 5.0
 #: how often connectivity is checked (bootstrap redial)
 CONNECTIVITY_CHECK_S = 2.0
 
@@ -105,6 +107,7 @@ class Daemon:
     async def run(self, on_started: Callable[[Started], None] | None = None) -> None:
         from swarmd.api_token import create_token
         from swarmd.home import load_identity
+        from swarmd.membership_service import MembershipService
         from swarmd.host_options import host_options
         from swarmd.http_api import HttpApi
         from transport.host import Host
@@ -118,9 +121,11 @@ class Daemon:
             http = self.config.http
             async with Host(identity, host_options(self.config, self.options.listen)) as host:
                 self.host = host
-                async with HttpApi(self, listen=self.options.http_listen or http.listen,
-                                   token=token, allow_non_loopback=http.allow_non_loopback
-                                   ) as api:
+                membership = MembershipService(host, identity, self.config, self._local)
+                async with membership, HttpApi(
+                        self, listen=self.options.http_listen or http.listen, token=token,
+                        allow_non_loopback=http.allow_non_loopback) as api:
+                    self.membership = membership
                     write_api_file(home, api.url)
                     try:
                         self.state = "online"
@@ -129,13 +134,41 @@ class Daemon:
                                                http_url=api.url))
                         async with asyncio.TaskGroup() as tasks:
                             tasks.create_task(self._connectivity())
+                            if self.stage is None:
+                                tasks.create_task(self._place())
                             await self._stop.wait()
                             self.state = "leaving"
+                            await membership.leave()
                             raise _Stopping()
                     except* _Stopping:
                         pass
                     finally:
                         remove_api_file(home, api.url)
+
+    def _local(self) -> tuple[int | None, str, float, int]:
+        """This peer as membership announces it: stage, state, throughput, queue."""
+        return self.stage, self.state, 0.0, 0
+
+    async def _place(self) -> None:
+        """``--stage auto``: serve the bottleneck stage once the view has been pulled.
+
+        A first placement only; moving between stages later is the balancer's job."""
+        if self.options.bootstrap or self.config.network.bootstrap:
+            try:  # a first peer of a new swarm has nobody to ask
+                await asyncio.wait_for(self.membership.has_view.wait(), PLACEMENT_WAIT_S)
+            except TimeoutError:
+                log.warning("no view from the swarm within %.0f s: placing on what is known",
+                            PLACEMENT_WAIT_S)
+        from swarmd.placement import choose_stage
+
+        info = self.membership.swarm_info()
+        by_stage = {s.stage: s for s in info.stages}
+        stages = range(self.config.swarm.stages)
+        self.stage = choose_stage(
+            [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
+            [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng)
+        log.info("placed on stage %d (the bottleneck)", self.stage)
+        self.membership.changed()
 
     async def _connectivity(self) -> None:
         """Dial the bootstrap peers at start and whenever every connection is lost."""

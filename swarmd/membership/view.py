@@ -344,7 +344,7 @@ class View:
                       routable_peers=sum(p.routable for p in ps),
                       queue=sum(p.queue for p in ps if p.routable))
             for s, ps in enumerate(by_stage))
-        bottleneck = min(stages, key=lambda s: (s.total_throughput, s.stage))
+        bottleneck = min(stages, key=lambda s: (s.total_throughput, s.routable_peers, s.stage))
         return Snapshot(now=now, peers=len(other) + sum(len(s.peers) for s in stages),
                         stages=stages, other_peers=tuple(other),
                         bottleneck_stage=bottleneck.stage,
