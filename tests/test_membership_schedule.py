@@ -41,7 +41,10 @@ def test_adaptive_period_keeps_modelled_traffic_within_budget(n: int, events: fl
     events = float(f"{events:.2g}")
     modelled = independent_traffic(n, p.period_s, p.pull_s, p.window_s, size, events)
     assert modelled == pytest.approx(p.bytes_per_s)
-    assert modelled <= BUDGET * 1.0001
+    if p.period_s < CONFIG.max_period_s:
+        assert modelled <= BUDGET * 1.0001
+    else:  # churn too high for any period: announce as rarely as allowed (see below)
+        assert p.bytes_per_s > BUDGET
     assert CONFIG.base_period_s <= p.period_s <= CONFIG.max_period_s
     assert p.expiry_s == pytest.approx(3 * p.period_s)
     if p.period_s > CONFIG.base_period_s * 1.01:  # and it is the shortest period that fits
