@@ -19,6 +19,7 @@ import pytest
 import torch
 import uvloop
 
+from daemon_harness import readline
 from transport import frames, identity
 from transport.codecs import CodecSpec
 from transport.errors import RemoteError, TransportError
@@ -37,7 +38,9 @@ class PeerProcess:
         self.proc = subprocess.Popen([sys.executable, str(PEER), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
-        line = _readline_with_deadline(self.proc, 60.0)
+        line = readline(self.proc, 60.0)
+        if not line:
+            raise RuntimeError(f"peer process exited with {self.proc.poll()}")
         self.info = json.loads(line)
         self.peer_id: str = self.info.get("peer_id", "")
         self.addr: str = self.info["addrs"][0] if "addrs" in self.info else ""
@@ -54,23 +57,6 @@ class PeerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _readline_with_deadline(proc: subprocess.Popen[str], seconds: float) -> str:
-    deadline = time.monotonic() + seconds
-    import selectors
-
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline()  # type: ignore[union-attr]
-                if line:
-                    return line
-            if proc.poll() is not None:
-                raise RuntimeError(f"peer process exited with {proc.returncode}")
-    proc.kill()
-    raise TimeoutError("peer process did not report its address in time")
 
 
 @pytest.fixture(scope="module")

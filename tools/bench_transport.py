@@ -193,7 +193,11 @@ def swarmd_figures(runs: int = 3, count: int = 16,
     proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
-        line = _readline(proc, 60)
+        from local_swarm import readline
+
+        line = readline(proc, 60)
+        if not line:
+            raise RuntimeError("the benchmark server did not start")
         info = json.loads(line)
         _host_options()  # same torch threads here as in the server
         return uvloop.run(asyncio.wait_for(
@@ -206,22 +210,6 @@ def swarmd_figures(runs: int = 3, count: int = 16,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _readline(proc: subprocess.Popen[str], seconds: float) -> str:
-    import selectors
-
-    deadline = time.monotonic() + seconds
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
-        while time.monotonic() < deadline:
-            if sel.select(0.5):
-                line = proc.stdout.readline()  # type: ignore[union-attr]
-                if line:
-                    return line
-            if proc.poll() is not None:
-                break
-    raise RuntimeError("the benchmark server did not start")
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
