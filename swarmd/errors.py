@@ -84,3 +84,21 @@ class DaemonReplyError(SwarmdError):
         self.status = status
         #: the ``error.code`` of the daemon's JSON reply, if it had one
         self.reply_code = reply_code
+
+
+class BadActivation(BadPeerMessage):
+    """Activations or gradients a peer sent are unusable (shape, dtype, NaN/Inf, stage)."""
+
+    code = "bad_activation"
+
+
+class UnknownMicrobatch(SwarmdError):
+    """A backward for a microbatch this peer never saw, already did, or has expired."""
+
+    code = "unknown_microbatch"
+
+
+class StageBusy(SwarmdError):
+    """This peer holds as many microbatches as it may: the sender should route elsewhere."""
+
+    code = "busy"

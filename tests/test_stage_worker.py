@@ -1,0 +1,101 @@
+"""The stage compute core: the chain rule across stage boundaries, and every refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
+from swarmd.stage_worker import StageWorker
+
+W = 16
+
+
+def blocks(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(W, W), nn.GELU(), nn.LayerNorm(W), nn.Linear(W, W))
+
+
+def test_two_workers_chained_give_the_single_process_gradients() -> None:
+    a, b = blocks(1), blocks(2)
+    ref_a, ref_b = blocks(1), blocks(2)
+    x, target = torch.randn(4, 5, W), torch.randn(4, 5, W)
+    # single process
+    loss = ((ref_b(ref_a(x)) - target) ** 2).mean()
+    loss.backward()
+    # the swarm's way: forward hop by hop, backward along the path in reverse
+    wa, wb = StageWorker(a, width=W, max_tokens=100), StageWorker(b, width=W, max_tokens=100)
+    h = wa.forward("mb1", x, now=0.0)
+    out = wb.forward("mb1", h, now=0.0).requires_grad_(True)
+    ((out - target) ** 2).mean().backward()
+    g_h = wb.backward("mb1", out.grad, now=1.0)
+    wa.backward("mb1", g_h, now=1.0)
+    for mine, ref in ((a, ref_a), (b, ref_b)):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    assert wa.saved == wb.saved == 0
+    assert wa.samples_accumulated == 4
+
+
+def test_gradients_accumulate_until_zeroed() -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100)
+    for i in range(3):
+        w.forward(f"m{i}", torch.randn(2, 3, W), now=0.0)
+        w.backward(f"m{i}", torch.ones(2, 3, W), now=0.0)
+    assert w.samples_accumulated == 6
+    w.zero_grad()
+    assert w.samples_accumulated == 0 and all(p.grad is None for p in w.module.parameters())
+
+
+@pytest.mark.parametrize("x, reason", [
+    (torch.randn(2, 3, W + 1), "shape"),
+    (torch.randn(2, W), "shape"),
+    (torch.randn(0, 3, W), "shape"),
+    (torch.zeros(2, 3, W, dtype=torch.int64), "dtype"),
+    (torch.full((2, 3, W), float("nan")), "not_finite"),
+    (torch.full((2, 3, W), float("inf")), "not_finite"),
+    (torch.randn(20, 10, W), "too_large"),
+])
+def test_bad_activations_are_refused_and_nothing_is_kept(x: torch.Tensor, reason: str) -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100)
+    with pytest.raises(BadActivation) as err:
+        w.forward("m", x, now=0.0)
+    assert err.value.reason == reason and w.saved == 0
+
+
+def test_bad_gradients_are_refused_and_the_microbatch_kept() -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100)
+    w.forward("m", torch.randn(2, 3, W), now=0.0)
+    with pytest.raises(BadActivation):
+        w.backward("m", torch.randn(2, 4, W), now=0.0)
+    with pytest.raises(BadActivation):
+        w.backward("m", torch.full((2, 3, W), float("nan")), now=0.0)
+    w.backward("m", torch.ones(2, 3, W), now=0.0)  # a good one still works
+
+
+def test_unknown_repeated_and_expired_backwards() -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100, ttl_s=10.0)
+    with pytest.raises(UnknownMicrobatch):
+        w.backward("never", torch.ones(1, 1, W), now=0.0)
+    w.forward("m", torch.randn(1, 1, W), now=0.0)
+    w.backward("m", torch.ones(1, 1, W), now=0.0)
+    with pytest.raises(UnknownMicrobatch):
+        w.backward("m", torch.ones(1, 1, W), now=0.0)
+    w.forward("late", torch.randn(1, 1, W), now=0.0)
+    with pytest.raises(UnknownMicrobatch):
+        w.backward("late", torch.ones(1, 1, W), now=10.0)
+    w.forward("old", torch.randn(1, 1, W), now=0.0)
+    assert w.expire(now=10.0) == ["old"] and w.saved == 0
+
+
+def test_a_full_worker_refuses_instead_of_evicting() -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100, max_saved=2)
+    w.forward("a", torch.randn(1, 1, W), now=0.0)
+    w.forward("b", torch.randn(1, 1, W), now=0.0)
+    with pytest.raises(StageBusy):
+        w.forward("c", torch.randn(1, 1, W), now=0.0)
+    with pytest.raises(BadActivation):
+        w.forward("a", torch.randn(1, 1, W), now=0.0)  # a duplicate id is the sender's bug
+    w.backward("a", torch.ones(1, 1, W), now=0.0)
+    w.forward("c", torch.randn(1, 1, W), now=0.0)  # room again
