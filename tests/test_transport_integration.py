@@ -406,3 +406,25 @@ def test_publish_subscribe_between_processes(peer: PeerProcess) -> None:
             await host.publish("t", b"x" * ((1 << 20) + 1))  # gossipsub would drop it silently
 
     run(scenario)
+
+
+def test_idle_request_streams_are_closed_and_the_pool_recovers() -> None:
+    quick = PeerProcess("serve", "--idle", "1")
+    try:
+        async def scenario(host: Host) -> None:
+            await host.dial(quick.addr)
+            await assert_still_serving(host, quick)  # leaves an idle pooled stream
+            silent = await host.open_stream(quick.peer_id, "/test/echo/1")  # never sends
+            deadline = time.monotonic() + 15
+            while await counter(host, quick, "idle_streams_closed") < 2:
+                assert time.monotonic() < deadline, "idle streams were not closed"
+                await asyncio.sleep(0.1)
+            with pytest.raises(TransportError):  # the silent stream was closed by the peer
+                if await silent.receive(timeout=5) is None:
+                    raise TransportError("closed")
+            await assert_still_serving(host, quick)  # the stale pooled stream is replaced
+            assert host.counters.get("pooled_stream_stale") >= 1
+
+        run(scenario)
+    finally:
+        quick.stop()

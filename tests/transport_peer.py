@@ -40,7 +40,7 @@ def rss() -> dict[str, int]:
     return status
 
 
-async def serve(max_message_mib: int, key: str | None, port: int) -> None:
+async def serve(max_message_mib: int, key: str | None, port: int, idle: float) -> None:
     limits = Limits(max_message_bytes=max_message_mib * MiB, max_tensor_bytes=4 * max_message_mib * MiB)
     ident = identity.generate()
     if key:
@@ -49,7 +49,8 @@ async def serve(max_message_mib: int, key: str | None, port: int) -> None:
             ident = identity.load(Path(key))
         else:
             identity.save(ident, Path(key))
-    host = Host(ident, HostOptions(limits=limits, listen=(f"/ip4/127.0.0.1/tcp/{port}",)))
+    host = Host(ident, HostOptions(limits=limits, listen=(f"/ip4/127.0.0.1/tcp/{port}",),
+                                   idle_stream_timeout_s=idle))
 
     async def echo(message: Message, peer: str) -> Message:
         return message
@@ -110,8 +111,9 @@ def main() -> None:
         parser.add_argument("max_mib", type=int, nargs="?", default=64)
         parser.add_argument("--key")
         parser.add_argument("--port", type=int, default=0)
+        parser.add_argument("--idle", type=float, default=120.0)
         args = parser.parse_args(sys.argv[2:])
-        uvloop.run(serve(args.max_mib, args.key, args.port))
+        uvloop.run(serve(args.max_mib, args.key, args.port, args.idle))
     elif mode == "send-half":
         uvloop.run(send_half(sys.argv[2], int(sys.argv[3])))
     else:

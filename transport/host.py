@@ -58,6 +58,8 @@ class HostOptions:
     handshake_timeout_s: float = 5.0
     dial_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
+    #: a request stream with no new request for this long is closed by the serving side
+    idle_stream_timeout_s: float = 120.0
     limits: Limits = field(default_factory=Limits)
     #: codec used for tensors when a send does not name one
     codec: CodecSpec = field(default_factory=lambda: CodecSpec(name="none"))
@@ -75,7 +77,8 @@ class HostOptions:
         for name in ("max_connections",):
             if getattr(self, name) < 1:
                 raise LocalUsageError(f"HostOptions.{name} must be at least 1")
-        for name in ("handshake_timeout_s", "dial_timeout_s", "request_timeout_s"):
+        for name in ("handshake_timeout_s", "dial_timeout_s", "request_timeout_s",
+                     "idle_stream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise LocalUsageError(f"HostOptions.{name} must be positive")
 
@@ -215,7 +218,15 @@ class Host:
         """
 
         async def handler(stream: Stream) -> None:
-            while (message := await stream.receive()) is not None:
+            idle = self.options.idle_stream_timeout_s
+            while True:
+                try:
+                    message = await stream.receive(timeout=idle)
+                except DeadlineExceeded:  # an idle (or silent) stream: free its tasks
+                    self.counters.add("idle_streams_closed")
+                    return
+                if message is None:
+                    return
                 try:
                     reply = await serve(message, stream.peer_id)
                 except (PeerProtocolError, PeerUnavailable, asyncio.CancelledError):
