@@ -1,0 +1,364 @@
+"""Which peer of a stage gets the next microbatch: SWARM's stochastic wiring. Pure.
+
+One :class:`Wiring` per stage, owned by whoever sends that stage its microbatches. Time and
+randomness are parameters (``now``, ``rng``), so the daemon and the swarm simulator run this
+same code.
+
+Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted round-robin"):
+
+* Each peer ``p`` has a *throughput estimate* ``t_p`` in forward samples per second: its
+  announced throughput until we have measured it, then an exponential moving average of what
+  we measure (``samples x cost(kind) / seconds``, so a backward pass, ``backward_cost`` = 2.5
+  forward passes, counts 2.5 times its samples). A peer that announced nothing starts at
+  ``prior_throughput`` (default: the median estimate of the stage's other peers). At the first
+  measurement, the load charged under the announced or prior estimate is re-charged at the
+  measured rate (else a peer whose prior was 100x too low would sit idle for 100 tasks).
+* Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
+  ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
+
+      L_p + samples x cost(kind) / t_p + queue_p x queue_weight / t_p
+
+  (exact ties broken at random) and then ``L_p += samples x cost(kind) / t_p``. Over many
+  tasks every peer's loads advance together, so each gets work in proportion to ``t_p``. The
+  announced queue stands for work other senders gave it: a one-off head start for the others,
+  refreshed with each announcement, not a change of share.
+* Loads are relative: a newcomer (or a peer back from a ban) enters at the current minimum
+  load of the peers in service, so it is tried within about one round but gets no burst; and
+  once the minimum exceeds ``_RENORMALISE_AT`` seconds it is subtracted from every load, which
+  keeps them small over any number of choices.
+* A *timeout* means slow, not dead: the peer's estimate is divided by a slow factor
+  (x ``slow_penalty`` per timeout, at most ``slow_max_factor``) that decays back to 1 with
+  half-life ``slow_half_life_s``; a success clears it. The peer keeps a (smaller) share.
+* An *error* bans the peer for ``ban_base_s x 2^(streak - 1)`` seconds, at most ``ban_max_s``
+  (Petals: 15 s, 30 s, 60 s, ...). The streak counts errors separated by a return to
+  service; errors reported while the peer is banned (tasks sent before the ban) neither
+  lengthen the ban nor the streak. A success ends the streak. A fresh announcement lifts a
+  ban early once ``ban_base_s`` has been served (SWARM: banned until it re-announces).
+* :meth:`Wiring.choose` returns None when the stage has no peer in service: the caller waits
+  (until :meth:`Wiring.earliest_unban` or the next announcement) and says which stage it lacks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Kind", "WiringConfig", "PeerWiringState", "Wiring"]
+
+Kind = Literal["forward", "backward"]
+
+#: once every peer in service has more load than this (seconds), the minimum is subtracted
+_RENORMALISE_AT = 1024.0
+#: expected finish times within this relative distance of the best are a tie
+_TIE = 1e-12
+#: a slow factor below 1 + this counts as recovered
+_SLOW_EPS = 1e-3
+#: throughputs (forward samples/s) are kept at least this, so that loads stay finite
+_MIN_THROUGHPUT = 1e-6
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WiringConfig:
+    #: cost of a backward task relative to a forward task of the same size
+    backward_cost: float = 2.5
+    #: weight of a new measurement in the throughput average (1: keep only the latest)
+    ema_alpha: float = 0.2
+    #: throughput (forward samples/s) of a peer that announced none; None: the stage's median
+    prior_throughput: float | None = None
+    #: a timeout divides a peer's throughput estimate by this
+    slow_penalty: float = 2.0
+    #: the slow factor's excess over 1 halves every this many seconds
+    slow_half_life_s: float = 60.0
+    #: repeated timeouts compound up to this factor
+    slow_max_factor: float = 64.0
+    #: first ban after an error; each consecutive error doubles it, up to ban_max_s
+    ban_base_s: float = 15.0
+    ban_max_s: float = 300.0
+    #: forward samples of work one task in a peer's announced queue stands for
+    queue_weight: float = 16.0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"WiringConfig: {what}")
+        for name in ("backward_cost", "ema_alpha", "slow_penalty", "slow_half_life_s",
+                     "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight"):
+            need(_finite(getattr(self, name)), f"{name} must be a finite number")
+        need(self.backward_cost > 0, "backward_cost must be > 0 (2.5 in the SWARM paper)")
+        need(0 < self.ema_alpha <= 1, "ema_alpha must be in (0, 1]")
+        need(self.prior_throughput is None
+             or (_finite(self.prior_throughput) and self.prior_throughput > 0),
+             "prior_throughput must be None or a finite number > 0")
+        need(self.slow_penalty >= 1, "slow_penalty must be >= 1 (1 disables it)")
+        need(self.slow_half_life_s > 0, "slow_half_life_s must be > 0")
+        need(self.slow_max_factor >= self.slow_penalty, "slow_max_factor must be >= slow_penalty")
+        need(0 < self.ban_base_s <= self.ban_max_s, "need 0 < ban_base_s <= ban_max_s")
+        need(self.queue_weight >= 0, "queue_weight must be >= 0")
+
+    def cost(self, kind: Kind) -> float:
+        """Cost of one sample of ``kind``, in forward passes."""
+        if kind == "forward":
+            return 1.0
+        if kind == "backward":
+            return self.backward_cost
+        raise ValueError(f'kind must be "forward" or "backward", not {kind!r}')
+
+    def ban_s(self, streak: int) -> float:
+        """Length of the ban after ``streak`` consecutive errors (>= 1)."""
+        return min(self.ban_max_s, self.ban_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerWiringState:
+    """One peer as ``status`` shows it."""
+
+    peer_id: str
+    #: estimate in forward samples/s (before the slow factor); measured: from our own calls
+    throughput: float
+    measured: bool
+    queue: int
+    #: seconds of work sent, relative to the least loaded peer's history
+    load: float
+    #: when the ban ends; None when not banned
+    banned_until: float | None
+    error_streak: int
+    slow_factor: float
+    slow: bool
+    chosen: int
+    timeouts: int
+    errors: int
+
+
+@dataclass(slots=True)
+class _Peer:
+    estimate: float
+    measured: bool
+    queue: int
+    load: float
+    banned_until: float | None = None
+    banned_at: float = 0.0
+    streak: int = 0
+    slow_excess: float = 0.0  # slow factor - 1, as of slow_since
+    slow_since: float = 0.0
+    chosen: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    #: work (forward samples) and load (seconds) charged before the first measurement
+    unmeasured_work: float = 0.0
+    unmeasured_load: float = 0.0
+
+
+class Wiring:
+    """Per-peer wiring state of one stage's candidates; see the module docstring."""
+
+    def __init__(self, config: WiringConfig | None = None) -> None:
+        self.config = config or WiringConfig()
+        self._peers: dict[str, _Peer] = {}
+        self._banned: set[str] = set()
+        #: tasks placed, bans imposed, timeouts reported, choices that found nobody
+        self.chosen = 0
+        self.banned = 0
+        self.timeouts = 0
+        self.unavailable = 0
+
+    # ---- membership ---------------------------------------------------------------------
+
+    def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float) -> None:
+        """The stage's current peers with their announced (throughput, queue).
+
+        Peers not listed are dropped (a ban ends with them). Newcomers enter at the least load
+        of the peers in service; one that announced no throughput starts at the prior (default:
+        the median of the others' estimates and this update's announcements). Announced values
+        come from remote peers: a negative, tiny or non-finite throughput counts as none, a
+        negative queue as 0.
+        """
+        for gone in self._peers.keys() - peers.keys():
+            del self._peers[gone]
+            self._banned.discard(gone)
+        self._expire_bans(now)
+        floor = self._floor() or 0.0
+        new: dict[str, tuple[float, int]] = {}
+        for peer_id, (tput, queue) in peers.items():
+            tput = float(tput) if _finite(tput) and tput >= _MIN_THROUGHPUT else 0.0
+            queue = int(queue) if _finite(queue) and queue > 0 else 0
+            p = self._peers.get(peer_id)
+            if p is None:
+                new[peer_id] = (tput, queue)
+                continue
+            p.queue = queue
+            if tput and not p.measured:
+                p.estimate = tput
+        if not new:
+            return
+        known = [p.estimate for p in self._peers.values()] + [t for t, _ in new.values() if t]
+        prior = self.config.prior_throughput or (statistics.median(known) if known else 1.0)
+        for peer_id, (tput, queue) in new.items():
+            self._peers[peer_id] = _Peer(tput or prior, False, queue, floor)
+
+    def reannounced(self, peer_id: str, now: float) -> bool:
+        """A fresh announcement from ``peer_id``; lifts its ban once ``ban_base_s`` is served.
+        Returns whether a ban was lifted."""
+        p = self._peers.get(peer_id)
+        if p is None or p.banned_until is None or now - p.banned_at < self.config.ban_base_s:
+            return False
+        self.unban(peer_id)
+        return True
+
+    def unban(self, peer_id: str) -> None:
+        """Lift ``peer_id``'s ban now (its error streak stays until a success)."""
+        p = self._peers.get(peer_id)
+        if p is not None and p.banned_until is not None:
+            floor = self._floor()  # of the others: p is still banned here
+            p.banned_until = None
+            self._banned.discard(peer_id)
+            if floor is not None:
+                p.load = max(p.load, floor)
+
+    def earliest_unban(self) -> float | None:
+        """When the first ban ends (None: nobody is banned)."""
+        ends = [self._peers[i].banned_until for i in self._banned]
+        return min((e for e in ends if e is not None), default=None)
+
+    # ---- the decision -------------------------------------------------------------------
+
+    def choose(self, kind: Kind, samples: int, now: float, rng: random.Random) -> str | None:
+        """The peer to run ``samples`` of ``kind`` next, or None if no peer is in service."""
+        if not (_finite(samples) and samples > 0):
+            raise ValueError("samples must be a number > 0")
+        work = samples * self.config.cost(kind)
+        if self._banned:
+            self._expire_bans(now)
+        qw = self.config.queue_weight
+        best = 0.0
+        least = math.inf
+        ties: list[tuple[str, _Peer, float]] = []
+        for peer_id, p in self._peers.items():
+            if p.banned_until is not None:
+                continue
+            tput = p.estimate
+            if p.slow_excess:
+                factor = self._slow_factor(p, now)
+                if factor == 1.0:
+                    p.slow_excess = 0.0  # recovered: skip the decay from now on
+                tput /= factor
+            step = work / tput
+            eft = p.load + step + p.queue * qw / tput
+            if p.load < least:
+                least = p.load
+            if not ties or eft < best - _TIE * best:
+                best, ties = eft, [(peer_id, p, step)]
+            elif eft <= best + _TIE * best:
+                ties.append((peer_id, p, step))
+        if not ties:
+            self.unavailable += 1
+            return None
+        peer_id, p, step = ties[0] if len(ties) == 1 else rng.choice(ties)
+        p.load += step
+        p.chosen += 1
+        if not p.measured:
+            p.unmeasured_work += work
+            p.unmeasured_load += step
+        self.chosen += 1
+        if least > _RENORMALISE_AT:
+            for q in self._peers.values():
+                q.load = max(0.0, q.load - least)
+        return peer_id
+
+    # ---- outcomes -----------------------------------------------------------------------
+
+    def success(self, peer_id: str, samples: int, seconds: float, kind: Kind,
+                now: float) -> None:
+        """A task on ``peer_id`` took ``seconds``: update its throughput, end slow and streak.
+        A non-positive or non-finite duration still ends both but teaches no throughput.
+        Outcomes for peers no longer listed are ignored (they left while the task ran)."""
+        cost = self.config.cost(kind)
+        p = self._peers.get(peer_id)
+        if p is None:
+            return
+        p.slow_excess = 0.0
+        p.streak = 0
+        if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
+            return
+        measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
+        if p.measured:
+            p.estimate += self.config.ema_alpha * (measured - p.estimate)
+            return
+        # First measurement: re-charge the work sent so far at the measured rate, so that a
+        # fast peer whose prior was low does not sit out the load it was over-charged (and is
+        # not owed a burst either: never below the least loaded of the others in service).
+        p.estimate, p.measured = measured, True
+        load = p.load - p.unmeasured_load + p.unmeasured_work / measured
+        others = (q.load for q in self._peers.values() if q is not p and q.banned_until is None)
+        p.load = max(load, min(others, default=0.0), 0.0)
+
+    def timeout(self, peer_id: str, now: float) -> None:
+        """A task on ``peer_id`` timed out: slow, not dead; its share shrinks for a while."""
+        p = self._peers.get(peer_id)
+        if p is None:
+            return
+        cfg = self.config
+        factor = min(cfg.slow_max_factor, self._slow_factor(p, now) * cfg.slow_penalty)
+        p.slow_excess, p.slow_since = factor - 1.0, now
+        p.timeouts += 1
+        self.timeouts += 1
+
+    def error(self, peer_id: str, now: float) -> None:
+        """A task on ``peer_id`` failed: ban it for ban_base_s x 2^(streak - 1), capped."""
+        p = self._peers.get(peer_id)
+        if p is None:
+            return
+        p.errors += 1
+        if p.banned_until is not None and now < p.banned_until:
+            return  # a task sent before the ban: same failure
+        p.streak += 1
+        p.banned_until, p.banned_at = now + self.config.ban_s(p.streak), now
+        self._banned.add(peer_id)
+        self.banned += 1
+
+    # ---- status -------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> list[PeerWiringState]:
+        """Every peer's state at ``now``, by peer id."""
+        out = []
+        for peer_id in sorted(self._peers):
+            p = self._peers[peer_id]
+            factor = self._slow_factor(p, now)
+            until = p.banned_until
+            banned = until if until is not None and now < until else None
+            out.append(PeerWiringState(
+                peer_id=peer_id, throughput=p.estimate, measured=p.measured, queue=p.queue,
+                load=p.load, banned_until=banned, error_streak=p.streak, slow_factor=factor,
+                slow=factor > 1.0 + _SLOW_EPS, chosen=p.chosen, timeouts=p.timeouts,
+                errors=p.errors))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _slow_factor(self, p: _Peer, now: float) -> float:
+        if not p.slow_excess:
+            return 1.0
+        halvings = max(0.0, now - p.slow_since) / self.config.slow_half_life_s
+        excess = p.slow_excess * 0.5 ** halvings
+        return 1.0 if excess < _SLOW_EPS else 1.0 + excess
+
+    def _floor(self) -> float | None:
+        """Least load among peers in service (None: none is)."""
+        return min((p.load for p in self._peers.values() if p.banned_until is None), default=None)
+
+    def _expire_bans(self, now: float) -> None:
+        """Peers whose ban has ended re-enter at the least load of those in service."""
+        for peer_id in sorted(self._banned):
+            until = self._peers[peer_id].banned_until
+            if until is None or now >= until:
+                self.unban(peer_id)

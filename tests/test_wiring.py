@@ -1,0 +1,330 @@
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.wiring import Kind, Wiring, WiringConfig
+
+RNG_SEED = 7
+
+
+def measured_wiring(tputs: dict[str, float], config: WiringConfig | None = None) -> Wiring:
+    """A stage whose peers have each been measured once at their true throughput."""
+    w = Wiring(config)
+    w.update_peers({p: (t, 0) for p, t in tputs.items()}, 0.0)
+    for p, t in tputs.items():
+        w.success(p, 16, 16 / t, "forward", 0.0)
+    return w
+
+
+def run(w: Wiring, tputs: dict[str, float], n: int, now: float, rng: random.Random,
+        kind: Kind = "forward", samples: int = 16) -> Counter[str]:
+    """n choices, each answered by a success at the peer's true throughput."""
+    picks: Counter[str] = Counter()
+    for _ in range(n):
+        p = w.choose(kind, samples, now, rng)
+        assert p is not None
+        picks[p] += 1
+        w.success(p, samples, samples * w.config.cost(kind) / tputs[p], kind, now)
+    return picks
+
+
+# ---- the property from the issue --------------------------------------------------------
+
+WARMUP, WINDOW = 2_000, 20_000
+REL_TOL, ABS_TOL = 0.05, 0.0005
+
+
+@settings(max_examples=30, deadline=None)
+@given(tputs=st.lists(st.floats(1.0, 100.0), min_size=2, max_size=20),
+       announce=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_each_peers_share_of_work_is_proportional_to_its_throughput(
+        tputs: list[float], announce: bool, seed: int) -> None:
+    """Work (samples x kind cost) over 20,000 choices after 2,000 of warm-up, mixed kinds and
+    sizes, durations fed back at each peer's true throughput, announcements (if any) off by up
+    to 2x: |share - ideal| <= max(5% of ideal, 0.05 percentage points)."""
+    rng = random.Random(seed)
+    true = {f"p{i}": t for i, t in enumerate(tputs)}
+    w = Wiring()
+    w.update_peers({p: (t * rng.uniform(0.5, 2.0) if announce else 0.0, 0)
+                    for p, t in true.items()}, 0.0)
+    work = dict.fromkeys(true, 0.0)
+    now = 0.0
+    for n in range(WARMUP + WINDOW):
+        kind: Kind = "backward" if rng.random() < 0.5 else "forward"
+        samples = rng.randint(1, 32)
+        p = w.choose(kind, samples, now, rng)
+        assert p is not None
+        seconds = samples * w.config.cost(kind) / true[p]
+        w.success(p, samples, seconds, kind, now + seconds)
+        now += 0.001
+        if n >= WARMUP:
+            work[p] += samples * w.config.cost(kind)
+    total, total_tput = sum(work.values()), sum(tputs)
+    for p, t in true.items():
+        ideal = t / total_tput
+        assert abs(work[p] / total - ideal) <= max(REL_TOL * ideal, ABS_TOL), (p, t)
+
+
+def test_shares_within_five_percent_relative_with_no_absolute_floor() -> None:
+    rng = random.Random(RNG_SEED)
+    tputs = {"slow": 1.0, "mid": 10.0, **{f"fast{i}": 100.0 for i in range(5)}}
+    w = measured_wiring(tputs)
+    run(w, tputs, 1000, 0.0, rng)
+    picks = run(w, tputs, 20_000, 1.0, rng)
+    for p, t in tputs.items():
+        ideal = t / sum(tputs.values())
+        assert abs(picks[p] / 20_000 - ideal) <= 0.05 * ideal
+
+
+# ---- newcomers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("announced", [10.0, 0.0])
+def test_a_newcomer_is_tried_soon_but_gets_no_burst(announced: float) -> None:
+    rng = random.Random(RNG_SEED)
+    tputs = {f"p{i}": 10.0 for i in range(4)}
+    w = measured_wiring(tputs)
+    run(w, tputs, 5000, 0.0, rng)
+    tputs["new"] = 10.0
+    w.update_peers({p: (10.0, 0) if p != "new" else (announced, 0) for p in tputs}, 1.0)
+    first = [w.choose("forward", 16, 1.0, rng) for _ in range(5)]
+    assert "new" in first  # within one round of the 5 peers
+    picks = run(w, tputs, 100, 1.0, rng)
+    assert 18 <= picks["new"] <= 22  # its fair 1/5, not a catch-up burst
+
+
+def test_a_fast_newcomer_whose_prior_was_low_is_not_left_idle() -> None:
+    rng = random.Random(RNG_SEED)
+    tputs = {"a": 10.0, "b": 10.0}
+    w = measured_wiring(tputs, WiringConfig(prior_throughput=1.0))
+    w.update_peers({"a": (10.0, 0), "b": (10.0, 0), "fast": (0.0, 0)}, 0.0)
+    tputs["fast"] = 100.0
+    run(w, tputs, 50, 0.0, rng)  # "fast" is tried once at the prior of 1/s
+    picks = run(w, tputs, 1200, 0.0, rng)
+    assert picks["fast"] / 1200 == pytest.approx(100 / 120, rel=0.02)
+
+
+# ---- slow, errors, bans --------------------------------------------------------------------
+
+def test_a_timeout_lowers_a_share_without_excluding_the_peer_and_decays() -> None:
+    rng = random.Random(RNG_SEED)
+    cfg = WiringConfig(slow_penalty=2.0, slow_half_life_s=60.0)
+    w = measured_wiring({"a": 10.0, "b": 10.0}, cfg)
+    w.timeout("a", 0.0)
+    state = {s.peer_id: s for s in w.snapshot(0.0)}["a"]
+    assert state.slow and state.slow_factor == 2.0 and state.banned_until is None
+    picks = Counter(w.choose("forward", 16, 0.0, rng) for _ in range(300))
+    assert picks["a"] == pytest.approx(100, abs=2)  # half the rate: 1/3 of the tasks
+    later = 60.0 * 20  # 20 half-lives
+    picks = Counter(w.choose("forward", 16, later, rng) for _ in range(300))
+    assert picks["a"] == pytest.approx(150, abs=2)
+    assert not {s.peer_id: s for s in w.snapshot(later)}["a"].slow
+    assert w.timeouts == 1 and w.banned == 0
+
+
+def test_timeouts_compound_up_to_a_cap_and_a_success_clears_them() -> None:
+    rng = random.Random(RNG_SEED)
+    w = measured_wiring({"a": 10.0, "b": 10.0}, WiringConfig(slow_max_factor=16.0))
+    for _ in range(100):
+        w.timeout("a", 0.0)
+    assert {s.peer_id: s for s in w.snapshot(0.0)}["a"].slow_factor == 16.0
+    picks = Counter(w.choose("forward", 16, 0.0, rng) for _ in range(170))
+    assert picks["a"] == pytest.approx(10, abs=1)  # 1/17: small, not zero
+    w.success("a", 16, 1.6, "forward", 0.0)
+    assert {s.peer_id: s for s in w.snapshot(0.0)}["a"].slow_factor == 1.0
+
+
+def test_an_error_bans_for_15_s_then_30_s_and_the_peer_comes_back() -> None:
+    rng = random.Random(RNG_SEED)
+    tputs = {"a": 10.0, "b": 10.0}
+    w = measured_wiring(tputs)
+    w.error("a", 0.0)
+    w.error("a", 0.5)  # another task sent before the ban: same failure, no escalation
+    assert {s.peer_id: s for s in w.snapshot(0.0)}["a"].banned_until == 15.0
+    assert set(run(w, tputs, 500, 14.999, rng)) == {"b"}
+    assert w.earliest_unban() == 15.0
+    back = Counter(w.choose("forward", 16, 15.0, rng) for _ in range(100))  # (no outcomes)
+    assert back["a"] == 50  # back, at the load of the others: its share, no catch-up burst
+    w.error("a", 20.0)  # second consecutive error (no success in between): 30 s
+    assert {s.peer_id: s for s in w.snapshot(20.0)}["a"].banned_until == 50.0
+    assert set(run(w, tputs, 100, 49.9, rng)) == {"b"}
+    assert Counter(w.choose("forward", 16, 50.0, rng) for _ in range(100))["a"] == 50
+    w.error("a", 60.0)  # third consecutive error (no success since): 60 s
+    assert {s.peer_id: s for s in w.snapshot(60.0)}["a"].banned_until == 120.0
+    assert w.banned == 3
+    w.success("a", 16, 1.6, "forward", 130.0)  # a success ends the streak
+    w.error("a", 130.0)
+    assert {s.peer_id: s for s in w.snapshot(130.0)}["a"].banned_until == 145.0
+
+
+def test_bans_are_capped() -> None:
+    cfg = WiringConfig()
+    assert [cfg.ban_s(k) for k in range(1, 8)] == [15, 30, 60, 120, 240, 300, 300]
+    assert cfg.ban_s(10**9) == 300.0
+    w = measured_wiring({"a": 1.0})
+    for k in range(200):
+        w.error("a", 1000.0 * k)
+    assert {s.peer_id: s for s in w.snapshot(199_000.0)}["a"].banned_until == 199_300.0
+
+
+def test_a_fresh_announcement_lifts_a_ban_once_the_base_is_served() -> None:
+    w = measured_wiring({"a": 10.0, "b": 10.0})
+    for t in (0.0, 20.0, 60.0):  # streak 3: banned 60 s from t = 60
+        w.unban("a")
+        w.error("a", t)
+    assert not w.reannounced("a", 70.0)
+    assert w.reannounced("a", 75.0)
+    assert {s.peer_id: s for s in w.snapshot(75.0)}["a"].banned_until is None
+    assert {s.peer_id: s for s in w.snapshot(75.0)}["a"].error_streak == 3
+    assert not w.reannounced("a", 76.0)  # not banned any more
+
+
+def test_all_banned_or_nobody_means_none() -> None:
+    rng = random.Random(RNG_SEED)
+    w = Wiring()
+    assert w.choose("forward", 1, 0.0, rng) is None
+    w.update_peers({"a": (1.0, 0), "b": (1.0, 0)}, 0.0)
+    w.error("a", 0.0)
+    w.error("b", 1.0)
+    assert w.choose("forward", 1, 2.0, rng) is None
+    assert w.unavailable == 2 and w.earliest_unban() == 15.0
+    assert w.choose("forward", 1, 15.0, rng) == "a"
+
+
+# ---- costs and queues ----------------------------------------------------------------------
+
+def test_a_backward_task_weighs_two_and_a_half_forward_tasks() -> None:
+    rng = random.Random(RNG_SEED)
+    w = measured_wiring({"a": 10.0, "b": 10.0})
+    first = w.choose("backward", 16, 0.0, rng)
+    other = "b" if first == "a" else "a"
+    assert [w.choose("forward", 16, 0.0, rng) for _ in range(4)] == [other] * 3 + [first]
+
+
+def test_with_mixed_costs_peers_split_work_not_task_counts() -> None:
+    rng = random.Random(RNG_SEED)
+    w = measured_wiring({"a": 10.0, "b": 10.0})
+    tasks: Counter[str] = Counter()
+    work: Counter[str] = Counter()
+    for i in range(10_000):
+        kind: Kind = "backward" if (i % 7 == 0 and rng.random() < 0.9) else "forward"
+        p = w.choose(kind, 16, 0.0, rng)
+        assert p is not None
+        tasks[(p, kind)] += 1
+        work[p] += 16 * w.config.cost(kind)
+    assert abs(work["a"] - work["b"]) <= 16 * 2.5
+    # each backward task a peer takes costs it 2.5 forward tasks
+    f_a, b_a = tasks[("a", "forward")], tasks[("a", "backward")]
+    f_b, b_b = tasks[("b", "forward")], tasks[("b", "backward")]
+    assert abs((f_a + 2.5 * b_a) - (f_b + 2.5 * b_b)) <= 2.5
+
+
+def test_a_backward_measurement_is_normalised_by_its_cost() -> None:
+    w = Wiring()
+    w.update_peers({"a": (0.0, 0), "b": (0.0, 0)}, 0.0)
+    w.success("a", 16, 1.6, "forward", 0.0)
+    w.success("b", 16, 4.0, "backward", 0.0)
+    assert [s.throughput for s in w.snapshot(0.0)] == pytest.approx([10.0, 10.0])
+
+
+def test_a_queue_shifts_choices_away() -> None:
+    rng = random.Random(RNG_SEED)
+    tputs = {"a": 10.0, "b": 10.0}
+    w = measured_wiring(tputs, WiringConfig(queue_weight=16.0))
+    w.update_peers({"a": (10.0, 10), "b": (10.0, 0)}, 0.0)
+    # 10 queued tasks of 16 samples: "a" is 10 tasks behind, "b" takes them
+    assert [w.choose("forward", 16, 0.0, rng) for _ in range(10)] == ["b"] * 10
+    # while announced, the queue keeps "a" 10 tasks behind; it does not change the shares
+    picks = run(w, tputs, 1000, 0.0, rng)
+    assert picks["a"] == pytest.approx(500, abs=1)
+    w.update_peers({"a": (10.0, 0), "b": (10.0, 0)}, 1.0)  # queue drained: "a" catches up
+    assert [w.choose("forward", 16, 1.0, rng) for _ in range(10)] == ["a"] * 10
+
+
+# ---- membership, bookkeeping, stability ----------------------------------------------------
+
+def test_announcements_count_until_measured_and_leavers_are_dropped() -> None:
+    w = Wiring()
+    w.update_peers({"a": (5.0, 0), "b": (20.0, 3)}, 0.0)
+    w.update_peers({"a": (8.0, 0), "b": (20.0, 1)}, 1.0)
+    assert [(s.throughput, s.queue) for s in w.snapshot(1.0)] == [(8.0, 0), (20.0, 1)]
+    w.success("a", 8, 2.0, "forward", 1.0)
+    w.update_peers({"a": (50.0, 0), "b": (-1.0, -5), "c": (math.nan, 0)}, 2.0)
+    snap = {s.peer_id: s for s in w.snapshot(2.0)}
+    assert snap["a"].throughput == 4.0 and snap["a"].measured
+    assert (snap["b"].throughput, snap["b"].queue) == (20.0, 0)  # garbage counts as none
+    assert snap["c"].throughput == pytest.approx(12.0)  # median of the others
+    w.update_peers({"c": (1.0, 0)}, 3.0)
+    assert len(w) == 1
+    w.success("a", 1, 1.0, "forward", 3.0)  # outcomes for leavers are ignored
+    w.timeout("a", 3.0)
+    w.error("a", 3.0)
+    assert w.banned == 0 and w.timeouts == 0
+
+
+def test_exact_ties_are_broken_at_random_and_choices_are_reproducible() -> None:
+    def first(seed: int) -> str | None:
+        w = Wiring()
+        w.update_peers({"a": (1.0, 0), "b": (1.0, 0)}, 0.0)
+        return w.choose("forward", 1, 0.0, random.Random(seed))
+    picks = Counter(first(seed) for seed in range(200))
+    assert picks["a"] > 50 and picks["b"] > 50
+    assert [first(s) for s in range(20)] == [first(s) for s in range(20)]
+
+
+def test_a_million_choices_keep_loads_small_and_finite() -> None:
+    rng = random.Random(RNG_SEED)
+    tputs = {"a": 1.0, "b": 37.5, "c": 1000.0}
+    w = measured_wiring(tputs, WiringConfig(slow_half_life_s=1.0))
+    w.timeout("b", 0.0)
+    n, choose = 1_000_000, w.choose
+    work = dict.fromkeys(tputs, 0.0)
+    for i in range(n):
+        backward = i % 3 == 0
+        p = choose("backward" if backward else "forward", 16, i * 1e-3, rng)
+        work[p] += 40.0 if backward else 16.0  # type: ignore[index]
+    snap = w.snapshot(n * 1e-3)
+    assert all(math.isfinite(s.load) and 0.0 <= s.load < 1100.0 for s in snap)
+    assert sum(s.chosen for s in snap) == w.chosen == n
+    # the slow factor decays within seconds: the work splits in the plain ratio
+    total = sum(work.values())
+    assert work["c"] / total == pytest.approx(1000 / 1038.5, rel=1e-3)
+    assert work["a"] / total == pytest.approx(1 / 1038.5, rel=0.02)
+
+
+def test_absurd_measurements_keep_every_load_finite() -> None:
+    rng = random.Random(RNG_SEED)
+    w = Wiring()
+    w.update_peers({"a": (1e-300, 0), "b": (1e300, 0)}, 0.0)
+    assert [s.throughput for s in w.snapshot(0.0)] == [1e300, 1e300]  # 1e-300: as if none
+    w.success("a", 1, 1e300, "forward", 0.0)
+    w.success("b", 1, 1e-300, "forward", 0.0)
+    for i in range(10_000):
+        w.choose("forward", 32, float(i), rng)
+    assert all(math.isfinite(s.load) and math.isfinite(s.throughput) for s in w.snapshot(0.0))
+
+
+@pytest.mark.parametrize("bad", [
+    {"backward_cost": 0.0}, {"backward_cost": math.nan}, {"ema_alpha": 0.0},
+    {"ema_alpha": 1.5}, {"prior_throughput": 0.0}, {"prior_throughput": math.inf},
+    {"slow_penalty": 0.5}, {"slow_half_life_s": 0.0}, {"slow_max_factor": 1.5},
+    {"ban_base_s": 0.0}, {"ban_base_s": 400.0}, {"ban_max_s": math.inf},
+    {"queue_weight": -1.0},
+])
+def test_bad_config_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="WiringConfig"):
+        WiringConfig(**bad)
+
+
+def test_bad_arguments_are_refused() -> None:
+    w = measured_wiring({"a": 1.0})
+    rng = random.Random(RNG_SEED)
+    with pytest.raises(ValueError):
+        w.choose("sideways", 1, 0.0, rng)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        w.choose("forward", 0, 0.0, rng)
