@@ -29,15 +29,19 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from swarmd.errors import ConfigError
 from transport.limits import Limits
 
+if TYPE_CHECKING:
+    from swarmd.model import ModelConfig
+
 __all__ = [
-    "Config", "SwarmConfig", "NetworkConfig", "WireConfig", "HttpConfig", "LogConfig",
+    "Config", "SwarmConfig", "ModelSection", "TrainingConfig", "DataConfig", "NetworkConfig",
+    "WireConfig", "HttpConfig", "LogConfig",
     "FieldSpec", "ConfigError", "load_config", "render_toml", "render_default_toml",
-    "field_specs", "ENV_PREFIX", "RESERVED_ENV", "CODECS",
+    "field_specs", "ENV_PREFIX", "RESERVED_ENV", "CODECS", "DTYPES",
 ]
 
 #: prefix of the environment variables that set configuration keys
@@ -47,6 +51,8 @@ RESERVED_ENV = frozenset({"SWARMD_HOME"})
 #: allowed values of ``wire.codec``
 CODECS = tuple(f"{base}{suffix}" for base in ("none", "fp16", "int8") for suffix in ("", "+zstd"))
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: allowed values of ``model.dtype`` (the names of ``swarmd.model.DTYPES``, kept torch-free here)
+DTYPES = ("float32", "bfloat16", "float16")
 
 _LIMITS = Limits()
 
@@ -82,9 +88,12 @@ def _int_range(lo: int, hi: int | None = None) -> Callable[[Any], None]:
     return check
 
 
-def _positive_seconds(value: float) -> None:
+def _positive(value: float) -> None:
     if not value > 0:
         raise _Invalid("must be greater than 0")
+
+
+_positive_seconds = _positive
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any], None]:
@@ -147,6 +156,14 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def _device(value: str) -> None:
+    if not _DEVICE_RE.fullmatch(value):
+        raise _Invalid(None)
+
+
 def _host_port(value: str) -> None:
     split_host_port(value)
 
@@ -202,6 +219,74 @@ class SwarmConfig(_Section):
         "routing.",
         'a name of 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or digit',
         _swarm_name,
+    )
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    SECTION: ClassVar[str] = "model"
+    DOC: ClassVar[str] = ("The model: a byte-level GPT; every peer of a swarm needs the same shape "
+                          "(width, heads, layers, seq_len, share_layers).")
+
+    width: int = _opt(
+        128, "Width of the residual stream (embedding size); a multiple of model.heads.",
+        "an integer from 1 to 65536", _int_range(1, 65536),
+    )
+    heads: int = _opt(
+        4, "Attention heads per layer.", "an integer from 1 to 1024", _int_range(1, 1024),
+    )
+    layers: int = _opt(
+        4, "Transformer layers, counting each application of a shared layer.",
+        "an integer from 1 to 4096", _int_range(1, 4096),
+    )
+    seq_len: int = _opt(
+        128, "Longest sequence (context) in bytes.", "an integer from 1 to 1048576",
+        _int_range(1, 1 << 20),
+    )
+    share_layers: int = _opt(
+        1, "Consecutive layers sharing one set of weights (1: none shared); divides model.layers.",
+        "an integer from 1 to 4096", _int_range(1, 4096),
+    )
+    dtype: str = _opt(
+        "float32", "Type of parameters and activations: float32, bfloat16 or float16.",
+        "one of " + ", ".join(f'"{d}"' for d in DTYPES), _one_of(DTYPES),
+    )
+    device: str = _opt(
+        "auto", "Where this node computes: auto (CUDA when available, else CPU), cpu, cuda or "
+        "cuda:N.", '"auto", "cpu", "cuda" or "cuda:N"', _device,
+    )
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    SECTION: ClassVar[str] = "training"
+    DOC: ClassVar[str] = "How the trainer trains: microbatches, learning rate, seed."
+
+    batch_size: int = _opt(
+        8, "Sequences per microbatch, the unit that travels through the pipeline.",
+        "an integer from 1 to 65536", _int_range(1, 65536),
+    )
+    lr: float = _opt(
+        3e-3, "Learning rate.", "a number greater than 0", _positive,
+    )
+    seed: int = _opt(
+        0, "Seed of the initial weights (with the model hash) and of batch sampling.",
+        "an integer from 0 to 2**63 - 1", _int_range(0, (1 << 63) - 1),
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    SECTION: ClassVar[str] = "data"
+    DOC: ClassVar[str] = "What the trainer trains on: bytes of text."
+
+    path: str = _opt(
+        "", "Text file or directory of text files (read in sorted order, binary files skipped); "
+        "empty: the Python standard library's sources.",
+        'a path, or "" for the standard library sources',
+    )
+    max_bytes: int = _opt(
+        32 << 20, "Most bytes of the corpus read (32 MiB).", "a positive integer", _int_range(1),
     )
 
 
@@ -315,8 +400,13 @@ class LogConfig(_Section):
     )
 
 
-def _cross_checks(get: Callable[[str], Any]) -> Iterator[tuple[str, str]]:
-    """Checks spanning several keys: yields ``(key to blame, message)``."""
+def _cross_checks(get: Callable[[str], Any],
+                  blame: Callable[..., str]) -> Iterator[tuple[str, str]]:
+    """Checks spanning several keys: yields ``(key to blame, message)``.
+
+    ``blame(*keys)`` picks, among keys that are only wrong together, the one set by the
+    strongest source (a flag before an environment variable before the file before a default).
+    """
     http_listen = get("http.listen")
     host, _ = split_host_port(http_listen)
     if not get("http.allow_non_loopback") and not _is_loopback(host):
@@ -325,6 +415,23 @@ def _cross_checks(get: Callable[[str], Any]) -> Iterator[tuple[str, str]]:
             f"no authentication: listen on 127.0.0.1, or set http.allow_non_loopback = true "
             f"to expose it anyway"
         )
+    width, heads = get("model.width"), get("model.heads")
+    if width % heads:
+        key = blame("model.heads", "model.width")
+        yield key, (f"{key} = {get(key)} is invalid: model.width ({width}) must be a multiple of "
+                    f"model.heads ({heads})")
+    layers, share = get("model.layers"), get("model.share_layers")
+    if layers % share:
+        key = blame("model.share_layers", "model.layers")
+        yield key, (f"{key} = {get(key)} is invalid: model.share_layers ({share}) must divide "
+                    f"model.layers ({layers})")
+    elif get("swarm.stages") > layers // share:
+        key = blame("swarm.stages", "model.layers", "model.share_layers")
+        groups = layers // share
+        yield key, (f"{key} = {get(key)} is invalid: swarm.stages ({get('swarm.stages')}) is more "
+                    f"than the {groups} group(s) of layers (model.layers {layers} / "
+                    f"model.share_layers {share}) a stage boundary can fall between; use at most "
+                    f"{groups} stage(s), or more layers")
 
 
 @dataclass(frozen=True)
@@ -332,13 +439,16 @@ class Config:
     """The whole configuration; each attribute is one TOML table."""
 
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        for _key, message in _cross_checks(self.get):
+        for _key, message in _cross_checks(self.get, lambda *keys: keys[0]):
             raise ConfigError(f"Config(...): {message}")
 
     def get(self, key: str) -> Any:
@@ -356,6 +466,14 @@ class Config:
             for s in _SECTIONS
         }
 
+    def model_config(self) -> ModelConfig:
+        """The model's shape as a :class:`swarmd.model.ModelConfig` (imports torch)."""
+        from swarmd.model import ModelConfig
+
+        m = self.model
+        return ModelConfig(width=m.width, heads=m.heads, layers=m.layers, seq_len=m.seq_len,
+                           share_layers=m.share_layers)
+
     def wire_limits(self) -> Limits:
         """The receiver-side transport limits set by ``[wire]``."""
         w = self.wire
@@ -368,7 +486,8 @@ class Config:
 
 
 _SECTIONS: dict[str, type[_Section]] = {
-    cls.SECTION: cls for cls in (SwarmConfig, NetworkConfig, WireConfig, HttpConfig, LogConfig)
+    cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
+                                 NetworkConfig, WireConfig, HttpConfig, LogConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]
@@ -518,6 +637,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
 
+def _source_rank(source: str) -> int:
+    """How strong a source is: flag 3, environment variable 2, file 1, default 0."""
+    if source == "command line flag":
+        return 3
+    if source.startswith("environment variable "):
+        return 2
+    return 0 if source == "default" else 1
+
+
 def load_config(
     path: Path | None,
     env: Mapping[str, str],
@@ -589,7 +717,10 @@ def load_config(
             continue
         put(source, key, raw, text=isinstance(raw, str) and not isinstance(_SPECS[key].default, str))
 
-    for key, message in _cross_checks(values.__getitem__):
+    def blame(*keys: str) -> str:
+        return max(keys, key=lambda k: _source_rank(sources[k]))
+
+    for key, message in _cross_checks(values.__getitem__, blame):
         raise ConfigError(f"{sources[key]}: {message}")
 
     sections = {}

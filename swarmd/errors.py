@@ -21,6 +21,13 @@ class ConfigError(SwarmdError):
     exit_status = 2
 
 
+class DataError(SwarmdError):
+    """The training data is unusable: the path is missing, holds no text, or is too short."""
+
+    code = "data"
+    exit_status = 2
+
+
 class HomeError(SwarmdError):
     """The home directory is missing, not initialised or unusable."""
 
@@ -102,3 +109,15 @@ class StageBusy(SwarmdError):
     """This peer holds as many microbatches as it may: the sender should route elsewhere."""
 
     code = "busy"
+
+
+class WrongStage(SwarmdError):
+    """A request for a stage (or a model) this peer does not serve: route it elsewhere."""
+
+    code = "wrong_stage"
+
+
+class StageUnavailable(SwarmdError):
+    """No peer of a stage took the work: the stage is missing or every peer of it failed."""
+
+    code = "stage_unavailable"

@@ -81,6 +81,10 @@ class StageWorker:
         assert saved.inputs.grad is not None
         return saved.inputs.grad
 
+    def forget(self, mb_id: str) -> None:
+        """Drop a microbatch whose chain failed further on: its backward will never come."""
+        self._saved.pop(mb_id, None)
+
     def expire(self, now: float) -> list[str]:
         """Drop microbatches whose backward did not come in time; returns their ids."""
         gone = [k for k, v in self._saved.items() if v.expires_at <= now]
