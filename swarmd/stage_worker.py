@@ -64,6 +64,12 @@ class StageWorker:
         self._saved[mb_id] = _Saved(inputs, outputs, int(x.shape[0]), now + self.ttl_s)
         return outputs.detach()
 
+    def infer(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward only (validation): nothing is kept."""
+        self._check(x, "activations")
+        with torch.no_grad():
+            return self.module(x.to(self.dtype))
+
     def backward(self, mb_id: str, grad: torch.Tensor, now: float) -> torch.Tensor:
         """Back-propagate ``grad`` (d loss / d output) and return d loss / d input."""
         saved = self._saved.get(mb_id)

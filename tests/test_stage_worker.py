@@ -99,3 +99,13 @@ def test_a_full_worker_refuses_instead_of_evicting() -> None:
         w.forward("a", torch.randn(1, 1, W), now=0.0)  # a duplicate id is the sender's bug
     w.backward("a", torch.ones(1, 1, W), now=0.0)
     w.forward("c", torch.randn(1, 1, W), now=0.0)  # room again
+
+
+def test_infer_keeps_nothing_and_matches_forward() -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100)
+    x = torch.randn(2, 3, W)
+    y = w.infer(x)
+    assert w.saved == 0 and not y.requires_grad
+    assert torch.allclose(y, w.forward("m", x, now=0.0))
+    with pytest.raises(BadActivation):
+        w.infer(torch.full((2, 3, W), float("nan")))
