@@ -474,6 +474,11 @@ class Config:
         return ModelConfig(width=m.width, heads=m.heads, layers=m.layers, seq_len=m.seq_len,
                            share_layers=m.share_layers)
 
+    def model_hash(self) -> str:
+        """What peers must agree on to train together: the swarm's model name and the hash of
+        the model's architecture. Announced by every peer; a mismatch keeps a peer out."""
+        return f"{self.swarm.model}:{self.model_config().model_hash()}"
+
     def wire_limits(self) -> Limits:
         """The receiver-side transport limits set by ``[wire]``."""
         w = self.wire

@@ -66,6 +66,7 @@ class Daemon:
         self.stage = options.stage
         self.host: Any = None
         self.membership: Any = None
+        self.stage_server: Any = None
         self._stop = asyncio.Event()
         self._rng = random.Random()
 
@@ -78,11 +79,14 @@ class Daemon:
         counters = self.host.counters.snapshot()
         if self.membership is not None:
             counters.update(self.membership.counters())
+        if self.stage_server is not None:
+            counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
+        _, _, throughput, queue = self._local()
         return StatusInfo(
             peer_id=self.host.peer_id, swarm=self.config.swarm.name, version=__version__,
             stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
-            connected_peers=len(await self.host.connected_peers()), throughput=0.0, queue=0,
-            counters=counters)
+            connected_peers=len(await self.host.connected_peers()), throughput=throughput,
+            queue=queue, counters=counters)
 
     def swarm(self) -> SwarmInfo:
         if self.membership is not None:
@@ -136,6 +140,8 @@ class Daemon:
                             tasks.create_task(self._connectivity())
                             if self.stage is None:
                                 tasks.create_task(self._place())
+                            else:
+                                self._serve_stage()
                             await self._stop.wait()
                             self.state = "leaving"
                             await membership.leave()
@@ -144,10 +150,30 @@ class Daemon:
                         pass
                     finally:
                         remove_api_file(home, api.url)
+                        if self.stage_server is not None:
+                            self.stage_server.close()
 
     def _local(self) -> tuple[int | None, str, float, int]:
         """This peer as membership announces it: stage, state, throughput, queue."""
-        return self.stage, self.state, 0.0, 0
+        server = self.stage_server
+        if server is None:
+            return self.stage, self.state, 0.0, 0
+        return self.stage, self.state, server.throughput, server.queue
+
+    def _serve_stage(self) -> None:
+        """Start serving ``self.stage`` (forward and backward over libp2p)."""
+        from swarmd.host_options import codec_spec
+        from swarmd.stage_server import StageServer
+
+        c = self.config
+        model = c.model_config()
+        self.stage_server = StageServer(
+            self.host, swarm=c.swarm.name, stage=self.stage, num_stages=c.swarm.stages,
+            model_config=model, model_hash=c.model_hash(), codec=codec_spec(c),
+            lr=c.training.lr, seed=c.training.seed, peers_of=self.membership.peers_of,
+            max_tokens=4 * c.training.batch_size * model.seq_len)
+        self.stage_server.start()
+        log.info("serving stage %d of %d", self.stage, c.swarm.stages)
 
     async def _place(self) -> None:
         """``--stage auto``: serve the bottleneck stage once the view has been pulled.
@@ -168,6 +194,7 @@ class Daemon:
             [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
             [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng)
         log.info("placed on stage %d (the bottleneck)", self.stage)
+        self._serve_stage()
         self.membership.changed()
 
     async def _connectivity(self) -> None:

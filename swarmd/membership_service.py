@@ -72,7 +72,8 @@ class MembershipService:
         self.has_view = asyncio.Event()
 
     def model_hash(self) -> str:
-        return self.config.swarm.model
+        """The swarm's model name and the hash of its architecture: both must match."""
+        return self.config.model_hash()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def __aenter__(self) -> MembershipService:
@@ -262,6 +263,13 @@ class MembershipService:
         for reason, n in self.view.dropped.items():
             out[f"membership_dropped.{reason}"] = n
         return out
+
+    def peers_of(self, stage: int) -> dict[str, tuple[float, int, tuple[str, ...]]]:
+        """Routable peers of ``stage``: {peer_id: (throughput, queue, addrs)}."""
+        now = time.time()
+        return {a.peer_id: (a.throughput, a.queue, a.addrs) for a in self.view.announcements(now)
+                if a.stage == stage and a.peer_id != self.host.peer_id
+                and self.view.why_not(a.peer_id, now) is None}
 
     def peer_states(self) -> dict[str, tuple[int | None, str]]:
         now = time.time()

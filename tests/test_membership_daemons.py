@@ -12,6 +12,7 @@ import pytest
 import uvloop
 
 from daemon_harness import DaemonProcess, wait_until
+from swarmd.config import load_config
 from swarmd.membership import Announcement, PeerState, encode_signed
 from transport import identity
 from transport.frames import Message
@@ -21,6 +22,7 @@ from transport.signing import signer
 pytestmark = pytest.mark.integration
 
 SWARM = "swarmd-default"
+MODEL = load_config(None, env={}).model_hash()
 PUSH = f"/swarmd/{SWARM}/1/announce"
 
 
@@ -83,7 +85,7 @@ def test_graceful_stop_and_sigkill_both_leave_every_view(swarm: Any) -> None:
 def _announcement(ident: Any, **fields: Any) -> Announcement:
     base: dict[str, Any] = dict(peer_id=ident.peer_id, addrs=(), stage=0,
                                 state=PeerState.ONLINE, throughput=1.0, queue=0,
-                                version="test", model_hash=SWARM, timestamp=time.time(),
+                                version="test", model_hash=MODEL, timestamp=time.time(),
                                 period=30.0)
     base.update(fields)
     return Announcement(**base)
