@@ -350,6 +350,96 @@ def text_join(result: JoinResult) -> str:
     return "stopped"
 
 
+# ------------------------------------------------------------------------------- train, demo
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    add_home_argument(parser)
+    add_config_argument(parser)
+    parser.add_argument("--bootstrap", metavar="MULTIADDR", action="append",
+                        help="a peer of the swarm, .../p2p/<id>, repeatable (overrides "
+                             "network.bootstrap)")
+    parser.add_argument("--data", metavar="PATH", type=Path,
+                        help="a text file or a directory tree (default: data.path, else the "
+                             "Python standard library's sources)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument("--listen", metavar="MULTIADDR", action="append",
+                        help="where stage peers reach this trainer (default: 127.0.0.1, any "
+                             "port)")
+
+
+def cmd_train(args: argparse.Namespace) -> Any:
+    import logging
+
+    import libp2p  # noqa: F401  (it resets its logger on import: configure logging after it)
+    import uvloop
+
+    from swarmd.errors import ConfigError
+    from swarmd.train_run import train
+
+    if args.steps < 1:
+        raise ConfigError("command line flag --steps: must be at least 1")
+    config = config_from_args(args, {"network.bootstrap": args.bootstrap})
+    if not config.network.bootstrap:
+        raise ConfigError("swarmd train needs a swarm to join: pass --bootstrap "
+                          "/ip4/HOST/tcp/PORT/p2p/PEER_ID (a running daemon's address, see "
+                          "`swarmd id`)")
+    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    home = home_from_args(args)
+    home.mkdir(parents=True, exist_ok=True)
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    return uvloop.run(train(config, bootstrap=config.network.bootstrap, steps=args.steps,
+                            data_path=args.data, home=home,
+                            listen=args.listen or ("/ip4/127.0.0.1/tcp/0",), progress=say))
+
+
+def text_train(result: Any) -> str:
+    return (f"trained {result.steps} steps: validation loss {result.initial_val_loss:.4f} -> "
+            f"{result.final_val_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s, rerouted "
+            f"{result.rerouted}, restarted {result.restarted}, lost {result.lost}")
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", type=int, default=2, help="daemons to start (default 2)")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
+
+
+def cmd_demo(args: argparse.Namespace) -> Any:
+    import logging
+
+    import libp2p  # noqa: F401
+
+    from swarmd.demo import run_demo
+    from swarmd.errors import ConfigError
+
+    logging.basicConfig(level="WARNING", stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.steps < 1 or args.stages < 1 or args.peers < args.stages:
+        raise ConfigError("swarmd demo needs --steps >= 1, --stages >= 1 and at least one peer "
+                          "per stage (--peers >= --stages)")
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
+        (lambda line: print(line, flush=True))
+    result = run_demo(peers=args.peers, stages=args.stages, steps=args.steps, progress=say)
+    if not result.final_val_loss < result.initial_val_loss:
+        print(text_demo(result), file=sys.stderr)
+        raise _DemoFailed("validation loss did not go down")
+    return result
+
+
+class _DemoFailed(SwarmdError):
+    code = "demo_failed"
+
+
+def text_demo(result: Any) -> str:
+    drop = 1 - result.final_val_loss / result.initial_val_loss
+    return (f"demo: {result.peers} peers, {result.stages} stages, {result.steps} steps in "
+            f"{result.seconds:.0f} s\nvalidation loss {result.initial_val_loss:.4f} -> "
+            f"{result.final_val_loss:.4f} ({drop:.0%} lower), {result.tokens_per_s:,.0f} "
+            f"tokens/s\nrerouted {result.rerouted}, restarted {result.restarted}, lost "
+            f"{result.lost}")
+
+
 COMMANDS: list[Command] = [
     Command("init", "create the home directory, identity key and config file",
             _init_arguments, cmd_init, text_init,
@@ -364,6 +454,19 @@ COMMANDS: list[Command] = [
                         "`swarmd stop`. With no bootstrap address it starts a new swarm. Prints "
                         "its peer id, listen addresses (with /p2p/<id>) and HTTP URL once they "
                         "are bound; writes <home>/api then, and removes it on exit."),
+    Command("train", "train the model through a running swarm",
+            _train_arguments, cmd_train, text_train,
+            description="Join the swarm at --bootstrap as a trainer and train the model through "
+                        "its stages: byte-level data from --data (default: the Python standard "
+                        "library's sources), a held-out validation split, progress with loss, "
+                        "tokens/s and route statistics, metrics appended to "
+                        "<home>/train-metrics.jsonl."),
+    Command("demo", "start a local swarm, train it, and show the result",
+            _demo_arguments, cmd_demo, text_demo,
+            description="Start --peers daemons on 127.0.0.1 serving --stages stages, train "
+                        "--steps steps through them, shut everything down and print a summary "
+                        "(with --json, the last line is one JSON object). Exits non-zero if "
+                        "the validation loss did not go down."),
     Command("status", "print the running daemon's state, stage, throughput and counters",
             _daemon_arguments, cmd_status, text_status,
             description="Ask the daemon running for this home (found through <home>/api) for "

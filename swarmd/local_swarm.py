@@ -1,0 +1,110 @@
+"""Local swarms: real ``swarmd join`` processes on 127.0.0.1, each with its own home.
+
+Used by ``swarmd demo``, the integration tests and the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class DaemonProcess:
+    """``swarmd join`` in its own process; ``started`` holds its JSON start line."""
+
+    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.home = home
+        if not (home / "identity.key").exists():
+            subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(home)],
+                           check=True, capture_output=True, cwd=ROOT, timeout=60)
+        self.stderr_path = home / "daemon.stderr"
+        self._stderr = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--json",
+             "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", *args],
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, cwd=ROOT,
+            env={**os.environ, "SWARMD_LOG_LEVEL": "debug" if os.environ.get("SWARMD_TEST_DEBUG")
+                 else "info", **(env or {})})
+        self.started: dict[str, Any] = {}
+
+    def wait_started(self, seconds: float = 60.0) -> dict[str, Any]:
+        line = readline(self.proc, seconds)
+        if not line:
+            raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.stderr()}")
+        self.started = json.loads(line)
+        return self.started
+
+    @property
+    def addr(self) -> str:
+        return self.started["addrs"][0]
+
+    @property
+    def peer_id(self) -> str:
+        return self.started["peer_id"]
+
+    @property
+    def url(self) -> str:
+        return self.started["http_url"]
+
+    def get(self, path: str, timeout: float = 5.0) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as reply:
+            return json.loads(reply.read())
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, seconds: float) -> int:
+        return self.proc.wait(seconds)
+
+    def stop(self) -> None:
+        """Make sure the process is gone (tests that check shutdown do it themselves)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+
+
+def readline(proc: subprocess.Popen[str], seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        while time.monotonic() < deadline:
+            if sel.select(0.2):
+                return proc.stdout.readline()  # type: ignore[union-attr]
+            if proc.poll() is not None:
+                return proc.stdout.readline()  # type: ignore[union-attr]
+    raise TimeoutError(f"no line from the process within {seconds} s")
+
+
+def wait_until(condition: Any, seconds: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``condition()`` until it returns a truthy value; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + seconds
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # the condition may fail while things start up
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}"
+                         + (f" (last error: {last_error!r})" if last_error else ""))
