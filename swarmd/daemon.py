@@ -132,7 +132,10 @@ class Daemon:
                     self.membership = membership
                     write_api_file(home, api.url)
                     try:
+                        if self.stage is not None:
+                            self._serve_stage()  # before we say we are up
                         self.state = "online"
+                        membership.changed()  # announce "online" now, not a period later
                         if on_started is not None:
                             on_started(Started(peer_id=host.peer_id, addrs=tuple(host.addrs),
                                                http_url=api.url))
@@ -140,8 +143,6 @@ class Daemon:
                             tasks.create_task(self._connectivity())
                             if self.stage is None:
                                 tasks.create_task(self._place())
-                            else:
-                                self._serve_stage()
                             await self._stop.wait()
                             self.state = "leaving"
                             await membership.leave()

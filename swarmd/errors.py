@@ -121,3 +121,9 @@ class StageUnavailable(SwarmdError):
     """No peer of a stage took the work: the stage is missing or every peer of it failed."""
 
     code = "stage_unavailable"
+
+
+class ModelMismatch(SwarmdError):
+    """A request for another model (name or architecture hash) than this peer trains."""
+
+    code = "model_hash_mismatch"

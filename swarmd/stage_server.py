@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from swarmd.errors import BadActivation, StageUnavailable, WrongStage
+from swarmd.errors import BadActivation, ModelMismatch, StageUnavailable, WrongStage
 from swarmd.stage_worker import StageWorker
 from swarmd.wiring import Wiring
 from transport.errors import RemoteError, TransportError
@@ -136,7 +136,7 @@ class StageServer:
                 raise BadActivation("malformed", f"{kind} meta {key!r} missing or not "
                                                  f"{typ.__name__}")
         if meta["model"] != self.model_hash:
-            raise WrongStage(f"this peer trains model {self.model_hash}, the request is for "
+            raise ModelMismatch(f"this peer trains model {self.model_hash}, the request is for "
                              f"{meta['model']}")
         if meta["stage"] != self.stage:
             raise WrongStage(f"this peer serves stage {self.stage}, not {meta['stage']}")
@@ -172,12 +172,13 @@ class StageServer:
     async def _hop(self, stage: int, kind: str, message: Message) -> None:
         """Send to a peer of ``stage``, rerouting to another peer when one fails."""
         tried: set[str] = set()
+        peers = self.peers_of(stage)
+        # every peer, every time: a peer left out of update_peers would lose its ban
+        self.wiring.update_peers({p: (v[0], v[1]) for p, v in peers.items()}, time.time())
         for attempt in range(HOP_ATTEMPTS):
-            peers = {p: v for p, v in self.peers_of(stage).items() if p not in tried}
-            self.wiring.update_peers({p: (v[0], v[1]) for p, v in peers.items()}, time.time())
             target = self.wiring.choose(kind, int(message.tensors[0].shape[0]), time.time(),
                                         self._rng) if peers else None
-            if target is None or target in tried:
+            if target is None or target in tried:  # the failed ones are banned now
                 break
             tried.add(target)
             if attempt:

@@ -129,13 +129,21 @@ class Trainer:
         return sum(losses) / len(losses)
 
     async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> float:
-        for attempt in range(MAX_RESTARTS):
-            if attempt:
+        failures, tries, patience = 0, 0, time.monotonic() + MISSING_STAGE_PATIENCE_S
+        while failures < MAX_RESTARTS:
+            if tries:
                 self.stats.restarted += 1
+            tries += 1
             try:
                 loss, grads = await self._attempt(x, y, scale)
-            except (TransportError, StageUnavailable, TimeoutError, RemoteError) as exc:
+            except (TransportError, StageUnavailable, TimeoutError) as exc:
+                if _stage_unavailable(exc) and time.monotonic() < patience:
+                    # a stage has no peer that takes work right now: wait, do not give up
+                    log.warning("a stage is unavailable (%s): waiting, then restarting", exc)
+                    await asyncio.sleep(1.0)
+                    continue
                 log.info("microbatch failed (%s): restarting it", exc)
+                failures += 1
                 continue
             for p, g in zip(self.params, grads):  # only now: a restart never counts twice
                 p.grad = g if p.grad is None else p.grad + g
@@ -243,6 +251,11 @@ class Trainer:
                 return
             except TransportError:
                 continue
+
+
+def _stage_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, StageUnavailable) or (
+        isinstance(exc, RemoteError) and exc.code == "stage_unavailable")
 
 
 def x_rows(message: Message) -> int:

@@ -1,0 +1,142 @@
+"""Pipeline training through real ``swarmd join`` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+
+from daemon_harness import ROOT, DaemonProcess, wait_until
+from swarmd.config import load_config
+from swarmd.demo import DEMO_ENV
+from swarmd.train_run import train
+from transport import identity
+from transport.errors import RemoteError
+from transport.frames import Message
+from transport.host import Host, HostOptions
+
+pytestmark = pytest.mark.integration
+
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "pipeline-test"}
+
+
+def test_demo_trains_and_reports_one_json_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "swarmd", "demo", "--steps", "30", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["final_val_loss"] <= 0.8 * result["initial_val_loss"]
+    assert result["lost"] == 0 and result["tokens_per_s"] > 0
+    assert "watch the swarm at http://127.0.0.1:" in out.stderr
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Any:
+    started: list[DaemonProcess] = []
+
+    def start(*stages: int) -> list[DaemonProcess]:
+        first = DaemonProcess(tmp_path / "p0", "--stage", str(stages[0]), env=ENV)
+        first.wait_started()
+        started.append(first)
+        for i, stage in enumerate(stages[1:], start=1):
+            d = DaemonProcess(tmp_path / f"p{i}", "--stage", str(stage), "--bootstrap",
+                              first.addr, env=ENV)
+            d.wait_started()
+            started.append(d)
+        return started
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def test_killing_one_of_two_peers_of_a_stage_loses_nothing(daemons: Any) -> None:
+    d0, d1, d2 = daemons(0, 1, 1)
+    config = load_config(None, {**os.environ, **ENV})
+    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
+               "both stage-1 peers routable")
+    killed = threading.Event()
+
+    def killer() -> None:  # SIGKILL the victim mid-step, once it carries traffic
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for victim in (d1, d2):  # whichever stage-1 peer carries traffic first
+                try:
+                    if victim.get("/api/v0/status")["counters"].get("stage.forward", 0) >= 3:
+                        victim.proc.kill()
+                        killed.set()
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=killer, daemon=True)
+    watcher.start()
+    result = uvloop.run(asyncio.wait_for(
+        train(config, bootstrap=[d0.addr], steps=40, progress=lambda line: None), 280))
+    watcher.join(5)
+    assert killed.is_set()
+    assert result.lost == 0
+    assert result.final_val_loss < result.initial_val_loss
+    rerouted = sum(int(d.get("/api/v0/status")["counters"].get("stage.rerouted", 0))
+                   for d in (d0, d1, d2) if d.proc.poll() is None)
+    assert result.restarted + result.rerouted + rerouted >= 1  # the fault was really hit
+
+
+def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
+        daemons: Any) -> None:
+    (d0,) = daemons(0)
+    config = load_config(None, {**os.environ, **ENV})
+    width = config.model_config().width
+    forward = "/swarmd/pipeline-test/1/forward"
+    backward = "/swarmd/pipeline-test/1/backward"
+
+    def meta(**over: Any) -> dict[str, Any]:
+        m = {"mb": "t/1", "stage": 0, "step": 0, "path": [], "trainer": "x", "model":
+             config.model_hash()}
+        m.update(over)
+        return m
+
+    good = torch.randn(2, 8, width)
+    cases = [
+        (forward, meta(), (torch.randn(2, 8, width + 1),), "bad_activation"),
+        (forward, meta(), (torch.full((2, 8, width), float("nan")),), "bad_activation"),
+        (forward, meta(), (torch.zeros(2, 8, width, dtype=torch.int64),), "bad_activation"),
+        (forward, meta(stage=1), (good,), "wrong_stage"),
+        (forward, meta(model="other:0123"), (good,), "model_hash_mismatch"),
+        (forward, {"mb": 5}, (good,), "bad_activation"),
+        (backward, meta(path=["nobody"]), (good,), "bad_activation"),
+        (backward, meta(path=[d0.peer_id, "next"], mb="never-sent"), (good,),
+         "unknown_microbatch"),
+    ]
+
+    async def scenario() -> list[str]:
+        codes = []
+        async with Host(identity.generate(), HostOptions(pubsub=None)) as host:
+            await host.dial(d0.addr)
+            for proto, m, tensors, _ in cases:
+                kind = "forward" if proto == forward else "backward"
+                try:
+                    await host.request(d0.peer_id, proto, Message(kind=kind, meta=m,
+                                                                  tensors=tensors))
+                    codes.append("accepted")
+                except RemoteError as exc:
+                    codes.append(exc.code)
+        return codes
+
+    codes = uvloop.run(asyncio.wait_for(scenario(), 120))
+    assert codes == [c[3] for c in cases]
+    status = d0.get("/api/v0/status")
+    assert status["state"] == "online"
+    assert status["counters"].get("request_errors.bad_activation", 0) >= 4
