@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from swarmd.errors import BadActivation, ModelMismatch, StageUnavailable, WrongStage
+from swarmd.errors import BadActivation, ModelMismatch, StageBusy, StageUnavailable, WrongStage
 from swarmd.stage_worker import StageWorker
 from swarmd.wiring import Wiring
 from transport.errors import RemoteError, TransportError
@@ -30,6 +30,8 @@ from transport.frames import Message
 
 log = logging.getLogger("swarmd.stage")
 
+#: requests waiting for or in compute; more are refused with ``busy`` (the sender reroutes)
+MAX_QUEUE = 16
 #: how many peers of the next stage a hop tries before giving up
 HOP_ATTEMPTS = 4
 HOP_TIMEOUT_S = 60.0
@@ -69,6 +71,7 @@ class StageServer:
         self._rng = rng or random.Random()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self._step_lock = asyncio.Lock()
+        self._queued = 0
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"], self._on_forward)
@@ -81,7 +84,8 @@ class StageServer:
 
     @property
     def queue(self) -> int:
-        return self.worker.saved
+        """Requests waiting for or in compute (what membership announces as queue length)."""
+        return self._queued
 
     # ---- handlers ------------------------------------------------------------------------
     async def _on_forward(self, message: Message, peer: str) -> Message:
@@ -91,9 +95,9 @@ class StageServer:
         mb = meta["mb"]
         t0 = time.perf_counter()
         if meta.get("eval"):
-            y = await self._run(self.worker.infer, x)
+            y = await self._run(self.worker.infer, x, admit=True)
         else:
-            y = await self._run(self.worker.forward, mb, x, time.time())
+            y = await self._run(self.worker.forward, mb, x, time.time(), admit=True)
             self._measured(x.shape[0], time.perf_counter() - t0)
         self.counters["forward"] += 1
         path = [*meta["path"], self.host.peer_id]
@@ -145,8 +149,18 @@ class StageServer:
             raise BadActivation("path", "the backward path does not lead through this peer")
         return meta
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+    async def _run(self, fn: Callable[..., Any], *args: Any, admit: bool = False) -> Any:
+        """Run ``fn`` in the compute thread. With ``admit`` (new forwards), a full queue
+        refuses instead of growing; backward and optimizer steps always get through, since
+        they free memory and cannot be routed elsewhere."""
+        if admit and self._queued >= MAX_QUEUE:
+            self.counters["busy"] = self.counters.get("busy", 0) + 1
+            raise StageBusy(f"{MAX_QUEUE} requests already wait for compute here")
+        self._queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        finally:
+            self._queued -= 1
 
     def _measured(self, samples: int, seconds: float) -> None:
         rate = samples / max(seconds, 1e-6)

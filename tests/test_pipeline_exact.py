@@ -83,3 +83,26 @@ def test_one_step_through_the_swarm_equals_single_process() -> None:
         err = float((grads[name] - r).norm() / r.norm())
         assert err <= 1e-5, (name, err)
     assert stats.lost == 0 and stats.restarted == 0 and stats.microbatches == 3
+
+
+def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
+    from swarmd import stage_server
+    from swarmd.errors import StageBusy
+
+    async def scenario() -> None:
+        async with Host(identity.generate(), HostOptions(pubsub=None)) as host:
+            server = stage_server.StageServer(
+                host, swarm=SWARM, stage=0, num_stages=2, model_config=CONFIG,
+                model_hash=CONFIG.model_hash(), codec=CodecSpec(name="none"), lr=1e-3, seed=0,
+                peers_of=lambda s: {}, max_tokens=4096)
+            server._queued = stage_server.MAX_QUEUE  # as if MAX_QUEUE requests were waiting
+            with pytest.raises(StageBusy):
+                await server._run(server.worker.infer, torch.randn(1, 4, CONFIG.width),
+                                  admit=True)
+            assert server.counters["busy"] == 1
+            # backward-side work still runs
+            out = await server._run(server.worker.infer, torch.randn(1, 4, CONFIG.width))
+            assert out.shape == (1, 4, CONFIG.width)
+            server.close()
+
+    uvloop.run(asyncio.wait_for(scenario(), 60))
