@@ -172,7 +172,7 @@ class Trainer:
         finally:
             self._waiting.pop(("grad", mb), None)
         g_emb = torch.autograd.grad(h, list(self.embedding.parameters()), g_h)
-        return float(loss), [*g_emb, *g_head]
+        return float(loss.detach()), [*g_emb, *g_head]
 
     async def _forward(self, x: torch.Tensor, *, eval_only: bool,
                        h: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
