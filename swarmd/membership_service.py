@@ -191,7 +191,8 @@ class MembershipService:
     async def _pull(self, peer: str, *, cutoff: float | None) -> bool:
         """Pull the full view (cutoff None) or a delta from ``peer``, page by page."""
         try:
-            await self._ensure_connected(peer)
+            ann = self.view.get(peer)
+            await self.host.ensure_connected(peer, ann.addrs if ann is not None else ())
             request = self.view.pull_request(time.time(), cutoff)
             async with asyncio.timeout(PULL_TIMEOUT_S):
                 for _ in range(MAX_PAGES):
@@ -214,17 +215,6 @@ class MembershipService:
             self._counters["pulls_failed"] += 1
             log.debug("pull from %s failed: %s", peer, exc)
             return False
-
-    async def _ensure_connected(self, peer: str) -> None:
-        if peer in await self.host.connected_peers():
-            return
-        ann = self.view.get(peer)
-        for addr in (ann.addrs if ann is not None else ()):
-            try:
-                await self.host.dial(addr, timeout=5.0)
-                return
-            except TransportError:
-                continue
 
     async def _push_to_connected(self, data: bytes) -> None:
         peers = await self.host.connected_peers()

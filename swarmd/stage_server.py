@@ -199,7 +199,7 @@ class StageServer:
                 self.counters["rerouted"] += 1
             t0 = time.perf_counter()
             try:
-                await self._ensure_connected(target, peers[target][2])
+                await self.host.ensure_connected(target, peers[target][2])
                 await self.host.request(target, self.proto[kind], message, codec=self.codec,
                                         timeout=HOP_TIMEOUT_S)
             except RemoteError as exc:
@@ -219,17 +219,6 @@ class StageServer:
                                f"(tried {len(tried)})")
 
     async def _to_trainer(self, meta: dict[str, Any], kind: str, message: Message) -> None:
-        await self._ensure_connected(meta["trainer"], tuple(meta.get("trainer_addrs", ())))
+        await self.host.ensure_connected(meta["trainer"], meta.get("trainer_addrs", ()))
         await self.host.request(meta["trainer"], self.proto[kind], message, codec=self.codec,
                                 timeout=HOP_TIMEOUT_S)
-
-    async def _ensure_connected(self, peer: str, addrs: tuple[str, ...]) -> None:
-        if peer in await self.host.connected_peers():
-            return
-        for addr in addrs:
-            try:
-                await self.host.dial(addr, timeout=5.0)
-                return
-            except TransportError:
-                continue
-

@@ -213,7 +213,7 @@ class Trainer:
                 continue
             t0 = time.perf_counter()
             try:
-                await self._ensure_connected(target, peers[target][2])
+                await self.host.ensure_connected(target, peers[target][2])
                 await self.host.request(target, self.proto["forward"], message,
                                         codec=self.codec, timeout=HOP_TIMEOUT_S)
             except RemoteError as exc:
@@ -241,16 +241,6 @@ class Trainer:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
-
-    async def _ensure_connected(self, peer: str, addrs: tuple[str, ...]) -> None:
-        if peer in await self.host.connected_peers():
-            return
-        for addr in addrs:
-            try:
-                await self.host.dial(addr, timeout=5.0)
-                return
-            except TransportError:
-                continue
 
 
 def _stage_unavailable(exc: BaseException) -> bool:

@@ -111,9 +111,10 @@ def test_payload_must_match_header() -> None:
 @given(st.binary(max_size=256))
 def test_random_header_bytes_give_only_typed_errors(body: bytes) -> None:
     try:
-        frames.parse_header(body, LIMITS)
+        header = frames.parse_header(body, LIMITS)
     except PeerProtocolError:
-        pass
+        return  # refused with a typed error: what untrusted bytes must get
+    assert 0 <= header.payload_bytes <= LIMITS.max_message_bytes  # accepted: within limits
 
 
 json_values = st.recursive(

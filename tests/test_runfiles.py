@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +28,16 @@ def test_second_lock_on_the_same_home_is_refused_with_the_holders_pid(tmp_path: 
     finally:
         holder.kill()
         holder.wait()
-    with HomeLock(tmp_path):  # the kernel dropped the dead holder's lock
-        pass
+    with HomeLock(tmp_path) as lock:  # the kernel dropped the dead holder's lock
+        assert lock.path.read_text().strip() == str(os.getpid())
 
 
 def test_lock_is_reusable_after_release(tmp_path: Path) -> None:
     lock = HomeLock(tmp_path)
     lock.acquire()
     lock.release()
-    with HomeLock(tmp_path):
-        pass
+    with HomeLock(tmp_path) as again:
+        assert again.path.read_text().strip() == str(os.getpid())
 
 
 def test_api_file_is_written_whole_and_removed_only_if_ours(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
@@ -162,6 +162,20 @@ class Host:
         except PeerUnavailable:
             self.counters.add("dial_failures")
             raise
+
+    async def ensure_connected(self, peer_id: str, addrs: Sequence[str] = (), *,
+                               timeout: float = 5.0) -> bool:
+        """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that works
+        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did."""
+        if peer_id in await self.connected_peers():
+            return True
+        for addr in addrs:
+            try:
+                await self.dial(addr, timeout=timeout)
+                return True
+            except TransportError:
+                continue
+        return False
 
     async def open_stream(self, peer_id: str, protocol: str, *,
                           timeout: float | None = None) -> Stream:
