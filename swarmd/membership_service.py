@@ -37,6 +37,8 @@ log = logging.getLogger("swarmd.membership")
 #: longest sleep of the loop, so new connections and stop requests are noticed quickly
 TICK_S = 0.5
 PULL_TIMEOUT_S = 10.0
+#: pulls and pushes running at once, beyond the scheduled pull
+MAX_BACKGROUND = 8
 MAX_PAGES = 256
 
 
@@ -68,6 +70,8 @@ class MembershipService:
         self._subscription: Any = None
         self._pump: asyncio.Task[None] | None = None
         self._last_announcement: bytes | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pull_task: asyncio.Task[Any] | None = None
         #: set once a full view has been pulled from some peer
         self.has_view = asyncio.Event()
 
@@ -88,10 +92,10 @@ class MembershipService:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        for task in (self._task, self._pump):
+        for task in (self._task, self._pump, *self._tasks):
             if task is not None:
                 task.cancel()
-        for task in (self._task, self._pump):
+        for task in (self._task, self._pump, *self._tasks):
             if task is not None:
                 try:
                     await task
@@ -146,19 +150,30 @@ class MembershipService:
             log.info("peer %s left the view (expired)", ann.peer_id)
         if self.schedule.announce_due(now):
             await self._announce(now)
+        # Pulls run as tasks of their own: a pull that waits on a dead or slow peer (up to
+        # PULL_TIMEOUT_S) must never delay our announcements, or others would expire us.
         connected = await self.host.connected_peers()
         for peer in connected:  # first contact: pull its full view at once
-            if peer not in self._pulled_from:
+            if peer not in self._pulled_from and len(self._tasks) < MAX_BACKGROUND:
                 self._pulled_from.add(peer)
-                await self._pull(peer, cutoff=None)
+                self._spawn(self._pull(peer, cutoff=None))
         self._pulled_from.intersection_update(connected)
         now = time.time()
-        if self.schedule.pull_due(now):
+        if self.schedule.pull_due(now) and (self._pull_task is None or self._pull_task.done()):
             candidates = [p for p in self.view.peer_ids(now) if p != self.host.peer_id]
             order = self.schedule.pull(now, self.view.estimate(now), candidates or connected)
             if order is not None:
-                ok = await self._pull(order.peer_id, cutoff=order.cutoff)
-                self.schedule.pulled(time.time(), order, ok=ok)
+                self._pull_task = self._spawn(self._scheduled_pull(order))
+
+    async def _scheduled_pull(self, order: Any) -> None:
+        ok = await self._pull(order.peer_id, cutoff=order.cutoff)
+        self.schedule.pulled(time.time(), order, ok=ok)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _announce(self, now: float) -> None:
         period = self.schedule.announce(now, self.view.estimate(now))
@@ -169,7 +184,7 @@ class MembershipService:
         self._counters["announcements_made"] += 1
         event = previous is None or previous.stage != stage or previous.state.value != state
         if event:
-            await self._push_to_connected(data)
+            self._spawn(self._push_to_connected(data))
         if event and self._subscription is not None and self.schedule.may_gossip(
                 now, self.view.estimate(now)):
             try:
