@@ -18,8 +18,9 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 - ``single_tokens_per_s``: the reference. ``swarmd.model.FullModel`` (embedding, both stages,
   head) trained with AdamW on the same microbatches (the same corpus and the same seeded
   ``torch.Generator`` as ``train()``: the very same batches in the same order, from the same
-  initial weights; ``swarm.window_mean_loss`` and ``single.window_mean_loss`` agree to about
-  1e-3), gradients of the mean loss accumulated over the microbatches of a step,
+  initial weights; ``swarm.window_mean_loss`` and ``single.window_mean_loss`` agree to 1e-3
+  over a few steps and drift apart slowly with the int8 rounding, about 1% after 160 steps),
+  gradients of the mean loss accumulated over the microbatches of a step,
   ``torch.set_num_threads(2)``: the machine's two cores, which the swarm's three processes
   share. It runs in a process of its own (``--serve-single``, see ``SingleClient`` for why),
   driven over a pipe; it warms up before the daemons start.
@@ -29,9 +30,15 @@ on the same machine, with the same model, data, batch size, microbatches per ste
   imports it at call time) pauses between two steps, when nothing of the pipeline is in flight,
   and the reference runs one block while the swarm idles. Throughputs are totals over the
   blocks (batch sampling included on both sides, validation excluded); ``ratio`` = swarm /
-  single, ``ratio_per_block`` pairs adjacent blocks. ``cpu`` says how busy the machine was and
-  how much of that was somebody else (``others_share``; ``contended`` when over 10%: run
-  again), and the CPU milliseconds each process spent per swarm step.
+  single, ``ratio_per_block`` pairs adjacent blocks. ``cpu`` says how busy the machine was, how
+  much of that was somebody else (``others_share``), and the CPU milliseconds each process
+  spent per step. Another process's load hurts the reference far more than the swarm (its two
+  OpenMP threads spin-wait for each other; a descheduled one costs the other its slice), so a
+  run where others used over 10% of the machine is ``contended``; ``ratio_judged`` (what the
+  target checks) is then the ratio over the block pairs that were not contended, or null when
+  fewer than half were: run again. A reference block stops early after ``BLOCK_MAX_S``
+  (``single.steps`` then counts fewer steps), so a loaded machine cannot stretch a run much
+  past 2-3 minutes.
 
 Model: the demo's settings (``swarmd.demo.DEMO_ENV``: width 128, 4 layers, 4 heads, seq_len
 64, batch 8) unless ``--model default`` (the configuration defaults: seq_len 128).
@@ -56,8 +63,9 @@ replies included. At a step boundary nothing of the pipeline is in flight (``tra
 returns once every microbatch's forward and backward chain replied), so snapshots there split
 the traffic cleanly; the only other traffic in the window is membership (pulls and
 announcements, well under 2 KB/s per peer), which is included: ``messages_per_microbatch`` is
-a little over the 12 frames a microbatch needs (6 tensors, 6 ``ok``). Bytes below the framing (Noise, yamux, TCP/IP) are not counted by
-anyone and not here. The daemons-only sums are reported too, for comparison.
+a little over the 12 frames a microbatch needs (6 tensors, 6 ``ok``). Bytes below the framing
+(Noise, yamux, TCP/IP) are counted by nobody, nor here. The daemons-only sum (sent + received)
+is reported too, for comparison: it exceeds ``bytes`` by the stage 0 <-> stage 1 traffic.
 
 The float32 reference is ``tokens * width * 4 bytes * 2 * (S + 1)``: the activation of every
 token crossing every link forward, and its gradient backward, as raw float32. The int8 codec's
@@ -86,6 +94,10 @@ sys.path.insert(0, str(HERE.parent))
 
 STAGES = 2
 CODEC = "int8"
+#: a block pair during which other processes used more of the machine than this is contended
+CONTENDED_SHARE = 0.1
+#: a reference block stops early after this long (25 steps take about 1.5 s on 2 idle cores)
+BLOCK_MAX_S = 6.0
 
 
 def say(text: str) -> None:
@@ -105,8 +117,7 @@ def bench_env(model: str) -> dict[str, str]:
 
 class SingleProcess:
     """FullModel + AdamW on the same batches ``train()`` draws (same corpus, same seed, same
-    initial weights), run in blocks of steps; torch intra-op threads set to ``threads`` in the
-    thread that runs the blocks."""
+    initial weights), run in blocks of steps with ``threads`` torch intra-op threads."""
 
     def __init__(self, config: Any, *, microbatches: int, threads: int) -> None:
         import torch
@@ -124,36 +135,35 @@ class SingleProcess:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.training.lr)
         self.generator = torch.Generator().manual_seed(config.training.seed)
         self.losses: list[float] = []
-        self.blocks: list[tuple[int, float]] = []  # (tokens, seconds) of each measured block
 
-    def run(self, steps: int, *, measured: bool = True) -> float:
-        """``steps`` training steps (batch sampling included); returns their seconds."""
+    def run(self, steps: int, *, max_seconds: float = float("inf")) -> tuple[int, float]:
+        """Up to ``steps`` training steps (batch sampling included), stopping early after
+        ``max_seconds``; returns (steps done, seconds)."""
         import torch
 
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
+        done = 0
         try:
-            self._steps(steps)
+            while done < steps and time.perf_counter() - t0 < max_seconds:
+                self._step()
+                done += 1
         finally:
-            torch.set_num_threads(before)  # torch's global default, which new threads take
-        seconds = time.perf_counter() - t0
-        if measured:
-            self.blocks.append((steps * self.microbatches * self.batch * self.seq, seconds))
-        return seconds
+            torch.set_num_threads(before)
+        return done, time.perf_counter() - t0
 
-    def _steps(self, steps: int) -> None:
-        for _ in range(steps):
-            batches = [self.corpus.sample_batch("train", self.batch, self.seq, self.generator)
-                       for _ in range(self.microbatches)]
-            total = 0.0
-            for x, y in batches:
-                _, loss = self.model(x, y)
-                (loss / self.microbatches).backward()
-                total += float(loss.detach())
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.losses.append(total / self.microbatches)
+    def _step(self) -> None:
+        batches = [self.corpus.sample_batch("train", self.batch, self.seq, self.generator)
+                   for _ in range(self.microbatches)]
+        total = 0.0
+        for x, y in batches:
+            _, loss = self.model(x, y)
+            (loss / self.microbatches).backward()
+            total += float(loss.detach())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(total / self.microbatches)
 
 
 class SingleClient:
@@ -163,8 +173,7 @@ class SingleClient:
     the process holds more OpenMP threads than the machine has cores, and libgomp then stops
     spin-waiting, which costs a small model's 2-thread step 60-80%.)"""
 
-    def __init__(self, env: dict[str, str], *, model: str, microbatches: int,
-                 threads: int) -> None:
+    def __init__(self, env: dict[str, str], *, microbatches: int, threads: int) -> None:
         import subprocess
 
         self.threads = threads
@@ -172,12 +181,17 @@ class SingleClient:
         self.blocks: list[tuple[int, float]] = []
         self.losses: list[float] = []
         self.cpu_seconds = 0.0  # over the measured blocks
+        self.steps = 0  # measured
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve-single", "--model", model,
-             "--microbatches", str(microbatches), "--threads", str(threads)],
+            [sys.executable, __file__, "--serve-single", "--microbatches", str(microbatches),
+             "--threads", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **env})
-        self.tokens_per_step = self._call({"ready": True})["tokens_per_step"]
+            env={**os.environ, **env})  # the model and data settings travel in SWARMD_*
+        try:
+            self.tokens_per_step = self._call({"ready": True})["tokens_per_step"]
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pid(self) -> int:
@@ -193,10 +207,13 @@ class SingleClient:
         return json.loads(line)
 
     def run(self, steps: int, *, measured: bool = True) -> float:
-        reply = self._call({"steps": steps})
+        """Up to ``steps`` steps (fewer when they take over ``BLOCK_MAX_S``: on a loaded
+        machine the reference can slow down twentyfold); returns their seconds."""
+        reply = self._call({"steps": steps, "max_seconds": BLOCK_MAX_S})
         self.losses.extend(reply["losses"])
         if measured:
-            self.blocks.append((steps * self.tokens_per_step, reply["seconds"]))
+            self.blocks.append((reply["steps"] * self.tokens_per_step, reply["seconds"]))
+            self.steps += reply["steps"]
             self.cpu_seconds += reply["cpu_seconds"]
         return float(reply["seconds"])
 
@@ -227,9 +244,10 @@ def serve_single(microbatches: int, threads: int) -> None:
             reply: dict[str, Any] = {"tokens_per_step": microbatches * single.batch * single.seq}
         else:
             before, cpu = len(single.losses), time.process_time()
-            seconds = single.run(int(request["steps"]), measured=False)
-            reply = {"seconds": seconds, "cpu_seconds": time.process_time() - cpu,
-                     "losses": single.losses[before:]}
+            steps, seconds = single.run(int(request["steps"]),
+                                        max_seconds=float(request["max_seconds"]))
+            reply = {"steps": steps, "seconds": seconds,
+                     "cpu_seconds": time.process_time() - cpu, "losses": single.losses[before:]}
         print(json.dumps(reply), flush=True)
 
 
@@ -288,15 +306,24 @@ class _Probe:
         self.named_pids: dict[str, int] = {}  # filled in by the caller
         self._proc0: dict[str, float] = {}
         self.proc_cpu_s: dict[str, float] = {}
+        #: (time, machine busy s, our processes' CPU s) at every mark: block pair k (reference
+        #: block k, then swarm block k) lies between entries k and k + 1
+        self.cpu_marks: list[tuple[float, float, float]] = []
 
     def _cpu(self) -> tuple[float, float, float]:
         return (time.monotonic(), _busy_s(), sum(_proc_cpu_s(p) for p in self.pids()))
+
+    def others_share(self, k: int) -> float:
+        """Share of the machine used by other processes during block pair ``k``."""
+        (t0, busy0, ours0), (t1, busy1, ours1) = self.cpu_marks[k], self.cpu_marks[k + 1]
+        return ((busy1 - busy0) - (ours1 - ours0)) / max(1e-9, (t1 - t0) * (os.cpu_count() or 1))
 
     async def at_step(self, trainer: Any) -> None:
         if trainer.step not in self.marks:
             return
         # quiescent here: every microbatch's forward and backward chain has replied
         t_end = time.perf_counter()
+        self.cpu_marks.append(self._cpu())
         loop = asyncio.get_running_loop()
         if self._open is not None:
             t_start, tokens, c_start = self._open
@@ -346,8 +373,8 @@ def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
     return int(after.get(key, 0)) - int(before.get(key, 0))
 
 
-def run(config: Any, env: dict[str, str], *, model: str, warmup: int, blocks: int,
-        block_steps: int, microbatches: int, trainer_threads: int | None = None,
+def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_steps: int,
+        microbatches: int, trainer_threads: int | None = None,
         daemon_threads: int | None = None) -> dict[str, Any]:
     import torch
     import uvloop
@@ -357,7 +384,7 @@ def run(config: Any, env: dict[str, str], *, model: str, warmup: int, blocks: in
     from swarmd.train_run import train
 
     say(f"single process: starting, {warmup} warm-up steps")
-    single = SingleClient(env, model=model, microbatches=microbatches, threads=2)
+    single = SingleClient(env, microbatches=microbatches, threads=2)
     default_threads = torch.get_num_threads()
     if trainer_threads is not None:
         torch.set_num_threads(trainer_threads)
@@ -411,6 +438,12 @@ def run(config: Any, env: dict[str, str], *, model: str, warmup: int, blocks: in
     sw_tps, si_tps = sw_tokens / sw_seconds, si_tokens / si_seconds
     per_block = [(a / b) / (c / d) for (a, b), (c, d) in zip(probe.swarm_blocks, single.blocks)]
     swarm_steps = blocks * block_steps
+    others = [probe.others_share(k) for k in range(len(probe.swarm_blocks))]
+    clean = [k for k, o in enumerate(others) if o <= CONTENDED_SHARE]
+    ratio_clean = (sum(probe.swarm_blocks[k][0] for k in clean)
+                   / sum(probe.swarm_blocks[k][1] for k in clean)
+                   / (sum(single.blocks[k][0] for k in clean)
+                      / sum(single.blocks[k][1] for k in clean))) if clean else None
 
     # ---- wire: every frame counted once, at its sender (see the module docstring)
     hosts = ("trainer", "stage0", "stage1")
@@ -437,6 +470,9 @@ def run(config: Any, env: dict[str, str], *, model: str, warmup: int, blocks: in
         "ratio": sw_tps / si_tps,
         "ratio_per_block": per_block,
         "ratio_block_median": statistics.median(per_block),
+        "others_share_per_block": others,
+        "ratio_uncontended_blocks": ratio_clean,
+        "uncontended_blocks": len(clean),
         "wire_bytes_per_token": wire / sw_tokens,
         "wire_ratio_vs_fp32": wire / fp32,
         "swarm": {
@@ -450,11 +486,11 @@ def run(config: Any, env: dict[str, str], *, model: str, warmup: int, blocks: in
             "stage_counters": stage_counters,
         },
         "single": {
-            "warmup_steps": warmup, "steps": blocks * block_steps, "blocks": blocks,
+            "warmup_steps": warmup, "steps": single.steps, "blocks": blocks,
             "tokens": si_tokens, "seconds": si_seconds,
-            "step_ms": si_seconds / (blocks * block_steps) * 1e3,
+            "step_ms": si_seconds / max(1, single.steps) * 1e3,
             "tokens_per_s_per_block": [t / s for t, s in single.blocks],
-            "window_mean_loss": sum(single.losses[window]) / len(single.losses[window]),
+            "window_mean_loss": sum(single.losses[window]) / max(1, len(single.losses[window])),
         },
         "threads": {"cores": os.cpu_count(), "single_torch_threads": single.threads,
                     "trainer_torch_threads": trainer_threads,
@@ -463,7 +499,7 @@ def run(config: Any, env: dict[str, str], *, model: str, warmup: int, blocks: in
                     "daemon_os_threads": os_threads},
         "cpu": {**probe.cpu, "ms_per_swarm_step": {
             name: v / swarm_steps * 1e3 for name, v in probe.proc_cpu_s.items()},
-            "ms_per_single_step": single.cpu_seconds / swarm_steps * 1e3},
+            "ms_per_single_step": single.cpu_seconds / max(1, single.steps) * 1e3},
         "wire": {
             "bytes": wire,
             "bytes_sent_by_host": sent,
@@ -491,13 +527,17 @@ def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int 
     config = load_config(None, {**os.environ, **env})
     mc = config.model_config()
     load_before = os.getloadavg()
-    out = run(config, env, model=model, warmup=warmup, blocks=blocks, block_steps=block_steps,
+    out = run(config, env, warmup=warmup, blocks=blocks, block_steps=block_steps,
               microbatches=microbatches, trainer_threads=trainer_threads,
               daemon_threads=daemon_threads)
-    contended = out["cpu"].get("others_share", 0.0) > 0.1
+    contended = out["cpu"].get("others_share", 0.0) > CONTENDED_SHARE
+    # the ratio target is judged on uncontended blocks only, when at least half of them are
+    ratio_judged = out["ratio"] if not contended else (
+        out["ratio_uncontended_blocks"] if 2 * out["uncontended_blocks"] >= blocks else None)
     if contended:
         say(f"WARNING: other processes used {out['cpu']['others_share']:.0%} of the machine "
-            f"during the measurement: the figures are not representative, run again")
+            f"during the measurement ({out['uncontended_blocks']} of {blocks} block pairs "
+            f"clean): the throughput figures are not representative, run again")
     say(f"swarm {out['swarm_tokens_per_s']:,.0f} tokens/s, single "
         f"{out['single_tokens_per_s']:,.0f} tokens/s, ratio {out['ratio']:.3f}, wire ratio "
         f"{out['wire_ratio_vs_fp32']:.4f}")
@@ -511,7 +551,8 @@ def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int 
                          "int8_block_size": config.wire.int8_block_size,
                          "int8_scale_dtype": config.wire.int8_scale_dtype},
         **out,
-        "targets": {"ratio_ge_0.6": out["ratio"] >= 0.6,
+        "ratio_judged": ratio_judged,
+        "targets": {"ratio_ge_0.6": None if ratio_judged is None else ratio_judged >= 0.6,
                     "wire_ratio_le_0.27": out["wire_ratio_vs_fp32"] <= 0.27},
         "contended": contended,
         "loadavg_before_after": [load_before[0], os.getloadavg()[0]],
