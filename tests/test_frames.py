@@ -138,3 +138,10 @@ def test_random_structured_headers_give_only_typed_errors(fields: dict) -> None:
         return
     # accepted: the sizes it announces are within limits
     assert 0 <= h.payload_bytes <= LIMITS.max_message_bytes
+
+
+def test_a_parsed_header_knows_the_whole_frame_size() -> None:
+    frame = frames.encode_message(Message(kind="k", meta={"a": 1}, tensors=(torch.ones(3),)),
+                                  CodecSpec(name="none"))
+    header = frames.parse_header(frame.head[frames.PREFIX_BYTES:], LIMITS)
+    assert header.frame_bytes == frame.total_bytes  # what the sender counts, the receiver counts

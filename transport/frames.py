@@ -61,6 +61,13 @@ class FrameHeader:
     meta: dict[str, Any]
     tensor_metas: tuple[dict[str, Any], ...]
     payload_bytes: int
+    #: the msgpack header's own size
+    header_bytes: int = 0
+
+    @property
+    def frame_bytes(self) -> int:
+        """The whole frame on the wire: prefix, header and payload."""
+        return PREFIX_BYTES + self.header_bytes + self.payload_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +153,8 @@ def parse_header(body: bytes, limits: Limits) -> FrameHeader:
         declared += size
     if declared != n:
         raise MalformedFrame(f"tensors declare {declared} payload bytes, frame says {n}")
-    return FrameHeader(kind=kind, meta=meta, tensor_metas=tuple(metas), payload_bytes=n)
+    return FrameHeader(kind=kind, meta=meta, tensor_metas=tuple(metas), payload_bytes=n,
+                       header_bytes=len(body))
 
 
 def split_payload(header: FrameHeader, payload: memoryview) -> list[memoryview]:

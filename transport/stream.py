@@ -157,7 +157,7 @@ class Stream:
             header, payload = await self._guarded(self._t_read_frame, timeout=timeout)
         except _CleanEnd:
             return None
-        self._host.counters.add("bytes_received", frames.PREFIX_BYTES + header.payload_bytes)
+        self._host.counters.add("bytes_received", header.frame_bytes)
         self._host.counters.add("messages_received")
         return header, payload
 
@@ -174,7 +174,7 @@ class Stream:
         counters = self._host.counters
         counters.add("bytes_sent", frame.total_bytes)
         counters.add("messages_sent")
-        counters.add("bytes_received", frames.PREFIX_BYTES + header.payload_bytes)
+        counters.add("bytes_received", header.frame_bytes)
         counters.add("messages_received")
         return await self._decode(header, payload, kinds=None)
 
