@@ -286,6 +286,17 @@ def text_stop(result: StopResult) -> str:
 
 # ------------------------------------------------------------------------------------- join
 
+def configure_logging(level: str) -> None:
+    """Log to stderr at ``level``. Imports libp2p first: importing it resets its logger, so
+    logging configured before that import would be undone."""
+    import logging
+
+    import libp2p  # noqa: F401
+
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _join_arguments(parser: argparse.ArgumentParser) -> None:
     add_home_argument(parser)
     add_config_argument(parser)
@@ -307,9 +318,6 @@ class JoinResult:
 
 
 def cmd_join(args: argparse.Namespace) -> JoinResult:
-    import logging
-
-    import libp2p  # noqa: F401  (it resets its logger on import: configure logging after it)
 
     from swarmd.daemon import JoinOptions, Started, run_join
     from swarmd.errors import ConfigError
@@ -327,8 +335,7 @@ def cmd_join(args: argparse.Namespace) -> JoinResult:
         except ValueError:
             raise ConfigError(f"command line flag --stage: {args.stage!r} is invalid; expected a "
                               f"stage number (0, 1, ...) or auto") from None
-    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log.level.upper())
     options = JoinOptions(home=home_from_args(args), config=config, stage=stage)
     started: list[Started] = []
 
@@ -368,9 +375,6 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> Any:
-    import logging
-
-    import libp2p  # noqa: F401  (it resets its logger on import: configure logging after it)
     import uvloop
 
     from swarmd.errors import ConfigError
@@ -383,8 +387,7 @@ def cmd_train(args: argparse.Namespace) -> Any:
         raise ConfigError("swarmd train needs a swarm to join: pass --bootstrap "
                           "/ip4/HOST/tcp/PORT/p2p/PEER_ID (a running daemon's address, see "
                           "`swarmd id`)")
-    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log.level.upper())
     home = home_from_args(args)
     home.mkdir(parents=True, exist_ok=True)
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
@@ -406,15 +409,11 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> Any:
-    import logging
-
-    import libp2p  # noqa: F401
 
     from swarmd.demo import run_demo
     from swarmd.errors import ConfigError
 
-    logging.basicConfig(level="WARNING", stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("WARNING")
     if args.steps < 1 or args.stages < 1 or args.peers < args.stages:
         raise ConfigError("swarmd demo needs --steps >= 1, --stages >= 1 and at least one peer "
                           "per stage (--peers >= --stages)")

@@ -43,7 +43,7 @@ def run_demo(*, peers: int, stages: int, steps: int,
     import uvloop
 
     from swarmd.config import load_config
-    from swarmd.local_swarm import DaemonProcess
+    from swarmd.local_swarm import DaemonProcess, start_swarm
     from swarmd.train_run import train
 
     if stages < 1 or peers < stages:
@@ -54,14 +54,8 @@ def run_demo(*, peers: int, stages: int, steps: int,
     with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as root:
         daemons: list[DaemonProcess] = []
         try:
-            first = DaemonProcess(Path(root) / "peer0", "--stage", "0", env=env)
-            first.wait_started()
-            daemons.append(first)
-            rest = [DaemonProcess(Path(root) / f"peer{i}", "--stage", str(i % stages),
-                                  "--bootstrap", first.addr, env=env) for i in range(1, peers)]
-            for d in rest:
-                d.wait_started()
-            daemons.extend(rest)
+            first, *_ = start_swarm(Path(root), [i % stages for i in range(peers)], env=env,
+                                    into=daemons)
             progress(f"{peers} daemons up; watch the swarm at {first.url}")
             config = load_config(None, {**os.environ, **env})
             result = uvloop.run(train(config, bootstrap=[first.addr], steps=steps,

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,3 +108,30 @@ def wait_until(condition: Any, seconds: float, what: str, interval: float = 0.1)
         time.sleep(interval)
     raise AssertionError(f"timed out after {seconds} s waiting for {what}"
                          + (f" (last error: {last_error!r})" if last_error else ""))
+
+
+def start_swarm(root: Path, stages: Sequence[int | None], *, env: dict[str, str] | None = None,
+                into: list[DaemonProcess] | None = None) -> list[DaemonProcess]:
+    """Start one daemon per entry of ``stages`` under ``root`` (homes ``peer0``, ``peer1``...):
+    the first starts the swarm, the others join through it (``None``: ``--stage auto``).
+
+    Each daemon is appended to ``into`` as soon as it exists, so the caller can stop all of
+    them in a ``finally`` even when a later one fails to start.
+    """
+    started = into if into is not None else []
+
+    def stage_args(stage: int | None) -> tuple[str, ...]:
+        return () if stage is None else ("--stage", str(stage))
+
+    first = DaemonProcess(root / "peer0", *stage_args(stages[0]), env=env)
+    started.append(first)
+    first.wait_started()
+    rest = []
+    for i, stage in enumerate(stages[1:], start=1):
+        d = DaemonProcess(root / f"peer{i}", *stage_args(stage), "--bootstrap", first.addr,
+                          env=env)
+        started.append(d)
+        rest.append(d)
+    for d in rest:
+        d.wait_started()
+    return [first, *rest]

@@ -1,3 +1,4 @@
 """The local swarm launcher (swarmd.local_swarm), for integration tests."""
 
-from swarmd.local_swarm import ROOT, DaemonProcess, readline, wait_until  # noqa: F401
+from swarmd.local_swarm import (  # noqa: F401
+    ROOT, DaemonProcess, readline, start_swarm, wait_until)

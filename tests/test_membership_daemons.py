@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from daemon_harness import DaemonProcess, wait_until
+from daemon_harness import DaemonProcess, start_swarm, wait_until
 from swarmd.config import load_config
 from swarmd.membership import Announcement, PeerState, encode_signed
 from transport import identity
@@ -36,16 +36,8 @@ def view_ids(d: DaemonProcess) -> set[str]:
 def swarm(tmp_path: Path) -> Any:
     daemons: list[DaemonProcess] = []
 
-    def start(n: int, *extra: str) -> list[DaemonProcess]:
-        first = DaemonProcess(tmp_path / "d0", "--stage", "0", *extra)
-        first.wait_started()
-        daemons.append(first)
-        rest = [DaemonProcess(tmp_path / f"d{i}", "--bootstrap", first.addr, *extra)
-                for i in range(1, n)]
-        for d in rest:
-            d.wait_started()
-        daemons.extend(rest)
-        return daemons
+    def start(n: int) -> list[DaemonProcess]:  # stage 0 starts the swarm, the rest are auto
+        return start_swarm(tmp_path, [0, *[None] * (n - 1)], into=daemons)
 
     yield start
     for d in daemons:

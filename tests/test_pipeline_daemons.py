@@ -16,7 +16,7 @@ import pytest
 import torch
 import uvloop
 
-from daemon_harness import ROOT, DaemonProcess, wait_until
+from daemon_harness import ROOT, DaemonProcess, start_swarm, wait_until
 from swarmd.config import load_config
 from swarmd.demo import DEMO_ENV
 from swarmd.train_run import train
@@ -46,15 +46,7 @@ def daemons(tmp_path: Path) -> Any:
     started: list[DaemonProcess] = []
 
     def start(*stages: int) -> list[DaemonProcess]:
-        first = DaemonProcess(tmp_path / "p0", "--stage", str(stages[0]), env=ENV)
-        first.wait_started()
-        started.append(first)
-        for i, stage in enumerate(stages[1:], start=1):
-            d = DaemonProcess(tmp_path / f"p{i}", "--stage", str(stage), "--bootstrap",
-                              first.addr, env=ENV)
-            d.wait_started()
-            started.append(d)
-        return started
+        return start_swarm(tmp_path, stages, env=ENV, into=started)
 
     yield start
     for d in started:

@@ -27,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from local_swarm import DaemonProcess, wait_until  # noqa: E402
+from local_swarm import DaemonProcess, start_swarm, wait_until  # noqa: E402
 
 QUIET_WINDOW_S = 10.0
 
@@ -46,13 +46,7 @@ def _traffic(d: DaemonProcess) -> int:
 def local_swarm(n: int, root: Path, kill_one: bool) -> dict[str, Any]:
     daemons: list[DaemonProcess] = []
     try:
-        first = DaemonProcess(root / "d0", "--stage", "0")
-        first.wait_started()
-        daemons.append(first)
-        rest = [DaemonProcess(root / f"d{i}", "--bootstrap", first.addr) for i in range(1, n)]
-        for d in rest:
-            d.wait_started()
-        daemons.extend(rest)
+        start_swarm(root, [0, *[None] * (n - 1)], into=daemons)
         last_start = time.monotonic()
         everyone = {d.peer_id for d in daemons}
         wait_until(lambda: all(_view(d) == everyone for d in daemons), 120, "convergence",

@@ -5,4 +5,5 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarmd.local_swarm import ROOT, DaemonProcess, readline, wait_until  # noqa: E402,F401
+from swarmd.local_swarm import (  # noqa: E402,F401
+    ROOT, DaemonProcess, readline, start_swarm, wait_until)
