@@ -255,6 +255,11 @@ class ModelSection(_Section):
         "auto", "Where this node computes: auto (CUDA when available, else CPU), cpu, cuda or "
         "cuda:N.", '"auto", "cpu", "cuda" or "cuda:N"', _device,
     )
+    threads: int = _opt(
+        0, "torch CPU threads of this process (0: torch's default, one per core). Set it when "
+        "several swarmd processes share one machine's cores, as `swarmd demo` does.",
+        "an integer from 0 to 1024", _int_range(0, 1024),
+    )
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,14 @@ class TrainingConfig(_Section):
     batch_size: int = _opt(
         8, "Sequences per microbatch, the unit that travels through the pipeline.",
         "an integer from 1 to 65536", _int_range(1, 65536),
+    )
+    microbatches: int = _opt(
+        4, "Microbatches per optimizer step of a trainer.", "an integer from 1 to 65536",
+        _int_range(1, 65536),
+    )
+    in_flight: int = _opt(
+        0, "Microbatches a trainer keeps in the pipeline at once (0: training.microbatches).",
+        "an integer from 0 to 4096", _int_range(0, 4096),
     )
     lr: float = _opt(
         3e-3, "Learning rate.", "a number greater than 0", _positive,
@@ -473,6 +486,20 @@ class Config:
         m = self.model
         return ModelConfig(width=m.width, heads=m.heads, layers=m.layers, seq_len=m.seq_len,
                            share_layers=m.share_layers)
+
+    def torch_placement(self) -> tuple[Any, Any]:
+        """``(device, dtype)`` from ``[model]``, checked against this machine; also applies
+        ``model.threads``. Raises ``ConfigError`` saying what to change."""
+        import torch
+
+        from swarmd.model import resolve_device, resolve_dtype
+
+        if self.model.threads:
+            torch.set_num_threads(self.model.threads)
+        try:
+            return resolve_device(self.model.device), resolve_dtype(self.model.dtype)
+        except ValueError as exc:
+            raise ConfigError(f"model.device / model.dtype: {exc}") from None
 
     def model_hash(self) -> str:
         """What peers must agree on to train together: the swarm's model name and the hash of

@@ -118,6 +118,7 @@ class Daemon:
         from transport.memory import keep_freed_memory
 
         home = self.options.home
+        self._device, self._dtype = self.config.torch_placement()  # bad settings fail here
         with HomeLock(home):
             identity = load_identity(home)
             keep_freed_memory()
@@ -172,7 +173,8 @@ class Daemon:
             self.host, swarm=c.swarm.name, stage=self.stage, num_stages=c.swarm.stages,
             model_config=model, model_hash=c.model_hash(), codec=codec_spec(c),
             lr=c.training.lr, seed=c.training.seed, peers_of=self.membership.peers_of,
-            max_tokens=4 * c.training.batch_size * model.seq_len)
+            max_tokens=4 * c.training.batch_size * model.seq_len,
+            device=self._device, dtype=self._dtype)
         self.stage_server.start()
         log.info("serving stage %d of %d", self.stage, c.swarm.stages)
 

@@ -20,6 +20,8 @@ DEMO_ENV = {
     "SWARMD_MODEL_WIDTH": "128", "SWARMD_MODEL_LAYERS": "4", "SWARMD_MODEL_HEADS": "4",
     "SWARMD_MODEL_SEQ_LEN": "64", "SWARMD_TRAINING_BATCH_SIZE": "8",
     "SWARMD_TRAINING_LR": "0.003", "SWARMD_DATA_MAX_BYTES": "8388608",
+    # every process of the demo shares this machine's cores: one torch thread each
+    "SWARMD_MODEL_THREADS": "1",
 }
 
 

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 __all__ = [
     "ModelConfig", "CausalSelfAttention", "MLP", "Block", "Embedding", "Head", "Stage",
     "FullModel", "stage_layers", "build_embedding", "build_stage", "build_head",
-    "resolve_device", "resolve_dtype", "DTYPES", "ARCH",
+    "resolve_device", "resolve_dtype", "wire_tensor", "DTYPES", "ARCH",
 ]
 
 log = logging.getLogger(__name__)
@@ -332,3 +332,8 @@ def resolve_dtype(name: str) -> torch.dtype:
     except KeyError:
         raise ValueError(f'unknown dtype "{name}": expected one of '
                          + ", ".join(f'"{n}"' for n in DTYPES)) from None
+
+
+def wire_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What crosses the network: float32 on the CPU (the codecs quantize from there)."""
+    return t.to("cpu", torch.float32) if t.device.type != "cpu" or t.dtype != torch.float32 else t

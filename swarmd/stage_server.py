@@ -49,7 +49,8 @@ class StageServer:
     def __init__(self, host: Any, *, swarm: str, stage: int, num_stages: int,
                  model_config: Any, model_hash: str, codec: Any, lr: float, seed: int,
                  peers_of: Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]],
-                 max_tokens: int, rng: random.Random | None = None) -> None:
+                 max_tokens: int, rng: random.Random | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         from swarmd.model import build_stage
 
         self.host = host
@@ -59,8 +60,10 @@ class StageServer:
         self.codec = codec
         self.proto = protocols(swarm)
         self.peers_of = peers_of
-        self.module = build_stage(model_config, stage, num_stages, seed)
-        self.worker = StageWorker(self.module, width=model_config.width, max_tokens=max_tokens)
+        self.module = build_stage(model_config, stage, num_stages, seed, device=device,
+                                  dtype=dtype)
+        self.worker = StageWorker(self.module, width=model_config.width, max_tokens=max_tokens,
+                                  device=device, dtype=dtype)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
         self.step = 0
         self.wiring = Wiring()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
+from swarmd.model import wire_tensor
 
 
 @dataclass(slots=True)
@@ -34,7 +35,8 @@ class _Saved:
 class StageWorker:
     def __init__(self, module: nn.Module, *, width: int, max_tokens: int,
                  max_saved: int = 64, ttl_s: float = 120.0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1:
             raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1")
         self.module = module
@@ -43,6 +45,7 @@ class StageWorker:
         self.max_saved = max_saved
         self.ttl_s = ttl_s
         self.dtype = dtype
+        self.device = torch.device(device)
         self._saved: dict[str, _Saved] = {}
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
@@ -58,17 +61,17 @@ class StageWorker:
         if len(self._saved) >= self.max_saved:
             raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
         self._check(x, "activations")
-        inputs = x.to(self.dtype).detach().requires_grad_(True)
+        inputs = x.to(self.device, self.dtype).detach().requires_grad_(True)
         with torch.enable_grad():
             outputs = self.module(inputs)
         self._saved[mb_id] = _Saved(inputs, outputs, int(x.shape[0]), now + self.ttl_s)
-        return outputs.detach()
+        return wire_tensor(outputs.detach())
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only (validation): nothing is kept."""
         self._check(x, "activations")
         with torch.no_grad():
-            return self.module(x.to(self.dtype))
+            return wire_tensor(self.module(x.to(self.device, self.dtype)))
 
     def backward(self, mb_id: str, grad: torch.Tensor, now: float) -> torch.Tensor:
         """Back-propagate ``grad`` (d loss / d output) and return d loss / d input."""
@@ -82,10 +85,10 @@ class StageWorker:
                                          f"of shape {tuple(saved.outputs.shape)}")
         self._check(grad, "gradient")
         del self._saved[mb_id]
-        torch.autograd.backward(saved.outputs, grad.to(saved.outputs.dtype))
+        torch.autograd.backward(saved.outputs, grad.to(self.device, saved.outputs.dtype))
         self.samples_accumulated += saved.samples
         assert saved.inputs.grad is not None
-        return saved.inputs.grad
+        return wire_tensor(saved.inputs.grad)
 
     def forget(self, mb_id: str) -> None:
         """Drop a microbatch whose chain failed further on: its backward will never come."""
@@ -115,3 +118,4 @@ class StageWorker:
             raise BadActivation("dtype", f"{what} must be floating point, got {x.dtype}")
         if not bool(torch.isfinite(x).all()):
             raise BadActivation("not_finite", f"{what} contain NaN or Inf")
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,9 +39,14 @@ class TrainResult:
 
 async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 data_path: Path | None = None, home: Path | None = None,
-                listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), microbatches: int = 2,
-                progress: Callable[[str], None] = print) -> TrainResult:
+                listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+                microbatches: int | None = None, progress: Callable[[str], None] = print,
+                bar: bool = True) -> TrainResult:
+    """Train ``steps`` steps through the swarm. ``microbatches`` overrides
+    ``training.microbatches``. With ``bar``, a progress bar goes to stderr when that is a
+    terminal; otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     import torch
+    from tqdm import tqdm
 
     from swarmd.data import load_corpus
     from swarmd.host_options import codec_spec, host_options
@@ -51,6 +57,9 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     from transport.memory import keep_freed_memory
 
     keep_freed_memory()
+    device, dtype = config.torch_placement()
+    microbatches = microbatches or config.training.microbatches
+    in_flight = config.training.in_flight or microbatches
     model = config.model_config()
     seq, batch = model.seq_len, config.training.batch_size
     path = data_path if data_path is not None else (Path(config.data.path) if config.data.path
@@ -68,7 +77,8 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
             trainer = Trainer(host, swarm=config.swarm.name, num_stages=config.swarm.stages,
                               model_config=model, model_hash=config.model_hash(),
                               codec=codec_spec(config), lr=config.training.lr,
-                              seed=config.training.seed, peers_of=m.peers_of)
+                              seed=config.training.seed, peers_of=m.peers_of, device=device,
+                              dtype=dtype)
             trainer.start()
             try:
                 await _wait_for_stages(m, config.swarm.stages, progress)
@@ -78,22 +88,34 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 progress(f"initial validation loss {initial:.4f}")
                 t0 = time.monotonic()
                 every = max(1, steps // 20)
-                for step in range(1, steps + 1):
-                    batches = [corpus.sample_batch("train", batch, seq, generator)
-                               for _ in range(microbatches)]
-                    loss = await trainer.train_step(batches)
-                    elapsed = time.monotonic() - t0
-                    s = trainer.stats
-                    line = {"step": step, "loss": loss, "tokens_per_s": s.tokens / elapsed,
-                            "rerouted": s.rerouted, "restarted": s.restarted, "lost": s.lost,
-                            "time": time.time()}
-                    if metrics_file is not None:
-                        with open(metrics_file, "a") as f:
-                            f.write(json.dumps(line) + "\n")
-                    if step % every == 0 or step == steps:
-                        progress(f"step {step:>5}/{steps}  loss {loss:.4f}  "
-                                 f"{s.tokens / elapsed:,.0f} tok/s  rerouted {s.rerouted}  "
-                                 f"restarted {s.restarted}  lost {s.lost}")
+                shown = tqdm(total=steps, unit="step", disable=None if bar else True,
+                             file=sys.stderr, dynamic_ncols=True, leave=False)
+                with shown:
+                    for step in range(1, steps + 1):
+                        batches = [corpus.sample_batch("train", batch, seq, generator)
+                                   for _ in range(microbatches)]
+                        loss = await trainer.train_step(batches, concurrency=in_flight)
+                        elapsed = time.monotonic() - t0
+                        s = trainer.stats
+                        line = {"step": step, "loss": loss, "tokens_per_s": s.tokens / elapsed,
+                                "rerouted": s.rerouted, "restarted": s.restarted,
+                                "lost": s.lost, "peers_used": s.peers_used(),
+                                "time": time.time()}
+                        if metrics_file is not None:
+                            with open(metrics_file, "a") as f:
+                                f.write(json.dumps(line) + "\n")
+                        routes = "/".join(str(n) for n in s.peers_used())
+                        if not shown.disable:
+                            shown.set_postfix_str(
+                                f"loss {loss:.3f}  {s.tokens / elapsed:,.0f} tok/s  peers "
+                                f"{routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
+                                f"lost {s.lost}", refresh=False)
+                            shown.update(1)
+                        elif step % every == 0 or step == steps:
+                            progress(f"step {step:>5}/{steps}  loss {loss:.4f}  "
+                                     f"{s.tokens / elapsed:,.0f} tok/s  peers per stage "
+                                     f"{routes}  rerouted {s.rerouted}  restarted "
+                                     f"{s.restarted}  lost {s.lost}")
                 final = await trainer.evaluate(val)
                 progress(f"final validation loss {final:.4f}")
                 s = trainer.stats

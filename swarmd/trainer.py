@@ -16,13 +16,15 @@ import asyncio
 import logging
 import random
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 
-from swarmd.errors import StageUnavailable
+from swarmd.errors import BadActivation, StageUnavailable
+from swarmd.model import wire_tensor
 from swarmd.stage_server import HOP_TIMEOUT_S, protocols
 from swarmd.wiring import Wiring
 from transport.errors import RemoteError, TransportError
@@ -44,6 +46,12 @@ class TrainStats:
     tokens: int = 0
     missing_stage: int | None = None
     losses: list[float] = field(default_factory=list)
+    #: per stage, how many microbatches each peer served (route statistics)
+    routes: list[Counter[str]] = field(default_factory=list)
+
+    def peers_used(self) -> list[int]:
+        """Distinct peers each stage's microbatches went through so far."""
+        return [len(r) for r in self.routes]
 
 
 class Trainer:
@@ -52,7 +60,8 @@ class Trainer:
     def __init__(self, host: Any, *, swarm: str, num_stages: int, model_config: Any,
                  model_hash: str, codec: Any, lr: float, seed: int,
                  peers_of: Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]],
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         from swarmd.model import build_embedding, build_head
 
         self.host = host
@@ -61,8 +70,9 @@ class Trainer:
         self.codec = codec
         self.proto = protocols(swarm)
         self.peers_of = peers_of
-        self.embedding = build_embedding(model_config, seed)
-        self.head = build_head(model_config, seed)
+        self.device, self.dtype = torch.device(device), dtype
+        self.embedding = build_embedding(model_config, seed, device=device, dtype=dtype)
+        self.head = build_head(model_config, seed, device=device, dtype=dtype)
         self.params = [*self.embedding.parameters(), *self.head.parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
         self.step = 0
@@ -73,12 +83,16 @@ class Trainer:
         self._waiting: dict[tuple[str, str], asyncio.Future[torch.Tensor]] = {}
         self._paths: dict[str, list[str]] = {}
         self._counter = 0
+        #: sends whose answer already arrived, finishing in the background
+        self._late: set[asyncio.Future[Any]] = set()
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["result"], self._on_arrival)
         self.host.set_request_handler(self.proto["grad"], self._on_arrival)
 
     def close(self) -> None:
+        for sender in self._late:
+            sender.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
 
     # ---- arrivals from the swarm -----------------------------------------------------------
@@ -88,7 +102,12 @@ class Trainer:
         if future is None or len(message.tensors) != 1:
             return Message(kind="ok", meta={"late": True})  # a restarted microbatch's leftover
         if message.kind == "result":
-            self._paths[mb] = list(message.meta.get("path", []))
+            path = message.meta.get("path")
+            if (not isinstance(path, list) or len(path) != self.num_stages
+                    or not all(isinstance(p, str) for p in path)):
+                raise BadActivation("path", f"a result's path must name {self.num_stages} "
+                                            f"peers, one per stage")
+            self._paths[mb] = path
         if not future.done():
             future.set_result(message.tensors[0])
         return Message(kind="ok")
@@ -122,10 +141,9 @@ class Trainer:
         """Mean loss on ``batches`` (forward only; stage peers keep nothing)."""
         losses = []
         for x, y in batches:
-            with torch.no_grad():
-                out, _ = await self._forward(x, eval_only=True)
-                logits = self.head(out)
-                losses.append(float(self.head.loss(logits, y)))
+            h = await self._run(self._embed, x, False)
+            out, _ = await self._forward(h, eval_only=True)
+            losses.append(await self._run(self._eval_loss, out, y))
         return sum(losses) / len(losses)
 
     async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> float:
@@ -135,7 +153,7 @@ class Trainer:
                 self.stats.restarted += 1
             tries += 1
             try:
-                loss, grads = await self._attempt(x, y, scale)
+                loss, grads, path = await self._attempt(x, y, scale)
             except (TransportError, StageUnavailable, TimeoutError) as exc:
                 if _stage_unavailable(exc) and time.monotonic() < patience:
                     # a stage has no peer that takes work right now: wait, do not give up
@@ -149,35 +167,57 @@ class Trainer:
                 p.grad = g if p.grad is None else p.grad + g
             self.stats.microbatches += 1
             self.stats.tokens += x.numel()
+            self._route(path)
             return loss
         self.stats.lost += 1
         raise StageUnavailable(f"a microbatch failed {MAX_RESTARTS} times in a row")
 
+    def _route(self, path: list[str]) -> None:
+        while len(self.stats.routes) < len(path):
+            self.stats.routes.append(Counter())
+        for stage, peer in enumerate(path):
+            self.stats.routes[stage][peer] += 1
+
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float
-                       ) -> tuple[float, list[torch.Tensor]]:
-        h = self.embedding(x)  # (B, T, width), keeps its graph
-        out, mb = await self._forward(x, eval_only=False, h=h)
+                       ) -> tuple[float, list[torch.Tensor], list[str]]:
+        h = await self._run(self._embed, x, True)  # (B, T, width), keeps its graph
+        out, mb = await self._forward(h, eval_only=False)
         path = self._paths.pop(mb)
-        out = out.detach().requires_grad_(True)
-        logits = self.head(out)
-        loss = self.head.loss(logits, y)
-        head_params = list(self.head.parameters())
-        g_out, *g_head = torch.autograd.grad(loss * scale, [out, *head_params])
+        loss, g_out, g_head = await self._run(self._head_backward, out, y, scale)
         grad_future = self._expect("grad", mb)
         try:
-            await self.host.request(path[-1], self.proto["backward"], Message(
-                kind="backward", meta=self._meta(mb, self.num_stages - 1, path),
-                tensors=(g_out,)), codec=self.codec, timeout=HOP_TIMEOUT_S)
-            g_h = await asyncio.wait_for(grad_future, HOP_TIMEOUT_S)
+            g_h = await self._sent_then_arrived(self.host.request(
+                path[-1], self.proto["backward"], Message(
+                    kind="backward", meta=self._meta(mb, self.num_stages - 1, path),
+                    tensors=(g_out,)), codec=self.codec, timeout=HOP_TIMEOUT_S), grad_future)
         finally:
             self._waiting.pop(("grad", mb), None)
-        g_emb = torch.autograd.grad(h, list(self.embedding.parameters()), g_h)
-        return float(loss.detach()), [*g_emb, *g_head]
+        g_emb = await self._run(self._embed_backward, h, g_h)
+        return loss, [*g_emb, *g_head], path
 
-    async def _forward(self, x: torch.Tensor, *, eval_only: bool,
-                       h: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-        if h is None:
-            h = self.embedding(x)
+    # ---- compute (in the compute thread, never on the event loop) ----------------------------
+    def _embed(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return self.embedding(x.to(self.device))
+
+    def _head_backward(self, out: torch.Tensor, y: torch.Tensor, scale: float
+                       ) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+        out = out.to(self.device, self.dtype).requires_grad_(True)
+        loss = self.head.loss(self.head(out), y.to(self.device))
+        g_out, *g_head = torch.autograd.grad(loss * scale, [out, *self.head.parameters()])
+        return float(loss.detach()), wire_tensor(g_out), g_head
+
+    def _eval_loss(self, out: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            out = out.to(self.device, self.dtype)
+            return float(self.head.loss(self.head(out), y.to(self.device)))
+
+    def _embed_backward(self, h: torch.Tensor, g_h: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.autograd.grad(h, list(self.embedding.parameters()),
+                                        g_h.to(self.device, h.dtype)))
+
+    # ---- the network -----------------------------------------------------------------------
+    async def _forward(self, h: torch.Tensor, *, eval_only: bool) -> tuple[torch.Tensor, str]:
         self._counter += 1
         mb = f"{self.host.peer_id[-10:]}/{self._counter}"
         future = self._expect("result", mb)
@@ -185,10 +225,31 @@ class Trainer:
         if eval_only:
             meta["eval"] = True
         try:
-            await self._send_stage0(Message(kind="forward", meta=meta, tensors=(h.detach(),)))
-            return await asyncio.wait_for(future, HOP_TIMEOUT_S), mb
+            sent = self._send_stage0(Message(kind="forward", meta=meta,
+                                             tensors=(wire_tensor(h.detach()),)))
+            return await self._sent_then_arrived(sent, future), mb
         finally:
             self._waiting.pop(("result", mb), None)
+
+    async def _sent_then_arrived(self, send: Awaitable[Any],
+                                 arrival: asyncio.Future[torch.Tensor]) -> torch.Tensor:
+        """Send, and return what arrives in answer. The arrival usually beats the sender's
+        ``ok`` (which comes back up the whole chain), so it is not waited for: a send that
+        fails before anything arrived raises; one that fails after is of no consequence."""
+        sender = asyncio.ensure_future(send)
+        try:
+            async with asyncio.timeout(HOP_TIMEOUT_S):
+                await asyncio.wait((sender, arrival), return_when=asyncio.FIRST_COMPLETED)
+                if not arrival.done():
+                    sender.result()  # raises when the send failed
+                    return await arrival
+        except BaseException:
+            sender.cancel()
+            raise
+        if not sender.done():
+            self._late.add(sender)
+            sender.add_done_callback(_finish_late(self._late))
+        return arrival.result()
 
     async def _send_stage0(self, message: Message) -> None:
         waited = 0.0
@@ -250,3 +311,12 @@ def _stage_unavailable(exc: BaseException) -> bool:
 
 def x_rows(message: Message) -> int:
     return int(message.tensors[0].shape[0])
+
+
+
+def _finish_late(late: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    def done(sender: asyncio.Future[Any]) -> None:
+        late.discard(sender)
+        if not sender.cancelled() and sender.exception() is not None:
+            log.debug("a send failed after its answer arrived: %s", sender.exception())
+    return done

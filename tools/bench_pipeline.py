@@ -10,10 +10,10 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 - ``swarm_tokens_per_s``: a local swarm of 2 stages with one peer each (two ``swarmd join``
   processes, ``swarmd.local_swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
   wire codec, driven by ``swarmd.train_run.train()`` in this process (the trainer: embedding,
-  head, loss; ``microbatches`` per step, train()'s default 2). The daemons keep torch's thread
-  defaults (swarmd sets no thread count: intra-op threads = cores, 2 here; ``--daemon-threads``
-  overrides it through OMP_NUM_THREADS), the trainer keeps this process's default
-  (``--trainer-threads``). The first ``warmup_steps`` steps (connections, stream pool,
+  head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, all in flight).
+  Every process of the swarm runs one torch thread (``model.threads = 1``, as in
+  ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
+  ``--trainer-threads`` override it). The first ``warmup_steps`` steps (connections, stream pool,
   allocator, first optimizer steps) are not measured.
 - ``single_tokens_per_s``: the reference. ``swarmd.model.FullModel`` (embedding, both stages,
   head) trained with AdamW on the same microbatches (the same corpus and the same seeded
@@ -567,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("demo", "default"), default="demo",
                         help="model settings: swarmd.demo.DEMO_ENV (default) or the config "
                              "defaults")
-    parser.add_argument("--microbatches", type=int, default=2,
-                        help="microbatches per step (train()'s default: 2)")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="microbatches per step (training.microbatches' default: 4)")
     parser.add_argument("--daemon-threads", type=int, metavar="N",
                         help="torch intra-op threads of each daemon (OMP_NUM_THREADS; default: "
                              "torch's default, as swarmd leaves it)")
