@@ -53,6 +53,8 @@ class PeerRow:
     #: seconds since its newest announcement was made
     age_s: float = 0.0
     addrs: tuple[str, ...] = ()
+    #: optimizer steps of its stage
+    step: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PeerRow:

@@ -220,8 +220,8 @@ def text_swarm(sw) -> str:
         slowest = next((s for s in sw.stages if s.stage == sw.bottleneck), None)
         rate = f" ({_rate(slowest.total_throughput)} samples/s)" if slowest else ""
         head += f"; bottleneck: stage {sw.bottleneck}{rate}"
-    header = ["PEER ID", "STATE", "SAMPLES/S", "QUEUE", "AGE", "NOTE"]
-    tables = [[header] + [[p.peer_id, p.state, _rate(p.throughput), str(p.queue),
+    header = ["PEER ID", "STATE", "STEP", "SAMPLES/S", "QUEUE", "AGE", "NOTE"]
+    tables = [[header] + [[p.peer_id, p.state, str(p.step), _rate(p.throughput), str(p.queue),
                            f"{p.age_s:.1f}s",
                            "" if p.routable else f"not routed: {p.reason or 'no reason given'}"]
                           for p in row.peers]
@@ -234,7 +234,8 @@ def text_swarm(sw) -> str:
                  f"{row.routable_peers} of {len(row.peers)} peer"
                  f"{'' if len(row.peers) == 1 else 's'} routable{mark}"]
         if row.peers:
-            lines.append(_table(table, indent="  ", right=frozenset({2, 3, 4}), widths=widths))
+            lines.append(_table(table, indent="  ", right=frozenset({2, 3, 4, 5}),
+                                widths=widths))
         else:
             lines.append("  (no peers)")
         blocks.append("\n".join(lines))

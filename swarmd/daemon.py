@@ -81,7 +81,8 @@ class Daemon:
             counters.update(self.membership.counters())
         if self.stage_server is not None:
             counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
-        _, _, throughput, queue = self._local()
+        local = self._local()
+        throughput, queue = local.throughput, local.queue
         return StatusInfo(
             peer_id=self.host.peer_id, swarm=self.config.swarm.name, version=__version__,
             stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
@@ -155,12 +156,14 @@ class Daemon:
                         if self.stage_server is not None:
                             self.stage_server.close()
 
-    def _local(self) -> tuple[int | None, str, float, int]:
-        """This peer as membership announces it: stage, state, throughput, queue."""
+    def _local(self) -> Any:
+        """This peer as membership announces it."""
+        from swarmd.membership_service import LocalState
+
         server = self.stage_server
         if server is None:
-            return self.stage, self.state, 0.0, 0
-        return self.stage, self.state, server.throughput, server.queue
+            return LocalState(self.stage, self.state)
+        return LocalState(self.stage, self.state, server.throughput, server.queue, server.step)
 
     def _serve_stage(self) -> None:
         """Start serving ``self.stage`` (forward and backward over libp2p)."""

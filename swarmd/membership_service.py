@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from swarmd import __version__
 from swarmd.api_types import PeerRow, StageRow, SwarmInfo
@@ -42,14 +42,25 @@ MAX_BACKGROUND = 8
 MAX_PAGES = 256
 
 
+class LocalState(NamedTuple):
+    """What this peer announces about itself."""
+
+    stage: int | None
+    #: a PeerState value: "joining", "syncing", "online", "migrating", "leaving"
+    state: str
+    throughput: float = 0.0
+    queue: int = 0
+    step: int = 0
+
+
 class MembershipService:
     """``async with MembershipService(host, identity, config, local) as m:``
 
-    ``local()`` returns this peer's current (stage, state name, throughput, queue).
+    ``local()`` returns this peer's current :class:`LocalState`.
     """
 
     def __init__(self, host: Any, identity: Any, config: Any,
-                 local: Callable[[], tuple[int | None, str, float, int]],
+                 local: Callable[[], LocalState],
                  rng: random.Random | None = None) -> None:
         self.host = host
         self.config = config
@@ -177,7 +188,7 @@ class MembershipService:
 
     async def _announce(self, now: float) -> None:
         period = self.schedule.announce(now, self.view.estimate(now))
-        stage, state, _, _ = self._local()
+        stage, state = self._local().stage, self._local().state
         data = self._announcement(now, period=period, state=state)
         previous = self.view.get(self.host.peer_id)
         self.view.apply(data, now)
@@ -193,11 +204,12 @@ class MembershipService:
                 log.debug("gossip publish failed: %s", exc)
 
     def _announcement(self, now: float, *, period: float, state: str) -> bytes:
-        stage, _, throughput, queue = self._local()
+        local = self._local()
         ann = Announcement(
-            peer_id=self.host.peer_id, addrs=tuple(self.host.addrs)[:8], stage=stage,
-            state=PeerState(state), throughput=float(throughput), queue=int(queue),
-            version=__version__, model_hash=self.model_hash(), timestamp=now, period=period)
+            peer_id=self.host.peer_id, addrs=tuple(self.host.addrs)[:8], stage=local.stage,
+            state=PeerState(state), throughput=float(local.throughput), queue=int(local.queue),
+            version=__version__, model_hash=self.model_hash(), timestamp=now, period=period,
+            step=int(local.step))
         data = encode_signed(ann, self._sign)
         self._last_announcement = data
         return data
@@ -286,7 +298,8 @@ class MembershipService:
         def row(p: Any) -> PeerRow:
             return PeerRow(peer_id=p.peer_id, stage=p.stage, state=p.state,
                            throughput=p.throughput, queue=p.queue, routable=p.routable,
-                           reason=p.why_not, age_s=p.age_s, addrs=tuple(p.addrs))
+                           reason=p.why_not, age_s=p.age_s, addrs=tuple(p.addrs),
+                           step=p.step)
 
         stages = tuple(StageRow(stage=s.stage, peers=tuple(row(p) for p in s.peers),
                                 total_throughput=s.total_throughput,

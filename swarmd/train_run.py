@@ -50,7 +50,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
 
     from swarmd.data import load_corpus
     from swarmd.host_options import codec_spec, host_options
-    from swarmd.membership_service import MembershipService
+    from swarmd.membership_service import LocalState, MembershipService
     from swarmd.trainer import Trainer
     from transport import identity
     from transport.host import Host
@@ -68,7 +68,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     me = identity.generate()
     metrics_file = home / "train-metrics.jsonl" if home is not None else None
     async with Host(me, host_options(config, listen)) as host:
-        async with MembershipService(host, me, config, lambda: (None, "online", 0.0, 0)) as m:
+        async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
             for addr in bootstrap:
                 try:
                     await host.dial(addr)

@@ -138,13 +138,14 @@ def test_malformed_bytes(data: bytes) -> None:
     assert reason(data) == "malformed"
 
 
-GOOD_BODY = [1, PID, ["/ip4/203.0.113.7/tcp/31337"], 1, 1, 120.5, 3, "0.1.0", "5ca1ab1e", NOW, 2.0]
+GOOD_BODY = [2, PID, ["/ip4/203.0.113.7/tcp/31337"], 1, 1, 120.5, 3, "0.1.0", "5ca1ab1e", NOW, 2.0,
+             7]
 
 
 @pytest.mark.parametrize("index, value", [
-    (0, 2),                # wire version we do not speak
+    (0, 1), (0, 3),        # body versions we do not speak
     (1, b"bytes id"), (2, "not a list"), (3, -4), (4, 9), (5, "fast"), (5, math.nan),
-    (6, -1), (7, None), (9, "yesterday"), (10, 0.0), (2, [7]),
+    (6, -1), (7, None), (9, "yesterday"), (10, 0.0), (2, [7]), (11, -1), (11, 1.5),
 ])
 def test_malformed_fields_even_when_signed(index: int, value: object) -> None:
     body = list(GOOD_BODY)
@@ -192,7 +193,7 @@ def test_clock_checks() -> None:
 
 
 def test_adversarial_verifier_accepting_everything_still_cannot_pass_malformed() -> None:
-    assert reason(_resign([1, "", [], None, 1, 1.0, 0, "v", "h", NOW, 1.0]),
+    assert reason(_resign([2, "", [], None, 1, 1.0, 0, "v", "h", NOW, 1.0, 0]),
                   verifier=lambda *a: True) == "malformed"
 
 

@@ -40,6 +40,8 @@ __all__ = [
 DOMAIN = b"swarmd/membership/announce/1\x00"
 #: wire format version (first element of every body / request / page)
 WIRE_VERSION = 1
+#: version of the announcement body (2 added ``step``)
+BODY_VERSION = 2
 
 Sign = Callable[[bytes], bytes]
 Verify = Callable[[str, bytes, bytes], bool]
@@ -56,10 +58,11 @@ class PeerState(enum.Enum):
     ONLINE = "online"        # serving its stage
     MIGRATING = "migrating"  # moving to another stage
     LEAVING = "leaving"      # going away: removed from views at once
+    SYNCING = "syncing"      # downloading its stage's state from peers; not serving yet
 
 
 _STATE_CODES = {PeerState.JOINING: 0, PeerState.ONLINE: 1, PeerState.MIGRATING: 2,
-                PeerState.LEAVING: 3}
+                PeerState.LEAVING: 3, PeerState.SYNCING: 4}
 _STATES_BY_CODE = {code: state for state, code in _STATE_CODES.items()}
 
 #: what hostile bytes can make msgpack or our checks raise (msgpack documents "other
@@ -72,6 +75,7 @@ _MAX_ADDRS = 16
 _MAX_STR = 128
 _MAX_STAGE = 1 << 16
 _MAX_QUEUE = 1 << 31
+_MAX_STEP = 1 << 62
 
 
 def _check_str(name: str, value: object, max_len: int, *, empty: bool = False) -> None:
@@ -106,6 +110,8 @@ class Announcement:
     #: the signer promises its next announcement within this many seconds; receivers expire
     #: the entry after ``expiry_periods`` of them
     period: float
+    #: optimizer steps its stage has taken (0 for peers without a stage)
+    step: int = 0
 
     def __post_init__(self) -> None:
         _check_str("peer_id", self.peer_id, _MAX_ID)
@@ -128,6 +134,8 @@ class Announcement:
             raise ValueError("timestamp must be a finite number >= 0")
         if not _finite(self.period) or self.period <= 0:
             raise ValueError("period must be a finite number > 0")
+        if type(self.step) is not int or not 0 <= self.step < _MAX_STEP:
+            raise ValueError("step must be an int >= 0")
 
     def evolve(self, **changes: object) -> Announcement:
         """A copy with some fields changed (validated again)."""
@@ -154,9 +162,9 @@ class Limits:
 
 def _body(ann: Announcement) -> bytes:
     return msgpack.packb(
-        [WIRE_VERSION, ann.peer_id, list(ann.addrs), ann.stage, _STATE_CODES[ann.state],
+        [BODY_VERSION, ann.peer_id, list(ann.addrs), ann.stage, _STATE_CODES[ann.state],
          float(ann.throughput), ann.queue, ann.version, ann.model_hash, float(ann.timestamp),
-         float(ann.period)],
+         float(ann.period), ann.step],
         use_bin_type=True)
 
 
@@ -178,15 +186,16 @@ def _unpack(data: bytes, max_bytes: int) -> object:
 
 def _parse_body(body: bytes) -> Announcement:
     fields = _unpack(body, len(body))
-    if type(fields) is not tuple or len(fields) != 11 or fields[0] != WIRE_VERSION:
-        raise ValueError("not an announcement body of wire version 1")
+    if type(fields) is not tuple or len(fields) != 12 or fields[0] != BODY_VERSION:
+        raise ValueError(f"not an announcement body of version {BODY_VERSION}")
     (_, peer_id, addrs, stage, state, throughput, queue, version, model_hash, ts,
-     period) = fields
+     period, step) = fields
     if type(addrs) is not tuple or state not in _STATES_BY_CODE:
         raise ValueError("bad addrs or state")
     return Announcement(peer_id=peer_id, addrs=addrs, stage=stage,
                         state=_STATES_BY_CODE[state], throughput=throughput, queue=queue,
-                        version=version, model_hash=model_hash, timestamp=ts, period=period)
+                        version=version, model_hash=model_hash, timestamp=ts, period=period,
+                        step=step)
 
 
 def decode_signed(data: bytes, verify: Verify, limits: Limits, now: float) -> Announcement:

@@ -101,6 +101,7 @@ class PeerInfo:
     period_s: float
     routable: bool
     why_not: str | None
+    step: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -333,7 +334,7 @@ class View:
             info = PeerInfo(peer_id=a.peer_id, addrs=a.addrs, stage=a.stage, state=a.state.value,
                             throughput=a.throughput, queue=a.queue, version=a.version,
                             model_hash=a.model_hash, age_s=now - a.timestamp, period_s=a.period,
-                            routable=why is None, why_not=why)
+                            routable=why is None, why_not=why, step=a.step)
             if a.stage is not None and a.stage < self.config.stages:
                 by_stage[a.stage].append(info)
             else:
