@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmd import config as C
+from swarmd import config_fields
 from swarmd.config import Config, ConfigError, load_config, render_default_toml, render_toml
 from transport.limits import Limits
 
@@ -390,7 +391,7 @@ def configs(draw) -> Config:
     host = draw(st.sampled_from(["127.0.0.1", "localhost", "[::1]"])
                 if not allow else st.one_of(_ip4, st.just("[::]"), st.just("localhost")))
     return Config(
-        swarm=C.SwarmConfig(name=draw(st.from_regex(C._NAME_RE, fullmatch=True))),
+        swarm=C.SwarmConfig(name=draw(st.from_regex(config_fields._NAME_RE, fullmatch=True))),
         network=C.NetworkConfig(
             listen=draw(st.lists(_listen_addr, max_size=3)),
             bootstrap=draw(st.lists(_boot_addr, max_size=3)),

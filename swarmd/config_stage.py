@@ -1,0 +1,57 @@
+"""Configuration sections of a stage's shared training state: averaging and checkpoints.
+
+Declared like every other section (see ``swarmd.config_fields``) and assembled into
+``swarmd.config.Config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from swarmd.config_fields import _Section, _int_range, _one_of, _opt, _positive
+
+#: ``averaging.aggregator`` values (``swarmd.aggregation``)
+AGGREGATORS = ("mean", "centered_clip")
+#: ``averaging.compression`` values: what gradients are compressed to on the wire
+AVERAGING_CODECS = ("none", "fp16", "int8")
+#: ``training.optimizer`` values
+OPTIMIZERS = ("adamw", "lamb")
+
+
+@dataclass(frozen=True)
+class AveragingConfig(_Section):
+    SECTION: ClassVar[str] = "averaging"
+    DOC: ClassVar[str] = ("How the peers of a stage combine their gradients before each "
+                          "optimizer step.")
+
+    target_batch_size: int = _opt(
+        0, "Samples a stage accumulates, over all its peers, before it steps (0: "
+        "training.batch_size x training.microbatches, one trainer's step).",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
+    compression: str = _opt(
+        "fp16", "Compression of gradients during averaging: none, fp16 or int8.",
+        "one of " + ", ".join(f'"{c}"' for c in AVERAGING_CODECS), _one_of(AVERAGING_CODECS),
+    )
+    aggregator: str = _opt(
+        "centered_clip", "How contributions are combined: mean, or centered_clip (bounds the "
+        "influence of one peer's gradients).",
+        "one of " + ", ".join(f'"{a}"' for a in AGGREGATORS), _one_of(AGGREGATORS),
+    )
+    timeout_s: float = _opt(
+        30.0, "Deadline of one averaging round; peers that miss it are left out of the round.",
+        "a number of seconds greater than 0", _positive,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    SECTION: ClassVar[str] = "checkpoint"
+    DOC: ClassVar[str] = ("Stage state saved in the home (<home>/checkpoints), so a restarted "
+                          "daemon resumes.")
+
+    every_steps: int = _opt(
+        50, "Save the stage's state every this many optimizer steps (0: only on shutdown).",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
