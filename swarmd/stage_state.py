@@ -1,0 +1,445 @@
+"""A stage's training state as one value, and its byte format. Pure: no I/O.
+
+A :class:`StageState` is what a peer joining a stage needs to continue where its peers are: the
+module's ``state_dict`` (parameters and buffers), the optimizer's ``state_dict`` (any
+``torch.optim`` optimizer: AdamW, LAMB, ...), the step number and a little metadata. It is
+captured from a live module (:func:`capture`), restored into a fresh one (:func:`restore`), and
+turned into bytes for checkpoints and state transfer (:func:`encode`, :func:`decode`).
+
+The byte format never runs pickle or ``torch.load``: the bytes may come from any peer. ::
+
+    prefix   16 bytes  b"SWST", version (u8), 3 reserved zero bytes, header length (u64 LE)
+    header   msgpack map {"stage", "step", "model_hash", "meta", "tensors": [[dtype, shape]...],
+                          "params": [[name, ref], ...], "optimizer": tree}
+    data     the tensors' raw little-endian bytes, one after another, in table order
+
+In the optimizer tree a tensor is ``ExtType(1, index)`` into the tensor table and a tuple is
+``ExtType(2, msgpack list)``; every tensor is referenced exactly once. :func:`decode` checks every
+size before it allocates (dtype whitelist, dims, shape x itemsize against the bytes present, total
+against ``max_bytes``), bounds nesting, and raises :class:`BadStageState` for anything wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+import sys
+import warnings
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import msgpack
+import torch
+from torch import nn
+
+from swarmd.errors import SwarmdError
+
+__all__ = ["StageState", "BadStageState", "StateMismatch", "capture", "restore", "encode",
+           "decode", "digest", "MAX_STATE_BYTES"]
+
+MAGIC = b"SWST"
+VERSION = 1
+PREFIX = struct.Struct("<4sB3xQ")
+#: default bound on an encoded state (decode refuses more unless told otherwise)
+MAX_STATE_BYTES = 16 << 30
+#: largest msgpack header (names, shapes, optimizer hyper-parameters)
+MAX_HEADER_BYTES = 4 << 20
+MAX_DIMS = 8
+MAX_DEPTH = 16
+MAX_MODEL_HASH_CHARS = 256
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+_INDEX = struct.Struct("<I")
+
+#: wire dtype names and the torch dtypes they stand for (read-only)
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+})
+_DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in DTYPES.items()})
+
+
+class BadStageState(SwarmdError):
+    """Bytes that are not a valid encoded stage state (truncated, corrupt, hostile, too large).
+    When they came from a peer, that peer is at fault: fetch the state from another one."""
+
+    code = "bad_stage_state"
+
+
+class StateMismatch(SwarmdError):
+    """A valid stage state that does not fit this module or optimizer (another stage, model,
+    parameter name, shape or dtype). Nothing was changed; the message names the mismatch."""
+
+    code = "state_mismatch"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class StageState:
+    """A frozen snapshot of one stage: CPU tensors owned by nobody else. Do not mutate."""
+
+    stage: int
+    step: int
+    model_hash: str
+    #: ``module.state_dict()``: name -> tensor
+    params: Mapping[str, torch.Tensor]
+    #: ``optimizer.state_dict()``: nested dicts/lists/tuples of tensors and plain values
+    optimizer: Mapping[str, Any]
+    #: small plain values (samples seen, ...): str keys; no tensors
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.stage) or self.stage < 0:
+            raise ValueError(f"stage must be a non-negative integer, got {self.stage!r}")
+        if not _is_int(self.step) or self.step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {self.step!r}")
+        if not isinstance(self.model_hash, str) or not self.model_hash:
+            raise ValueError(f"model_hash must be a non-empty string, got {self.model_hash!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (parameters, buffers and optimizer state)."""
+        total = sum(t.numel() * t.element_size() for t in self.params.values())
+        return total + sum(t.numel() * t.element_size() for t in _tensors(self.optimizer))
+
+
+# ---- capture and restore ------------------------------------------------------------------
+
+def capture(module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, step: int,
+            model_hash: str, meta: Mapping[str, Any] | None = None) -> StageState:
+    """Copy the module's and optimizer's state to CPU. Call it between optimizer steps."""
+    params = {name: _copy(t) for name, t in module.state_dict().items()}
+    return StageState(stage=stage, step=step, model_hash=model_hash, params=params,
+                      optimizer=_copy_tree(optimizer.state_dict()), meta=dict(meta or {}))
+
+
+def restore(state: StageState, module: nn.Module, optimizer: torch.optim.Optimizer, *,
+            stage: int, model_hash: str) -> None:
+    """Load ``state`` into ``module`` and ``optimizer`` (in place: parameters keep their
+    identity). Everything is checked first: on ``StateMismatch`` nothing has changed."""
+    if state.model_hash != model_hash:
+        raise StateMismatch(f"the state is of model {state.model_hash}, this peer trains "
+                            f"{model_hash}")
+    if state.stage != stage:
+        raise StateMismatch(f"the state is of stage {state.stage}, this peer serves stage {stage}")
+    mine = module.state_dict()
+    missing = sorted(set(mine) - set(state.params))
+    extra = sorted(set(state.params) - set(mine))
+    if missing or extra:
+        raise StateMismatch(f"stage {stage} state has different tensors: missing {missing[:5]}, "
+                            f"unexpected {extra[:5]}")
+    for name, t in mine.items():
+        got = state.params[name]
+        if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+            raise StateMismatch(f"stage {stage} tensor {name!r} is {got.dtype} "
+                                f"{tuple(got.shape)} in the state, {t.dtype} {tuple(t.shape)} here")
+    _check_optimizer(state.optimizer, optimizer, stage)
+    module.load_state_dict(dict(state.params), strict=True)
+    # the optimizer keeps the tensors it is given and updates them in place: give it copies
+    optimizer.load_state_dict(_copy_tree(state.optimizer))
+
+
+def _check_optimizer(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                     stage: int) -> None:
+    groups = saved.get("param_groups")
+    entries = saved.get("state")
+    if not isinstance(groups, list) or not isinstance(entries, dict):
+        raise StateMismatch(f"stage {stage} optimizer state lacks 'param_groups' or 'state'")
+    if len(groups) != len(optimizer.param_groups):
+        raise StateMismatch(f"stage {stage} optimizer state has {len(groups)} parameter groups, "
+                            f"this optimizer {len(optimizer.param_groups)}")
+    params: dict[Any, torch.Tensor] = {}
+    for i, (g, mine) in enumerate(zip(groups, optimizer.param_groups)):
+        ids = g.get("params") if isinstance(g, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(mine["params"]):
+            raise StateMismatch(f"stage {stage} optimizer group {i} has "
+                                f"{len(ids) if isinstance(ids, list) else '?'} parameters, this "
+                                f"optimizer {len(mine['params'])}")
+        params.update(zip(ids, mine["params"]))
+    for key, entry in entries.items():
+        if key not in params or not isinstance(entry, dict):
+            raise StateMismatch(f"stage {stage} optimizer state names unknown parameter {key!r}")
+        shape = tuple(params[key].shape)
+        for name, value in entry.items():
+            # element-wise state (AdamW, LAMB moments) has its parameter's shape; scalars pass
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shape:
+                raise StateMismatch(f"stage {stage} optimizer state {name!r} of parameter {key} "
+                                    f"is {tuple(value.shape)}, the parameter is {shape}")
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", copy=True)
+
+
+def _copy_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _copy(obj)
+    if isinstance(obj, dict):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_copy_tree(v) for v in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+# ---- encoding -----------------------------------------------------------------------------
+
+def digest(data: bytes | bytearray | memoryview) -> str:
+    """blake2b-256 of encoded bytes, hex: the identity of a snapshot."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def encode(state: StageState) -> bytes:
+    """The state as bytes (deterministic: equal states give equal bytes)."""
+    _require_little_endian()
+    if _tensors(state.meta):
+        raise ValueError("stage state meta must not hold tensors")
+    table: list[torch.Tensor] = []
+    header = {"stage": state.stage, "step": state.step, "model_hash": state.model_hash,
+              "meta": _to_wire(state.meta, table),
+              "params": [[str(name), _to_wire(t, table)] for name, t in state.params.items()],
+              "optimizer": _to_wire(state.optimizer, table)}
+    header["tensors"] = [[_DTYPE_NAMES[t.dtype], list(t.shape)] for t in table]
+    body = _pack(header)
+    sizes = [t.numel() * t.element_size() for t in table]
+    out = bytearray(PREFIX.size + len(body) + sum(sizes))
+    out[:PREFIX.size] = PREFIX.pack(MAGIC, VERSION, len(body))
+    offset = PREFIX.size + len(body)
+    out[PREFIX.size:offset] = body
+    if sum(sizes):
+        view = torch.frombuffer(out, dtype=torch.uint8)
+        for t, size in zip(table, sizes):
+            if size:
+                view[offset:offset + size].copy_(t.reshape(-1).view(torch.uint8))
+            offset += size
+    return bytes(out)
+
+
+def _to_wire(obj: Any, table: list[torch.Tensor]) -> Any:
+    """A tree msgpack packs as it is: tensors become references into ``table``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor dtype {obj.dtype} cannot be encoded; known: "
+                             f"{sorted(DTYPES)}")
+        if obj.dim() > MAX_DIMS:
+            raise ValueError(f"tensor of {obj.dim()} dims; at most {MAX_DIMS}")
+        table.append(obj.detach().to("cpu").contiguous())
+        return msgpack.ExtType(_EXT_TENSOR, _INDEX.pack(len(table) - 1))
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(_EXT_TUPLE, _pack([_to_wire(v, table) for v in obj]))
+    if isinstance(obj, Mapping):
+        return {_plain(k): _to_wire(v, table) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_wire(v, table) for v in obj]
+    return _plain(obj)
+
+
+def _plain(obj: Any) -> Any:
+    if obj is None or type(obj) in (bool, int, float, str, bytes):
+        return obj
+    for kind in (bool, int, float, str):  # subclasses: IntEnum, numpy-free scalars, ...
+        if isinstance(obj, kind):
+            return kind(obj)
+    raise ValueError(f"cannot encode a {type(obj).__name__} in a stage state")
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":  # pragma: no cover
+        raise NotImplementedError("stage state encoding needs a little-endian machine")
+
+
+# ---- decoding (hostile input) -------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    index: int
+
+
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_STATE_BYTES
+           ) -> StageState:
+    """Parse bytes from :func:`encode`; ``BadStageState`` for anything else."""
+    _require_little_endian()
+    view = memoryview(data).cast("B")
+    if len(view) > max_bytes:
+        raise BadStageState(f"stage state of {len(view)} bytes is over the limit of {max_bytes}")
+    if len(view) < PREFIX.size:
+        raise BadStageState(f"stage state of {len(view)} bytes is shorter than its prefix")
+    magic, version, header_len = PREFIX.unpack(view[:PREFIX.size])
+    if magic != MAGIC:
+        raise BadStageState(f"not a stage state (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise BadStageState(f"stage state format version {version} is not known here "
+                            f"(expected {VERSION})")
+    if header_len > min(MAX_HEADER_BYTES, len(view) - PREFIX.size):
+        raise BadStageState(f"stage state header of {header_len} bytes does not fit "
+                            f"(limit {MAX_HEADER_BYTES}, {len(view) - PREFIX.size} present)")
+    start = PREFIX.size + header_len
+    header = _unpack(view[PREFIX.size:start], 0)
+    if not isinstance(header, dict):
+        raise BadStageState("stage state header is not a map")
+    stage, step, model_hash = header.get("stage"), header.get("step"), header.get("model_hash")
+    if not _is_int(stage) or stage < 0 or not _is_int(step) or step < 0:
+        raise BadStageState(f"stage state has invalid stage {stage!r} or step {step!r}")
+    if not isinstance(model_hash, str) or not 0 < len(model_hash) <= MAX_MODEL_HASH_CHARS:
+        raise BadStageState("stage state has an invalid model hash")
+    meta = header.get("meta")
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise BadStageState("stage state meta must be a map with string keys")
+    _check_tree(meta, 0, allow_refs=False)
+
+    specs = _tensor_specs(header.get("tensors"), len(view) - start)
+    used = [False] * len(specs)
+
+    def take(ref: Any) -> int:
+        if not isinstance(ref, _Ref) or ref.index >= len(specs) or used[ref.index]:
+            raise BadStageState("stage state references a tensor that is missing or reused")
+        used[ref.index] = True
+        return ref.index
+
+    raw_params = header.get("params")
+    if not isinstance(raw_params, list):
+        raise BadStageState("stage state params must be a list")
+    param_refs: dict[str, int] = {}
+    for item in raw_params:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            raise BadStageState("stage state params must be [name, tensor] pairs")
+        if item[0] in param_refs:
+            raise BadStageState(f"stage state names parameter {item[0][:100]!r} twice")
+        param_refs[item[0]] = take(item[1])
+    optimizer = header.get("optimizer")
+    if not isinstance(optimizer, dict):
+        raise BadStageState("stage state optimizer must be a map")
+    _check_tree(optimizer, 0, allow_refs=True, take=take)
+    if not all(used):
+        raise BadStageState("stage state carries tensors that nothing references")
+
+    tensors = _materialize(view, start, specs)
+    params = {name: tensors[i] for name, i in param_refs.items()}
+    return StageState(stage=stage, step=step, model_hash=model_hash, params=params,
+                      optimizer=_resolve(optimizer, tensors), meta=meta)
+
+
+def _unpack(data: memoryview | bytes, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise BadStageState(f"stage state is nested more than {MAX_DEPTH} levels deep")
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == _EXT_TENSOR and len(payload) == _INDEX.size:
+            return _Ref(_INDEX.unpack(payload)[0])
+        if code == _EXT_TUPLE:
+            inner = _unpack(payload, depth + 1)
+            if not isinstance(inner, list):
+                raise BadStageState("stage state tuple is not a list")
+            return tuple(inner)
+        raise BadStageState(f"stage state holds unknown extension type {code}")
+
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook,
+                               use_list=True)
+    except BadStageState:
+        raise
+    except Exception as exc:  # msgpack raises many types for garbage
+        raise BadStageState(f"stage state header is not valid msgpack: "
+                            f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _check_tree(obj: Any, depth: int, *, allow_refs: bool, take: Any = None) -> None:
+    """Plain values only: None, bool, int, float, str, bytes, lists/tuples, maps with str or
+    int keys, and (in the optimizer) tensor references, each taken once."""
+    if depth > MAX_DEPTH:
+        raise BadStageState(f"stage state is nested more than {MAX_DEPTH} levels deep")
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return
+    if isinstance(obj, _Ref):
+        if not allow_refs:
+            raise BadStageState("stage state meta must not hold tensors")
+        take(obj)
+        return
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check_tree(v, depth + 1, allow_refs=allow_refs, take=take)
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise BadStageState(f"stage state map key of type {type(k).__name__}")
+            _check_tree(v, depth + 1, allow_refs=allow_refs, take=take)
+        return
+    raise BadStageState(f"stage state holds a value of type {type(obj).__name__}")
+
+
+def _tensor_specs(raw: Any, available: int) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+    if not isinstance(raw, list):
+        raise BadStageState("stage state tensor table must be a list")
+    specs, total = [], 0
+    for i, item in enumerate(raw):
+        if not (isinstance(item, list) and len(item) == 2):
+            raise BadStageState(f"stage state tensor {i} must be [dtype, shape]")
+        name, shape = item
+        if not isinstance(name, str) or name not in DTYPES:
+            raise BadStageState(f"stage state tensor {i} has unknown dtype {str(name)[:40]!r}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+                and all(_is_int(d) and d >= 0 for d in shape)):
+            raise BadStageState(f"stage state tensor {i} has an invalid shape")
+        dtype = DTYPES[name]
+        size = math.prod(shape) * dtype.itemsize  # exact: Python integers
+        total += size
+        if total > available:
+            raise BadStageState(f"stage state tensors need more than the {available} data bytes "
+                                f"present (tensor {i} of shape {shape[:MAX_DIMS]})")
+        specs.append((dtype, tuple(shape), size))
+    if total != available:
+        raise BadStageState(f"stage state tensors take {total} bytes, {available} follow the "
+                            f"header")
+    return specs
+
+
+def _materialize(view: memoryview, offset: int,
+                 specs: list[tuple[torch.dtype, tuple[int, ...], int]]) -> list[torch.Tensor]:
+    out = []
+    with warnings.catch_warnings():  # read-only input: it is only read, then copied
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(view, dtype=torch.uint8) if len(view) else None
+    for dtype, shape, size in specs:
+        t = torch.empty(shape, dtype=dtype)
+        if size:
+            assert source is not None
+            t.reshape(-1).view(torch.uint8).copy_(source[offset:offset + size])
+        if dtype == torch.bool and size and bool((t.view(torch.uint8) > 1).any()):
+            raise BadStageState("stage state bool tensor holds bytes other than 0 and 1")
+        out.append(t)
+        offset += size
+    return out
+
+
+def _resolve(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Ref):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _resolve(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_resolve(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_resolve(v, tensors) for v in obj)
+    return obj
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
