@@ -127,6 +127,30 @@ class StatusInfo:
         return cls(**data)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageInfo:
+    """The stage this daemon serves and the state of its weights (``GET /api/v0/stage``)."""
+
+    stage: int | None
+    state: str
+    #: optimizer steps the stage has taken
+    step: int = 0
+    #: samples accumulated toward the next step on this peer
+    samples: int = 0
+    #: where the current weights came from: initial, checkpoint or peers
+    state_from: str = "initial"
+    #: bytes done and total of a state download in progress, else None
+    syncing: tuple[int, int] | None = None
+    #: blake2b-128 of the parameters' bytes: equal on peers that hold the same weights
+    params_digest: str = ""
+    params_norm: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StageInfo:
+        syncing = data.get("syncing")
+        return cls(**{**data, "syncing": tuple(syncing) if syncing is not None else None})
+
+
 class DaemonApi(Protocol):
     """What the HTTP API and the CLI need from a running daemon."""
 
@@ -135,6 +159,8 @@ class DaemonApi(Protocol):
     async def status(self) -> StatusInfo: ...
 
     def swarm(self) -> SwarmInfo: ...
+
+    async def stage_info(self) -> StageInfo: ...
 
     async def peers(self) -> list[ConnectedPeer]: ...
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from swarmd import __version__
-from swarmd.api_types import ConnectedPeer, IdInfo, StatusInfo, SwarmInfo
+from swarmd.api_types import ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo
 from swarmd.config import Config
 from swarmd.reconnect import Backoff, Redialer
 from swarmd.runfiles import HomeLock, remove_api_file, write_api_file
@@ -67,6 +67,9 @@ class Daemon:
         self.host: Any = None
         self.membership: Any = None
         self.stage_server: Any = None
+        self.averager: Any = None
+        self.keeper: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._rng = random.Random()
 
@@ -81,6 +84,11 @@ class Daemon:
             counters.update(self.membership.counters())
         if self.stage_server is not None:
             counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
+            counters.update({f"sync.{k}": v for k, v in self.stage_server.sync.counters.items()})
+            counters["stage.step"] = self.stage_server.step
+        if self.averager is not None:
+            counters.update({f"allreduce.{k}": v
+                             for k, v in self.averager.counters.snapshot().items()})
         local = self._local()
         throughput, queue = local.throughput, local.queue
         return StatusInfo(
@@ -93,6 +101,17 @@ class Daemon:
         if self.membership is not None:
             return self.membership.swarm_info()
         return SwarmInfo(swarm=self.config.swarm.name, num_stages=0, stages=(), bottleneck=None)
+
+    async def stage_info(self) -> StageInfo:
+        server, keeper = self.stage_server, self.keeper
+        if server is None:
+            return StageInfo(stage=self.stage, state=self.state)
+        digest, norm = await server.run_exclusive(server.params_fingerprint)
+        return StageInfo(stage=self.stage, state=self.state, step=server.step,
+                         samples=server.worker.samples_accumulated,
+                         state_from=keeper.source_of_state if keeper else "initial",
+                         syncing=keeper.syncing if keeper else None, params_digest=digest,
+                         params_norm=norm)
 
     async def peers(self) -> list[ConnectedPeer]:
         connected = await self.host.connected_peers()
@@ -114,6 +133,7 @@ class Daemon:
         from swarmd.home import load_identity
         from swarmd.membership_service import MembershipService
         from swarmd.host_options import host_options
+        from swarmd.allreduce import Averager, protocol_id
         from swarmd.http_api import HttpApi
         from transport.host import Host
         from transport.memory import keep_freed_memory
@@ -128,24 +148,36 @@ class Daemon:
             async with Host(identity, host_options(self.config, self.options.listen)) as host:
                 self.host = host
                 membership = MembershipService(host, identity, self.config, self._local)
-                async with membership, HttpApi(
+                averager = Averager(host, protocol_id(self.config.swarm.name),
+                                    addrs_of=self._addrs_of)
+                async with membership, averager, HttpApi(
                         self, listen=self.options.http_listen or http.listen, token=token,
                         allow_non_loopback=http.allow_non_loopback) as api:
                     self.membership = membership
+                    self.averager = averager
                     write_api_file(home, api.url)
                     try:
-                        if self.stage is not None:
-                            self._serve_stage()  # before we say we are up
-                        self.state = "online"
-                        membership.changed()  # announce "online" now, not a period later
-                        if on_started is not None:
-                            on_started(Started(peer_id=host.peer_id, addrs=tuple(host.addrs),
-                                               http_url=api.url))
                         async with asyncio.TaskGroup() as tasks:
                             tasks.create_task(self._connectivity())
-                            if self.stage is None:
-                                tasks.create_task(self._place())
-                            await self._stop.wait()
+                            stopping = tasks.create_task(self._stop.wait())
+                            # placed and synced before we say we are up
+                            serving = tasks.create_task(
+                                self._serve_stage() if self.stage is not None
+                                else self._place())
+                            await asyncio.wait((serving, stopping),
+                                               return_when=asyncio.FIRST_COMPLETED)
+                            if not serving.done():  # stopped while still syncing
+                                serving.cancel()
+                            else:
+                                serving.result()  # a failure to load ends the daemon
+                            if not self._stop.is_set():
+                                self.state = "online"
+                                membership.changed()  # announce "online" now
+                                if on_started is not None:
+                                    on_started(Started(peer_id=host.peer_id,
+                                                       addrs=tuple(host.addrs),
+                                                       http_url=api.url))
+                            await stopping
                             self.state = "leaving"
                             await membership.leave()
                             raise _Stopping()
@@ -153,8 +185,11 @@ class Daemon:
                         pass
                     finally:
                         remove_api_file(home, api.url)
-                        if self.stage_server is not None:
-                            self.stage_server.close()
+                        await self._stop_serving()
+
+    def _addrs_of(self, peer: str) -> tuple[str, ...]:
+        ann = self.membership.view.get(peer) if self.membership is not None else None
+        return tuple(ann.addrs) if ann is not None else ()
 
     def _local(self) -> Any:
         """This peer as membership announces it."""
@@ -165,32 +200,79 @@ class Daemon:
             return LocalState(self.stage, self.state)
         return LocalState(self.stage, self.state, server.throughput, server.queue, server.step)
 
-    def _serve_stage(self) -> None:
-        """Start serving ``self.stage`` (forward and backward over libp2p)."""
+    async def _serve_stage(self) -> None:
+        """Serve ``self.stage``: take the newest state (checkpoint or peers), then forward,
+        backward, averaging and state transfer over libp2p."""
         from swarmd.host_options import codec_spec
+        from swarmd.model import build_stage
+        from swarmd.stage_keeper import StageKeeper
         from swarmd.stage_server import StageServer
+        from swarmd.stage_sync import SyncSettings
 
         c = self.config
         model = c.model_config()
-        self.stage_server = StageServer(
-            self.host, swarm=c.swarm.name, stage=self.stage, num_stages=c.swarm.stages,
+        stage = self.stage
+        assert stage is not None
+        self.state = "syncing"
+        self.membership.changed()
+        await self._wait_for_view()  # a peer of the stage must be known before we decide
+        module = await asyncio.to_thread(  # seconds for a big model: not on the event loop
+            build_stage, model, stage, c.swarm.stages, c.training.seed, device=self._device,
+            dtype=self._dtype)
+        server = StageServer(
+            self.host, swarm=c.swarm.name, stage=stage, num_stages=c.swarm.stages,
             model_config=model, model_hash=c.model_hash(), codec=codec_spec(c),
             lr=c.training.lr, seed=c.training.seed, peers_of=self.membership.peers_of,
             max_tokens=4 * c.training.batch_size * model.seq_len,
-            device=self._device, dtype=self._dtype)
-        self.stage_server.start()
-        log.info("serving stage %d of %d", self.stage, c.swarm.stages)
+            device=self._device, dtype=self._dtype, optimizer=c.training.optimizer,
+            target_batch_size=c.target_batch_size(), averager=self.averager,
+            sync=SyncSettings(compression=c.averaging.compression,
+                              aggregator=c.averaging.aggregator,
+                              timeout_s=c.averaging.timeout_s),
+            on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module)
+        keeper = StageKeeper(
+            self.host, server, swarm=c.swarm.name, home=self.options.home,
+            model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,
+            sources=lambda: self.membership.state_sources(stage))
+        server.on_stepped = lambda: self._spawn(keeper.stepped())
+        self.stage_server, self.keeper = server, keeper
+        origin = await keeper.load()
+        server.start()
+        log.info("serving stage %d of %d from step %d (state from %s)", stage, c.swarm.stages,
+                 server.step, origin)
+
+    async def _stop_serving(self) -> None:
+        if self.keeper is not None:
+            try:
+                await self.keeper.close()  # saves a checkpoint
+            except Exception as exc:  # a failed save is reported, the stop goes on
+                log.error("stage %s: saving the checkpoint on shutdown failed: %s",
+                          self.stage, exc)
+        if self.stage_server is not None:
+            await self.stage_server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _wait_for_view(self) -> None:
+        if not (self.options.bootstrap or self.config.network.bootstrap):
+            return  # a first peer of a new swarm has nobody to ask
+        try:
+            await asyncio.wait_for(self.membership.has_view.wait(), PLACEMENT_WAIT_S)
+        except TimeoutError:
+            log.warning("no view from the swarm within %.0f s: going on with what is known",
+                        PLACEMENT_WAIT_S)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _place(self) -> None:
         """``--stage auto``: serve the bottleneck stage once the view has been pulled.
 
         A first placement only; moving between stages later is the balancer's job."""
-        if self.options.bootstrap or self.config.network.bootstrap:
-            try:  # a first peer of a new swarm has nobody to ask
-                await asyncio.wait_for(self.membership.has_view.wait(), PLACEMENT_WAIT_S)
-            except TimeoutError:
-                log.warning("no view from the swarm within %.0f s: placing on what is known",
-                            PLACEMENT_WAIT_S)
+        await self._wait_for_view()
         from swarmd.placement import choose_stage
 
         info = self.membership.swarm_info()
@@ -200,8 +282,7 @@ class Daemon:
             [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
             [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng)
         log.info("placed on stage %d (the bottleneck)", self.stage)
-        self._serve_stage()
-        self.membership.changed()
+        await self._serve_stage()
 
     async def _connectivity(self) -> None:
         """Dial the bootstrap peers at start and whenever every connection is lost."""

@@ -285,6 +285,7 @@ class HttpApi:
         app.router.add_get("/api/v0/id", self._id)
         app.router.add_get("/api/v0/status", self._status)
         app.router.add_get("/api/v0/swarm", self._swarm)
+        app.router.add_get("/api/v0/stage", self._stage)
         app.router.add_get("/api/v0/peers", self._peers)
         app.router.add_post("/api/v0/stop", self._stop)
         runner = web.AppRunner(
@@ -412,6 +413,9 @@ class HttpApi:
 
     async def _swarm(self, request: web.Request) -> web.Response:
         return _json_response(to_json(self._api.swarm()))
+
+    async def _stage(self, request: web.Request) -> web.Response:
+        return _json_response(to_json(await self._call("stage", self._api.stage_info())))
 
     async def _peers(self, request: web.Request) -> web.Response:
         return _json_response(to_json(await self._call("peer list", self._api.peers())))

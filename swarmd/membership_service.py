@@ -40,6 +40,8 @@ PULL_TIMEOUT_S = 10.0
 #: pulls and pushes running at once, beyond the scheduled pull
 MAX_BACKGROUND = 8
 MAX_PAGES = 256
+#: a peer whose pull failed is not picked again for this long (while others can be)
+PULL_FAILED_SKIP_S = 10.0
 
 
 class LocalState(NamedTuple):
@@ -83,6 +85,8 @@ class MembershipService:
         self._last_announcement: bytes | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pull_task: asyncio.Task[Any] | None = None
+        #: peer -> when a scheduled pull from it last failed
+        self._pull_failed: dict[str, float] = {}
         #: set once a full view has been pulled from some peer
         self.has_view = asyncio.Event()
 
@@ -171,13 +175,24 @@ class MembershipService:
         self._pulled_from.intersection_update(connected)
         now = time.time()
         if self.schedule.pull_due(now) and (self._pull_task is None or self._pull_task.done()):
+            # a peer whose last pull failed is skipped for a while: pulls spent on a dead
+            # peer are pulls not spent on live ones, and entries expire in 3 periods
+            failing = {p for p, t in self._pull_failed.items() if t > now - PULL_FAILED_SKIP_S}
+            self._pull_failed = {p: self._pull_failed[p] for p in failing}
             candidates = [p for p in self.view.peer_ids(now) if p != self.host.peer_id]
+            candidates = [p for p in candidates if p not in failing] or candidates
             order = self.schedule.pull(now, self.view.estimate(now), candidates or connected)
             if order is not None:
                 self._pull_task = self._spawn(self._scheduled_pull(order))
 
     async def _scheduled_pull(self, order: Any) -> None:
-        ok = await self._pull(order.peer_id, cutoff=order.cutoff)
+        # One scheduled pull runs at a time: one stuck on a dead peer must end well before
+        # entries expire (3 periods), or every view loses every peer at once.
+        period = self.schedule.plan(self.view.estimate(time.time())).period_s
+        ok = await self._pull(order.peer_id, cutoff=order.cutoff,
+                              timeout=min(PULL_TIMEOUT_S, max(0.5, period / 2)))
+        if not ok:
+            self._pull_failed[order.peer_id] = time.time()
         self.schedule.pulled(time.time(), order, ok=ok)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -215,13 +230,14 @@ class MembershipService:
         return data
 
     # ---- pulling and pushing ------------------------------------------------------------
-    async def _pull(self, peer: str, *, cutoff: float | None) -> bool:
+    async def _pull(self, peer: str, *, cutoff: float | None,
+                    timeout: float = PULL_TIMEOUT_S) -> bool:
         """Pull the full view (cutoff None) or a delta from ``peer``, page by page."""
         try:
             ann = self.view.get(peer)
             await self.host.ensure_connected(peer, ann.addrs if ann is not None else ())
             request = self.view.pull_request(time.time(), cutoff)
-            async with asyncio.timeout(PULL_TIMEOUT_S):
+            async with asyncio.timeout(timeout):
                 for _ in range(MAX_PAGES):
                     reply = await self.host.request(peer, self.pull_protocol, Message(
                         kind="pull", meta={"r": encode_request(request)}))
@@ -287,6 +303,16 @@ class MembershipService:
         return {a.peer_id: (a.throughput, a.queue, a.addrs) for a in self.view.announcements(now)
                 if a.stage == stage and a.peer_id != self.host.peer_id
                 and self.view.why_not(a.peer_id, now) is None}
+
+    def state_sources(self, stage: int) -> list[tuple[str, tuple[str, ...]]]:
+        """Peers to ask for ``stage``'s state: online peers of the stage with our model, even
+        ones whose next announcement is overdue (a fresh view is often a little stale, and
+        asking a dead peer costs only a failed dial). Freshest first."""
+        now = time.time()
+        found = [a for a in self.view.announcements(now)
+                 if a.stage == stage and a.peer_id != self.host.peer_id
+                 and self.view.why_not(a.peer_id, now) in (None, "overdue")]
+        return [(a.peer_id, a.addrs) for a in sorted(found, key=lambda a: -a.timestamp)]
 
     def peer_states(self) -> dict[str, tuple[int | None, str]]:
         now = time.time()

@@ -14,6 +14,7 @@ executor is the queue that backpressure starts from (a full worker answers ``bus
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -22,7 +23,11 @@ from typing import Any, Callable
 
 import torch
 
+from swarmd.allreduce import Averager
 from swarmd.errors import BadActivation, ModelMismatch, StageBusy, StageUnavailable, WrongStage
+from swarmd.optim import make_optimizer
+from swarmd.round_trigger import RoundTrigger
+from swarmd.stage_sync import StageSync, SyncSettings
 from swarmd.stage_worker import StageWorker
 from swarmd.wiring import Wiring
 from transport.errors import RemoteError, TransportError
@@ -35,6 +40,9 @@ MAX_QUEUE = 16
 #: how many peers of the next stage a hop tries before giving up
 HOP_ATTEMPTS = 4
 HOP_TIMEOUT_S = 60.0
+#: a step waits at most this long for the microbatches in flight here
+DRAIN_S = 20.0
+DRAIN_POLL_S = 0.002
 THROUGHPUT_EMA = 0.2
 
 
@@ -50,7 +58,11 @@ class StageServer:
                  model_config: Any, model_hash: str, codec: Any, lr: float, seed: int,
                  peers_of: Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]],
                  max_tokens: int, rng: random.Random | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 optimizer: str = "adamw", target_batch_size: int = 1,
+                 averager: Averager | None = None, sync: SyncSettings = SyncSettings(),
+                 on_behind: Callable[[str, int], None] | None = None,
+                 module: torch.nn.Module | None = None) -> None:
         from swarmd.model import build_stage
 
         self.host = host
@@ -60,12 +72,12 @@ class StageServer:
         self.codec = codec
         self.proto = protocols(swarm)
         self.peers_of = peers_of
-        self.module = build_stage(model_config, stage, num_stages, seed, device=device,
-                                  dtype=dtype)
+        self.module = module if module is not None else build_stage(
+            model_config, stage, num_stages, seed, device=device, dtype=dtype)
         self.worker = StageWorker(self.module, width=model_config.width, max_tokens=max_tokens,
                                   device=device, dtype=dtype)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr)
-        self.step = 0
+        self.optimizer = make_optimizer(optimizer, self.module.parameters(), lr)
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
         self.wiring = Wiring()
         self.counters: dict[str, int] = {"forward": 0, "backward": 0, "rerouted": 0,
                                          "optimizer_steps": 0}
@@ -73,17 +85,41 @@ class StageServer:
         self.throughput = 0.0
         self._rng = rng or random.Random()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
-        self._step_lock = asyncio.Lock()
         self._queued = 0
+        self._admitted = 0
+        #: closed while a step waits for the microbatches in flight here to finish backward
+        self._open = asyncio.Event()
+        self._open.set()
+        self.sync = StageSync(
+            host, swarm=swarm, stage=stage, averager=averager, settings=sync,
+            trigger=RoundTrigger(me=host.peer_id, target=max(1, target_batch_size)),
+            mates=lambda: {p: v[2] for p, v in self.peers_of(stage).items()
+                           if p != host.peer_id},
+            snapshot=lambda: self._run(self._take_gradient),
+            apply=self._apply_when_drained,
+            give_back=lambda vector, samples: self._run(self._give_back, vector, samples),
+            on_behind=on_behind or (lambda peer, step: None),
+            samples_now=lambda: self.worker.samples_accumulated,
+            on_stepped=lambda: self.on_stepped(),
+            step_alone=lambda: self.when_drained(self._step_alone))
+        #: called after every step (the keeper saves checkpoints from here)
+        self.on_stepped: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"], self._on_forward)
         self.host.set_request_handler(self.proto["backward"], self._on_backward)
+        self.sync.start()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.host.remove_handler(self.proto["forward"])
         self.host.remove_handler(self.proto["backward"])
+        await self.sync.close()
         self._compute.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps this stage has taken (agreed among its peers)."""
+        return self.sync.step
 
     @property
     def queue(self) -> int:
@@ -93,14 +129,20 @@ class StageServer:
     # ---- handlers ------------------------------------------------------------------------
     async def _on_forward(self, message: Message, peer: str) -> Message:
         meta = self._check(message, "forward")
-        await self._advance(meta["step"])
         (x,) = message.tensors
+        if not meta.get("eval"):
+            await self._open.wait()  # not while a step waits to change the weights
+            self.worker.expire(time.time())
         mb = meta["mb"]
         t0 = time.perf_counter()
         if meta.get("eval"):
             y = await self._run(self.worker.infer, x, admit=True)
         else:
-            y = await self._run(self.worker.forward, mb, x, time.time(), admit=True)
+            self._admitted += 1  # past the gate, not saved yet: a step must wait for it too
+            try:
+                y = await self._run(self.worker.forward, mb, x, time.time(), admit=True)
+            finally:
+                self._admitted -= 1
             self._measured(x.shape[0], time.perf_counter() - t0)
         self.counters["forward"] += 1
         path = [*meta["path"], self.host.peer_id]
@@ -122,6 +164,7 @@ class StageServer:
         (grad,) = message.tensors
         gx = await self._run(self.worker.backward, meta["mb"], grad, time.time())
         self.counters["backward"] += 1
+        self.sync.progressed(self.worker.samples_accumulated)
         if self.stage == 0:
             await self._to_trainer(meta, "grad", Message(kind="grad", meta={"mb": meta["mb"]},
                                                          tensors=(gx,)))
@@ -170,21 +213,94 @@ class StageServer:
         self.throughput = rate if self.throughput == 0 else (
             (1 - THROUGHPUT_EMA) * self.throughput + THROUGHPUT_EMA * rate)
 
-    async def _advance(self, step: int) -> None:
-        """The trainer moved to ``step``: apply what was accumulated for earlier steps."""
-        if step <= self.step:
-            return
-        async with self._step_lock:
-            if step <= self.step:
-                return
-            if self.worker.samples_accumulated:
-                await self._run(self._optimizer_step)
-                self.counters["optimizer_steps"] += 1
-            self.step = step
+    # ---- the optimizer step (in the compute thread) -----------------------------------------
+    def _take_gradient(self) -> tuple[torch.Tensor, int]:
+        """This peer's mean gradient (flat float32) and its samples; the accumulation restarts."""
+        samples = self.worker.samples_accumulated
+        vector = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                            .reshape(-1).to("cpu", torch.float32) for p in self._params])
+        if samples:
+            vector /= samples
+        self.worker.zero_grad()
+        return vector, samples
 
-    def _optimizer_step(self) -> None:
+    async def _apply_when_drained(self, vector: torch.Tensor) -> None:
+        await self.when_drained(self._apply_gradient, vector)
+
+    async def run_exclusive(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` in the compute thread, between two steps (to read the state)."""
+        return await self._run(fn, *args)
+
+    def params_fingerprint(self) -> tuple[str, float]:
+        """(blake2b-128 of the parameters' bytes, their L2 norm): equal weights, equal digest."""
+        h = hashlib.blake2b(digest_size=16)
+        total = 0.0
+        with torch.no_grad():
+            for p in self.module.parameters():
+                data = p.detach().to("cpu").clone()  # its own storage, offset 0
+                h.update(bytes(data.untyped_storage()))
+                total += float(data.float().pow(2).sum())
+        return h.hexdigest(), total ** 0.5
+
+    def took_state(self, step: int) -> None:
+        """The weights and optimizer were replaced by a state at ``step``."""
+        self.sync.took_state(step, self.worker.samples_accumulated)
+
+    async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` (which changes the weights) once no microbatch waits here for its
+        backward.
+
+        The optimizer changes the weights in place, and a microbatch's backward needs the
+        weights its forward used. So new forwards wait (``_open``) while the ones in flight
+        finish, for at most ``DRAIN_S``; those still missing then are dropped (their backward
+        gets ``unknown_microbatch`` and the trainer restarts them)."""
+        self._open.clear()
+        try:
+            deadline = time.monotonic() + DRAIN_S
+            while (self.worker.saved or self._admitted) and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if self.worker.saved:
+                dropped = self.worker.expire(float("inf"))
+                self.counters["dropped_for_step"] = (self.counters.get("dropped_for_step", 0)
+                                                     + len(dropped))
+                log.warning("stage %d: %d microbatch(es) did not come back within %.0f s; "
+                            "dropped before the step", self.stage, len(dropped), DRAIN_S)
+            return await self._run(fn, *args)
+        finally:
+            self._open.set()
+
+    def _apply_gradient(self, vector: torch.Tensor) -> None:
+        """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside."""
+        kept = [p.grad for p in self._params]
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            p.grad = vector[offset:offset + n].view_as(p).to(p.device, p.dtype)
+            offset += n
+        self.optimizer.step()
+        for p, g in zip(self._params, kept):
+            p.grad = g
+        self.counters["optimizer_steps"] += 1
+
+    def _step_alone(self) -> None:
+        """A peer alone in its stage: its own mean gradient, without flattening it."""
+        samples = self.worker.samples_accumulated
+        for p in self._params:
+            if p.grad is not None and samples:
+                p.grad /= samples
         self.optimizer.step()
         self.worker.zero_grad()
+        self.counters["optimizer_steps"] += 1
+
+    def _give_back(self, vector: torch.Tensor, samples: int) -> None:
+        """Undo ``_take_gradient`` (a round failed): add the snapshot back."""
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            back = (vector[offset:offset + n] * samples).view_as(p).to(p.device, p.dtype)
+            p.grad = back if p.grad is None else p.grad + back
+            offset += n
+        self.worker.samples_accumulated += samples
 
     async def _hop(self, stage: int, kind: str, message: Message) -> None:
         """Send to a peer of ``stage``, rerouting to another peer when one fails."""

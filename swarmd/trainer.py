@@ -8,6 +8,11 @@ a way no hop could route around (a peer holding its activations died) is run aga
 start (``restarted``). Gradients are added to the parameters only once a microbatch has fully
 succeeded, so a restart never counts twice. ``lost`` counts microbatches given up; while some
 stage has no peer the trainer waits and says which.
+
+Gradients are sums over samples everywhere (each microbatch's mean loss is scaled by its
+sample count): a stage peer divides by the samples it accumulated and its stage averages those
+means weighted by samples (``swarmd.stage_sync``); the trainer divides by its step's samples.
+Either way the step applies the mean gradient over the samples, as one process would.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from swarmd.errors import BadActivation, StageUnavailable
 from swarmd.model import wire_tensor
+from swarmd.optim import make_optimizer
 from swarmd.stage_server import HOP_TIMEOUT_S, protocols
 from swarmd.wiring import Wiring
 from transport.errors import RemoteError, TransportError
@@ -61,7 +67,7 @@ class Trainer:
                  model_hash: str, codec: Any, lr: float, seed: int,
                  peers_of: Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]],
                  rng: random.Random | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> None:
         from swarmd.model import build_embedding, build_head
 
         self.host = host
@@ -74,7 +80,7 @@ class Trainer:
         self.embedding = build_embedding(model_config, seed, device=device, dtype=dtype)
         self.head = build_head(model_config, seed, device=device, dtype=dtype)
         self.params = [*self.embedding.parameters(), *self.head.parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+        self.optimizer = make_optimizer(optimizer, self.params, lr)
         self.step = 0
         self.stats = TrainStats()
         self.wiring = Wiring()
@@ -118,21 +124,21 @@ class Trainer:
         """Forward and backward every microbatch through the swarm; gradients of the mean loss
         accumulate here and on the stage peers. Returns each microbatch's loss."""
         gate = asyncio.Semaphore(concurrency)
-        scale = 1.0 / len(batches)
 
         async def one(x: torch.Tensor, y: torch.Tensor) -> float:
-            async with gate:
-                return await self._microbatch(x, y, scale)
+            async with gate:  # gradients are sums over samples everywhere (see the module doc)
+                return await self._microbatch(x, y, float(x.shape[0]))
 
         return list(await asyncio.gather(*(one(x, y) for x, y in batches)))
 
     async def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                          concurrency: int = 4) -> float:
-        """``accumulate``, then step everyone (stage peers on the next request they get)."""
+        """``accumulate``, then step the embedding and head (stage peers step on their own
+        once their stage holds ``averaging.target_batch_size`` samples)."""
         losses = await self.accumulate(batches, concurrency)
-        await self._run(self.optimizer.step)
+        await self._run(self._step, sum(int(x.shape[0]) for x, _ in batches))
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1  # stage peers apply their update when they see the new step
+        self.step += 1
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         return loss
@@ -196,6 +202,12 @@ class Trainer:
         return loss, [*g_emb, *g_head], path
 
     # ---- compute (in the compute thread, never on the event loop) ----------------------------
+    def _step(self, samples: int) -> None:
+        for p in self.params:  # the sums over samples become the batch's mean gradient
+            if p.grad is not None:
+                p.grad /= samples
+        self.optimizer.step()
+
     def _embed(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
             return self.embedding(x.to(self.device))

@@ -35,24 +35,27 @@ async def _swarm_grads(batches, codec: CodecSpec):
         common = dict(swarm=SWARM, num_stages=2, model_config=CONFIG,
                       model_hash=CONFIG.model_hash(), codec=codec, lr=1e-3, seed=0,
                       peers_of=lambda s: table.get(s, {}))
-        servers = [StageServer(h, stage=i, max_tokens=4096, **common)
+        # a target above the samples sent: nobody steps, the accumulated gradients stay
+        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=1000, **common)
                    for i, h in enumerate((s0_host, s1_host))]
         for s in servers:
             s.start()
         trainer = Trainer(t_host, **common)
         trainer.start()
         losses = await trainer.accumulate(batches)
-        grads = {}
+        samples = sum(int(x.shape[0]) for x, _ in batches)
+        grads = {}  # gradients are sums over samples: the mean is what a step applies
         for name, p in trainer.embedding.named_parameters():
-            grads[f"embedding.{name}"] = p.grad
+            grads[f"embedding.{name}"] = p.grad / samples
         for name, p in trainer.head.named_parameters():
-            grads[f"head.{name}"] = p.grad
+            grads[f"head.{name}"] = p.grad / samples
         for s in servers:
+            assert s.worker.samples_accumulated == samples
             for name, p in s.module.named_parameters():
-                grads[f"stages.{s.stage}.{name}"] = p.grad
+                grads[f"stages.{s.stage}.{name}"] = p.grad / samples
         stats = trainer.stats
         for s in servers:
-            s.close()
+            await s.close()
         trainer.close()
         return losses, grads, stats
     finally:
@@ -103,6 +106,6 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
             # backward-side work still runs
             out = await server._run(server.worker.infer, torch.randn(1, 4, CONFIG.width))
             assert out.shape == (1, 4, CONFIG.width)
-            server.close()
+            await server.close()
 
     uvloop.run(asyncio.wait_for(scenario(), 60))

@@ -1,0 +1,73 @@
+"""When the peers of a stage average and step, and who calls the round. Pure: no I/O.
+
+Every peer of a stage accumulates gradients from the microbatches it serves. The stage steps
+once its peers together hold ``target`` samples at the current step. One peer calls each round:
+the *leader*, the smallest peer id among the stage's live peers that this peer does not suspect
+(a peer is suspected for a while after a message to it failed). The others report their progress
+(step, samples) to the leader, which adds them up. A report for a later step than the leader's
+is kept: the leader may simply not have finished its own last round yet.
+
+Every peer computes the leader from the same membership view, so they agree without an
+election; when they briefly disagree (a view not yet converged), two leaders may each call a
+round with part of the stage, and the peers left out catch up from their neighbours' state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+#: how long a peer that failed us is passed over as leader
+SUSPECT_S = 10.0
+
+
+@dataclass(slots=True)
+class RoundTrigger:
+    me: str
+    #: samples the stage accumulates, over all its peers, per step
+    target: int
+    step: int = 0
+    #: samples this peer accumulated at ``step``
+    samples: int = 0
+    #: the latest (step, samples) each other peer reported
+    reports: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: peer -> until when it is passed over as leader
+    suspects: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.target < 1:
+            raise ValueError("RoundTrigger needs a target of at least 1 sample")
+
+    def leader(self, mates: Iterable[str], now: float) -> str:
+        """The peer that calls rounds: the smallest live, unsuspected id (maybe this one)."""
+        live = [p for p in mates if self.suspects.get(p, 0.0) <= now]
+        return min([self.me, *live])
+
+    def suspect(self, peer: str, now: float) -> None:
+        self.suspects[peer] = now + SUSPECT_S
+
+    def report(self, peer: str, step: int, samples: int) -> None:
+        held = self.reports.get(peer)
+        if held is None or (step, samples) >= held:
+            self.reports[peer] = (step, samples)
+
+    def total(self, mates: Iterable[str]) -> int:
+        """Samples the stage holds at this peer's step, as far as this peer knows."""
+        return self.samples + sum(s for p, (st, s) in self.reports.items()
+                                  if st == self.step and p in set(mates))
+
+    def ready(self, mates: Iterable[str], now: float) -> bool:
+        """True when this peer should call a round now: it leads and the target is reached."""
+        mates = list(mates)
+        return self.leader(mates, now) == self.me and self.total(mates) >= self.target
+
+    def stepped(self, step: int, carried: int = 0) -> None:
+        """The stage moved to ``step``; ``carried`` samples already count toward it."""
+        self.step, self.samples = step, carried
+        self.reports = {p: r for p, r in self.reports.items() if r[0] >= step}
+
+    def forget(self, present: Iterable[str]) -> None:
+        """Drop what is held about peers no longer in the stage (bounded memory)."""
+        keep = set(present)
+        self.reports = {p: r for p, r in self.reports.items() if p in keep}
+        self.suspects = {p: t for p, t in self.suspects.items() if p in keep}

@@ -1,0 +1,144 @@
+"""The peers of a stage train one set of weights: averaging, state transfer and checkpoints
+through real ``swarmd join`` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from daemon_harness import DaemonProcess, start_swarm, wait_until
+from swarmd.config import load_config
+from swarmd.demo import DEMO_ENV
+from swarmd.train_run import train
+
+pytestmark = pytest.mark.integration
+
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "averaging-test",
+       "SWARMD_AVERAGING_TIMEOUT_S": "8"}
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Any:
+    started: list[DaemonProcess] = []
+
+    def start(*stages: int) -> list[DaemonProcess]:
+        return start_swarm(tmp_path, stages, env=ENV, into=started)
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def _train(first: DaemonProcess, steps: int) -> Any:
+    config = load_config(None, {**os.environ, **ENV})
+    return uvloop.run(asyncio.wait_for(
+        train(config, bootstrap=[first.addr], steps=steps, progress=lambda line: None,
+              bar=False), 280))
+
+
+def _agree(peers: list[DaemonProcess], what: str) -> dict[str, Any]:
+    """Wait until every peer is at the same step with the same weights; return one's info."""
+    def same() -> dict[str, Any] | None:
+        infos = [d.get("/api/v0/stage") for d in peers]
+        steps = {i["step"] for i in infos}
+        digests = {i["params_digest"] for i in infos}
+        return infos[0] if len(steps) == 1 and len(digests) == 1 else None
+    return wait_until(same, 30, what)
+
+
+def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(daemons: Any) -> None:
+    d0, *stage1 = daemons(0, 1, 1, 1)
+    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 3, 30,
+               "three stage-1 peers routable")
+    result = _train(d0, 12)
+    assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
+    info = _agree(stage1, "the three stage-1 peers at one step with equal weights")
+    assert info["step"] >= 6  # about one trainer step of samples per stage step
+    rounds = [d.get("/api/v0/status")["counters"] for d in stage1]
+    assert sum(c.get("sync.rounds", 0) for c in rounds) >= 6 * 3  # averaged, not alone
+    assert all(c.get("sync.rounds_failed", 0) == 0 for c in rounds)
+
+
+def test_a_peer_killed_mid_training_leaves_the_others_equal(daemons: Any) -> None:
+    d0, *stage1 = daemons(0, 1, 1, 1)
+    victim = stage1[2]
+    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 3, 30,
+               "three stage-1 peers routable")
+    killed = threading.Event()
+
+    def killer() -> None:  # SIGKILL one peer once it has averaged a few rounds
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if victim.get("/api/v0/status")["counters"].get("sync.rounds", 0) >= 3:
+                    victim.proc.kill()
+                    killed.set()
+                    return
+            except OSError:
+                pass
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=killer, daemon=True)
+    watcher.start()
+    result = _train(d0, 25)
+    watcher.join(5)
+    assert killed.is_set()
+    assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
+    info = _agree(stage1[:2], "the surviving stage-1 peers at one step with equal weights")
+    counters = [d.get("/api/v0/status")["counters"] for d in stage1[:2]]
+    assert info["step"] >= 12, [{k: v for k, v in c.items() if "sync" in k or "stage" in k or "allreduce" in k} for c in counters]
+
+
+def test_a_restarted_peer_resumes_from_its_peers_or_checkpoint(daemons: Any,
+                                                                 tmp_path: Path) -> None:
+    d0, a, b = daemons(0, 1, 1)
+    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
+               "two stage-1 peers routable")
+    _train(d0, 8)
+    before = _agree([a, b], "both stage-1 peers at one step")
+    assert before["step"] >= 4
+    # SIGKILL b and start it again on the same home: a is alive, so b takes a's state
+    b.proc.kill()
+    b.proc.wait(10)
+    b2 = DaemonProcess(tmp_path / "peer2", "--stage", "1", "--bootstrap", d0.addr, env=ENV)
+    try:
+        b2.wait_started()
+        info = b2.get("/api/v0/stage")
+        assert info["state_from"] == "peers" and info["step"] == before["step"]
+        assert info["params_digest"] == a.get("/api/v0/stage")["params_digest"]
+    finally:
+        b2.stop()
+    # stage 0 has one peer: stopped gracefully it saves a checkpoint and resumes from it
+    step0 = d0.get("/api/v0/stage")["step"]
+    digest0 = d0.get("/api/v0/stage")["params_digest"]
+    assert step0 >= 4
+    d0.stop()
+    again = DaemonProcess(tmp_path / "peer0", "--stage", "0", env=ENV)
+    try:
+        again.wait_started()
+        info = again.get("/api/v0/stage")
+        assert info["state_from"] == "checkpoint"
+        assert (info["step"], info["params_digest"]) == (step0, digest0)
+    finally:
+        again.stop()
+    # a corrupt checkpoint is reported, set aside, and the peer starts fresh only because
+    # no peer of its stage is alive
+    path = tmp_path / "peer0" / "checkpoints" / "stage-0.swst"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    third = DaemonProcess(tmp_path / "peer0", "--stage", "0", env=ENV)
+    try:
+        third.wait_started()
+        assert third.get("/api/v0/stage")["state_from"] == "initial"
+        assert list((tmp_path / "peer0" / "checkpoints").glob("stage-0.swst.corrupt-*"))
+    finally:
+        third.stop()
