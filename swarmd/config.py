@@ -32,7 +32,7 @@ from swarmd.config_fields import (  # the declarations' vocabulary
     FieldSpec, _Invalid, _Section, _convert, _device, _host_port, _int_range, _invalid_message, _is_loopback, _multiaddrs, _one_of, _opt, _parse_text,
     _positive, _positive_seconds, _power_of_two, _show, _swarm_name, _toml_value, split_host_port,
 )
-from swarmd.config_stage import OPTIMIZERS, AveragingConfig, CheckpointConfig
+from swarmd.config_stage import OPTIMIZERS, AveragingConfig, BalancingSection, CheckpointConfig
 from swarmd.errors import ConfigError
 from transport.limits import Limits
 
@@ -325,6 +325,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    balancing: BalancingSection = field(default_factory=BalancingSection)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -394,7 +395,8 @@ class Config:
 
 _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
-                                 AveragingConfig, CheckpointConfig, NetworkConfig, WireConfig, HttpConfig, LogConfig)
+                                 AveragingConfig, CheckpointConfig, BalancingSection,
+                                 NetworkConfig, WireConfig, HttpConfig, LogConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -9,12 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from swarmd.config_fields import _Section, _int_range, _one_of, _opt, _positive
+from swarmd.config_fields import _Invalid, _Section, _int_range, _one_of, _opt, _positive
 
 #: ``averaging.aggregator`` values (``swarmd.aggregation``)
 AGGREGATORS = ("mean", "centered_clip")
 #: ``averaging.compression`` values: what gradients are compressed to on the wire
 AVERAGING_CODECS = ("none", "fp16", "int8")
+def _range(lo: float, hi: float):  # type: ignore[no-untyped-def]
+    def check(value: float) -> None:
+        if not lo <= value <= hi:
+            raise _Invalid("out of range")
+    return check
+
+
 #: ``training.optimizer`` values
 OPTIMIZERS = ("adamw", "lamb")
 
@@ -54,4 +61,32 @@ class CheckpointConfig(_Section):
     every_steps: int = _opt(
         50, "Save the stage's state every this many optimizer steps (0: only on shutdown).",
         "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
+
+
+@dataclass(frozen=True)
+class BalancingSection(_Section):
+    SECTION: ClassVar[str] = "balancing"
+    DOC: ClassVar[str] = ("When a peer moves to the stage that limits the pipeline "
+                          "(swarmd/balancing.py).")
+
+    enabled: bool = _opt(
+        True, "Move to the bottleneck stage when that raises the pipeline's throughput.",
+        "true or false",
+    )
+    threshold: float = _opt(
+        0.05, "Move only while rebalancing would raise the slowest stage by more than this "
+        "fraction.", "a number from 0 to 10", _range(0.0, 10.0),
+    )
+    confirmations: int = _opt(
+        3, "Consecutive checks that must agree before a peer moves.",
+        "an integer from 1 to 100", _int_range(1, 100),
+    )
+    check_period_s: float = _opt(
+        30.0, "Mean seconds between checks (randomized by +-50%).",
+        "a number of seconds greater than 0", _positive,
+    )
+    confirm_period_s: float = _opt(
+        10.0, "Mean seconds between checks while a move is being confirmed.",
+        "a number of seconds greater than 0", _positive,
     )

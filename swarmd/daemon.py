@@ -13,6 +13,7 @@ import logging
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +70,9 @@ class Daemon:
         self.stage_server: Any = None
         self.averager: Any = None
         self.keeper: Any = None
+        self.balancer: Any = None
+        self.balance_counters: Counter[str] = Counter()
+        self.last_migration: dict[str, Any] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._rng = random.Random()
@@ -86,6 +90,9 @@ class Daemon:
             counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
             counters.update({f"sync.{k}": v for k, v in self.stage_server.sync.counters.items()})
             counters["stage.step"] = self.stage_server.step
+        counters.update({f"balance.{k}": v for k, v in self.balance_counters.items()})
+        if self.keeper is not None:
+            counters.update({f"state.{k}": v for k, v in self.keeper.counters.items()})
         if self.averager is not None:
             counters.update({f"allreduce.{k}": v
                              for k, v in self.averager.counters.snapshot().items()})
@@ -173,6 +180,8 @@ class Daemon:
                             if not self._stop.is_set():
                                 self.state = "online"
                                 membership.changed()  # announce "online" now
+                                if self.config.balancing.enabled:
+                                    tasks.create_task(self._balance())
                                 if on_started is not None:
                                     on_started(Started(peer_id=host.peer_id,
                                                        addrs=tuple(host.addrs),
@@ -283,6 +292,65 @@ class Daemon:
             [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng)
         log.info("placed on stage %d (the bottleneck)", self.stage)
         await self._serve_stage()
+
+    # ---- rebalancing ----------------------------------------------------------------------
+    def _swarm_load(self) -> Any:
+        """The view as the balancer sees it: every peer with our model and a stage, with the
+        stage it serves or loads, its announced throughput and its state."""
+        from swarmd.balancing import PeerLoad, SwarmLoad
+
+        states = {"online": "online", "joining": "joining", "syncing": "joining",
+                  "migrating": "migrating", "leaving": "leaving"}
+        load = SwarmLoad(self.config.swarm.stages)
+        for stage_row in self.membership.swarm_info().stages:
+            for p in stage_row.peers:
+                if p.reason in (None, "joining", "syncing", "migrating") and p.state in states:
+                    load.set(PeerLoad(peer_id=p.peer_id, stage=stage_row.stage,
+                                      throughput=float(p.throughput), state=states[p.state]))
+        return load
+
+    async def _balance(self) -> None:
+        """Check now and then whether this peer should serve another stage (the policy is
+        ``swarmd.balancing``: it moves only for a real gain, after confirmations)."""
+        from swarmd.balancing import Balancer, BalancingConfig
+
+        b = self.config.balancing
+        self.balancer = Balancer(self.host.peer_id, BalancingConfig(
+            threshold=b.threshold, confirmations=b.confirmations,
+            check_period_s=b.check_period_s, confirm_period_s=b.confirm_period_s))
+        while True:
+            now = time.time()
+            await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
+            if self.state != "online" or self.stage_server is None:
+                self.balancer.reset()
+                continue
+            target = self.balancer.check(self._swarm_load(), time.time())
+            self.balance_counters["checks"] += 1
+            if target is not None and target != self.stage:
+                await self._migrate(target)
+
+    async def _migrate(self, target: int) -> None:
+        """Move to ``target``: announce ``migrating`` (with the new stage, so the others count
+        this peer as arriving there), let the work in flight finish, save the old stage's
+        state, then load the new stage's state from its peers and serve it."""
+        old = self.stage
+        log.info("moving from stage %s to stage %d (the bottleneck)", old, target)
+        self.balance_counters["migrations"] += 1
+        self.state, self.stage = "migrating", target
+        self.membership.changed()
+        t0 = time.monotonic()
+        if self.stage_server is not None:
+            unfinished = await self.stage_server.retire()
+            self.balance_counters["migration_dropped_microbatches"] += unfinished
+        await self._stop_serving()
+        self.stage_server = self.keeper = None
+        await self._serve_stage()
+        self.state = "online"
+        self.membership.changed()
+        self.last_migration = {"from": old, "to": target, "at": time.time(),
+                               "seconds": time.monotonic() - t0}
+        log.info("moved from stage %s to stage %d in %.1f s", old, target,
+                 self.last_migration["seconds"])
 
     async def _connectivity(self) -> None:
         """Dial the bootstrap peers at start and whenever every connection is lost."""

@@ -87,6 +87,7 @@ class StageServer:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self._queued = 0
         self._admitted = 0
+        self._retiring = False
         #: closed while a step waits for the microbatches in flight here to finish backward
         self._open = asyncio.Event()
         self._open.set()
@@ -110,6 +111,15 @@ class StageServer:
         self.host.set_request_handler(self.proto["backward"], self._on_backward)
         self.sync.start()
 
+    async def retire(self, timeout_s: float = DRAIN_S) -> int:
+        """Stop taking new microbatches and let those in flight here finish their backward
+        (at most ``timeout_s``); returns how many did not (their senders restart them)."""
+        self._retiring = True
+        deadline = time.monotonic() + timeout_s
+        while (self.worker.saved or self._admitted) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return self.worker.saved
+
     async def close(self) -> None:
         self.host.remove_handler(self.proto["forward"])
         self.host.remove_handler(self.proto["backward"])
@@ -130,8 +140,12 @@ class StageServer:
     async def _on_forward(self, message: Message, peer: str) -> Message:
         meta = self._check(message, "forward")
         (x,) = message.tensors
+        if self._retiring:
+            raise StageBusy(f"this peer is leaving stage {self.stage}: route elsewhere")
         if not meta.get("eval"):
             await self._open.wait()  # not while a step waits to change the weights
+            if self._retiring:
+                raise StageBusy(f"this peer is leaving stage {self.stage}: route elsewhere")
             self.worker.expire(time.time())
         mb = meta["mb"]
         t0 = time.perf_counter()

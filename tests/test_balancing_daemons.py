@@ -1,0 +1,114 @@
+"""Rebalancing through real ``swarmd join`` processes on 127.0.0.1: a peer joins or moves to
+the stage that limits the pipeline while training goes on, and nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from daemon_harness import DaemonProcess, start_swarm, wait_until
+from swarmd.config import load_config
+from swarmd.demo import DEMO_ENV
+from swarmd.train_run import train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_MODEL_LAYERS": "6", "SWARMD_SWARM_STAGES": "3",
+       "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "balancing-test",
+       "SWARMD_AVERAGING_TIMEOUT_S": "8"}
+FAST_CHECKS = {"SWARMD_BALANCING_CHECK_PERIOD_S": "1.0",
+               "SWARMD_BALANCING_CONFIRM_PERIOD_S": "0.5"}
+
+
+class _Training:
+    """``train()`` in a thread of its own, so the test can act on the swarm meanwhile."""
+
+    def __init__(self, first: DaemonProcess, steps: int, env: dict[str, str]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        config = load_config(None, {**os.environ, **env})
+
+        def run() -> None:
+            try:
+                self.result = uvloop.run(asyncio.wait_for(train(
+                    config, bootstrap=[first.addr], steps=steps, progress=lambda line: None,
+                    bar=False), 280))
+            except BaseException as exc:  # reported by finish()
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def finish(self) -> Any:
+        self.thread.join(300)
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None, "training did not finish"
+        return self.result
+
+
+def _trained(d: DaemonProcess) -> int:
+    return int(d.get("/api/v0/status")["counters"].get("stage.backward", 0))
+
+
+def test_a_new_peer_with_stage_auto_joins_the_stage_that_lost_its_peers(
+        tmp_path: Path) -> None:
+    env = {**ENV, "SWARMD_BALANCING_ENABLED": "false"}  # joining alone must do it here
+    started: list[DaemonProcess] = []
+    try:
+        d = start_swarm(tmp_path, [0, 0, 1, 1, 2, 2], env=env, into=started)
+        wait_until(lambda: all(s["routable_peers"] == 2 for s in
+                               d[0].get("/api/v0/swarm")["stages"]), 30, "six routable peers")
+        training = _Training(d[0], 150, env)
+        wait_until(lambda: _trained(d[4]) + _trained(d[5]) >= 8, 120, "stage 2 at work")
+        d[5].proc.kill()  # stage 2 keeps one peer of two
+        d[5].proc.wait(10)
+        wait_until(lambda: d[0].get("/api/v0/swarm")["stages"][2]["routable_peers"] == 1, 30,
+                   "the killed peer out of routing")
+        newcomer = DaemonProcess(tmp_path / "new", "--bootstrap", d[0].addr, env=env)
+        started.append(newcomer)
+        newcomer.wait_started()
+        assert newcomer.get("/api/v0/status")["stage"] == 2  # where it is needed
+        wait_until(lambda: _trained(newcomer) >= 1, 120, "the newcomer serving stage 2")
+        result = training.finish()
+        assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
+    finally:
+        for daemon in started:
+            daemon.stop()
+
+
+def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Path) -> None:
+    env = {**ENV, **FAST_CHECKS}
+    started: list[DaemonProcess] = []
+    try:
+        d = start_swarm(tmp_path, [0, 0, 0, 1, 2], env=env, into=started)
+        wait_until(lambda: [s["routable_peers"] for s in
+                            d[0].get("/api/v0/swarm")["stages"]] == [3, 1, 1], 30,
+                   "five routable peers")
+        training = _Training(d[3], 60, env)
+
+        def moved() -> list[DaemonProcess]:
+            return [p for p in d[:3]
+                    if p.get("/api/v0/status")["counters"].get("balance.migrations", 0)]
+
+        movers = wait_until(moved, 150, "a stage-0 peer migrating")
+        result = training.finish()
+        assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
+        assert len(movers) == 1  # one move fills the gap; the others stay
+        mover = movers[0]
+        info = mover.get("/api/v0/stage")
+        assert info["stage"] in (1, 2) and info["state"] == "online"
+        assert info["state_from"] == "peers"  # took the new stage's state from its peer
+        wait_until(lambda: sorted(s["routable_peers"] for s in
+                                  d[0].get("/api/v0/swarm")["stages"]) == [1, 2, 2], 30,
+                   "stages served by 2, 2 and 1 peers")
+    finally:
+        for daemon in started:
+            daemon.stop()
