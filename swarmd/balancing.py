@@ -35,7 +35,9 @@ Policy:
   peer goes to the deficit in which its share starts. So the bottleneck is filled first, and
   when the chosen peers fall short of the whole deficit, the stages closest to the level are
   the ones left short. A move is refused if it would leave its stage at or below the
-  target's planned total, so each move raises the lower of the two stages it touches: moves
+  target's planned total plus half the mover (a move must raise the lower of the two stages
+  it touches by at least half the mover's throughput, which noise cannot fake between two
+  stages one peer apart), so each move raises the lower of the two stages it touches: moves
   seen one after the other never undo each other (the sorted list of stage totals grows
   lexicographically with every move), which rules out flapping in a steady swarm. The
   bottleneck is never a source (its total is below the level).
@@ -279,7 +281,11 @@ def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig) -> Decision:
         seen += level - p
         if at < seen:
             break
-    if planned[a] - t <= planned[target]:
+    # the move must raise the lower of the two stages by at least half the mover's own
+    # throughput: min(a - t, target + t) - target >= t / 2. Between two stages one peer apart
+    # (a = target + t, give or take measurement noise) it never does, so noisy throughputs
+    # cannot make peers swap back and forth
+    if planned[a] - planned[target] < 1.5 * t:
         return Decision(move_to=None, gain=gain, reason="overshoot")
     return Decision(move_to=target, gain=gain, reason="move")
 

@@ -73,6 +73,7 @@ class Daemon:
         self.balancer: Any = None
         self.balance_counters: Counter[str] = Counter()
         self.last_migration: dict[str, Any] | None = None
+        self._throughput_hint = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._rng = random.Random()
@@ -244,6 +245,9 @@ class Daemon:
             model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,
             sources=lambda: self.membership.state_sources(stage))
         server.on_stepped = lambda: self._spawn(keeper.stepped())
+        # a peer that moved keeps its measured speed: announcing 0 would make the others see
+        # its new stage as still short of peers and follow it
+        server.throughput = self._throughput_hint
         self.stage_server, self.keeper = server, keeper
         origin = await keeper.load()
         server.start()
@@ -328,6 +332,10 @@ class Daemon:
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
                 await self._migrate(target)
+                # let the swarm see the move and our speed on the new stage before judging
+                # again: a peer that just moved never moves straight back
+                self.balancer.reset()
+                await asyncio.sleep(b.check_period_s * b.confirmations)
 
     async def _migrate(self, target: int) -> None:
         """Move to ``target``: announce ``migrating`` (with the new stage, so the others count
@@ -340,6 +348,7 @@ class Daemon:
         self.membership.changed()
         t0 = time.monotonic()
         if self.stage_server is not None:
+            self._throughput_hint = self.stage_server.throughput
             unfinished = await self.stage_server.retire()
             self.balance_counters["migration_dropped_microbatches"] += unfinished
         await self._stop_serving()

@@ -53,8 +53,9 @@ class RoundTrigger:
 
     def total(self, mates: Iterable[str]) -> int:
         """Samples the stage holds at this peer's step, as far as this peer knows."""
+        mates = set(mates)
         return self.samples + sum(s for p, (st, s) in self.reports.items()
-                                  if st == self.step and p in set(mates))
+                                  if st == self.step and p in mates)
 
     def ready(self, mates: Iterable[str], now: float) -> bool:
         """True when this peer should call a round now: it leads and the target is reached."""

@@ -43,7 +43,9 @@ HOP_TIMEOUT_S = 60.0
 #: a step waits at most this long for the microbatches in flight here
 DRAIN_S = 20.0
 DRAIN_POLL_S = 0.002
-THROUGHPUT_EMA = 0.2
+#: weight of each new measurement in the throughput average: slow, because the balancer
+#: compares stage totals made of these and must not chase noise
+THROUGHPUT_EMA = 0.05
 
 
 def protocols(swarm: str) -> dict[str, str]:

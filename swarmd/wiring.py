@@ -163,6 +163,8 @@ class Wiring:
         self.config = config or WiringConfig()
         self._peers: dict[str, _Peer] = {}
         self._banned: set[str] = set()
+        #: peers that announced a throughput at least once (the others follow the prior)
+        self._announced: set[str] = set()
         #: tasks placed, bans imposed, timeouts reported, choices that found nobody
         self.chosen = 0
         self.banned = 0
@@ -186,6 +188,7 @@ class Wiring:
         self._expire_bans(now)
         floor = self._floor() or 0.0
         new: dict[str, tuple[float, int]] = {}
+        unknown: list[_Peer] = []  # neither measured nor announced: they follow the prior
         for peer_id, (tput, queue) in peers.items():
             tput = float(tput) if _finite(tput) and tput >= _MIN_THROUGHPUT else 0.0
             queue = int(queue) if _finite(queue) and queue > 0 else 0
@@ -194,14 +197,26 @@ class Wiring:
                 new[peer_id] = (tput, queue)
                 continue
             p.queue = queue
-            if tput and not p.measured:
-                p.estimate = tput
-        if not new:
+            if not p.measured:
+                if tput:
+                    p.estimate = tput
+                    self._announced.add(peer_id)
+                elif peer_id not in self._announced:
+                    unknown.append(p)
+        if not new and not unknown:
             return
-        known = [p.estimate for p in self._peers.values()] + [t for t, _ in new.values() if t]
+        # the prior follows the others as they get measured: a peer kept at a stale prior far
+        # below them would be starved (its first task would look 100x longer than theirs)
+        known = ([p.estimate for p in self._peers.values() if p.measured or p not in unknown]
+                 + [t for t, _ in new.values() if t])
         prior = self.config.prior_throughput or (statistics.median(known) if known else 1.0)
+        for p in unknown:
+            p.estimate = prior
         for peer_id, (tput, queue) in new.items():
             self._peers[peer_id] = _Peer(tput or prior, False, queue, floor)
+            if tput:
+                self._announced.add(peer_id)
+        self._announced &= self._peers.keys()
 
     def reannounced(self, peer_id: str, now: float) -> bool:
         """A fresh announcement from ``peer_id``; lifts its ban once ``ban_base_s`` is served.

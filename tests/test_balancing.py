@@ -327,3 +327,16 @@ def test_a_swarm_run_is_deterministic_given_the_seed() -> None:
         logs.append(swarm.moves)
     assert logs[0] == logs[1] and logs[0]
     assert logs[0] != logs[2]                               # the seed does matter
+
+
+@given(st.lists(st.floats(0.9, 1.1), min_size=5, max_size=5))
+def test_noisy_throughputs_never_make_peers_swap_between_stages_one_peer_apart(
+        noise: list[float]) -> None:
+    # five equal peers (measured with +-10% noise) on 3 stages: 2, 2, 1 is the best there is,
+    # and a move between stages one peer apart only swaps which one is short
+    stages = [0, 0, 1, 1, 2]
+    load = SwarmLoad.from_peers(3, [
+        PeerLoad(peer_id=f"p{i}", stage=s, throughput=1000.0 * n, state="online")
+        for i, (s, n) in enumerate(zip(stages, noise))])
+    for i in range(5):
+        assert decide(load, f"p{i}", BalancingConfig()).move_to is None

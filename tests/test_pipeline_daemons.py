@@ -132,3 +132,31 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
     status = d0.get("/api/v0/status")
     assert status["state"] == "online"
     assert status["counters"].get("request_errors.bad_activation", 0) >= 4
+
+
+def test_two_trainers_feed_one_swarm(daemons: Any) -> None:
+    d0, d1 = daemons(0, 1)
+    config = load_config(None, {**os.environ, **ENV})
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            results.append(uvloop.run(asyncio.wait_for(train(
+                config, bootstrap=[d0.addr], steps=15, progress=lambda line: None, bar=False),
+                200)))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    assert len(results) == 2
+    for r in results:
+        assert r.lost == 0 and r.final_val_loss < r.initial_val_loss
+    # the stages stepped on the samples of both trainers
+    steps = d1.get("/api/v0/stage")["step"]
+    assert steps >= 20, steps

@@ -328,3 +328,18 @@ def test_bad_arguments_are_refused() -> None:
         w.choose("sideways", 1, 0.0, rng)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         w.choose("forward", 0, 0.0, rng)
+
+
+def test_a_peer_never_measured_follows_the_others_and_is_not_starved() -> None:
+    # all three announce nothing (0); two get measured fast before the third is ever chosen:
+    # the third's prior must follow them, or it would look 100x slower and never be tried
+    w = Wiring()
+    rng = random.Random(0)
+    peers = {"a": (0.0, 0), "b": (0.0, 0), "c": (0.0, 0)}
+    w.update_peers(peers, 0.0)
+    for _ in range(20):
+        for p in ("a", "b"):
+            w.success(p, 8, 0.08, "forward", 1.0)  # 100 samples/s
+    w.update_peers(peers, 1.0)
+    picks = Counter(w.choose("forward", 8, 1.0, rng) for _ in range(30))
+    assert picks["c"] >= 5, picks
