@@ -48,6 +48,22 @@ DRAIN_POLL_S = 0.002
 THROUGHPUT_EMA = 0.05
 
 
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+def hop_seconds(reply: Message, round_trip_s: float) -> float:
+    """What a hop cost the peer it went to: its queue and compute (``service_s`` in its
+    reply) plus the transfer (the round trip less the time it held the request, which
+    includes the rest of the chain). The round trip when the reply says nothing usable."""
+    service, held = reply.meta.get("service_s"), reply.meta.get("held_s")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6
+               for v in (service, held)) or service > held or held > round_trip_s:
+        return round_trip_s
+    return float(service) + (round_trip_s - float(held))
+
+
 def protocols(swarm: str) -> dict[str, str]:
     return {kind: f"/swarmd/{swarm}/1/{kind}"
             for kind in ("forward", "backward", "result", "grad")}
@@ -156,10 +172,12 @@ class StageServer:
         else:
             self._admitted += 1  # past the gate, not saved yet: a step must wait for it too
             try:
-                y = await self._run(self.worker.forward, mb, x, time.time(), admit=True)
+                y, compute_s = await self._run(_timed, self.worker.forward, mb, x, time.time(),
+                                               admit=True)
             finally:
                 self._admitted -= 1
-            self._measured(x.shape[0], time.perf_counter() - t0)
+            self._measured(x.shape[0], compute_s)  # capacity: compute alone, not the queue
+        service_s = time.perf_counter() - t0
         self.counters["forward"] += 1
         path = [*meta["path"], self.host.peer_id]
         out_meta = {**meta, "path": path, "stage": self.stage + 1}
@@ -173,7 +191,10 @@ class StageServer:
         except BaseException:
             self.worker.forget(mb)  # the chain failed below us: nobody will come back
             raise
-        return Message(kind="ok")
+        # the sender's wiring should judge this peer by its own queue and compute, not by the
+        # rest of the chain the ok waited for
+        return Message(kind="ok", meta={"service_s": service_s,
+                                        "held_s": time.perf_counter() - t0})
 
     async def _on_backward(self, message: Message, peer: str) -> Message:
         meta = self._check(message, "backward")
@@ -335,8 +356,8 @@ class StageServer:
             t0 = time.perf_counter()
             try:
                 await self.host.ensure_connected(target, peers[target][2])
-                await self.host.request(target, self.proto[kind], message, codec=self.codec,
-                                        timeout=HOP_TIMEOUT_S)
+                reply = await self.host.request(target, self.proto[kind], message,
+                                                codec=self.codec, timeout=HOP_TIMEOUT_S)
             except RemoteError as exc:
                 if exc.code in ("bad_activation", "malformed_frame", "codec_error"):
                     raise  # our own output is bad: another peer would refuse it too
@@ -348,7 +369,8 @@ class StageServer:
                 log.info("stage %d peer %s failed %s: %s; rerouting", stage, target, kind, exc)
             else:
                 self.wiring.success(target, int(message.tensors[0].shape[0]),
-                                    time.perf_counter() - t0, kind, time.time())
+                                    hop_seconds(reply, time.perf_counter() - t0), kind,
+                                    time.time())
                 return
         raise StageUnavailable(f"no peer of stage {stage} took the {kind} "
                                f"(tried {len(tried)})")

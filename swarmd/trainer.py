@@ -31,7 +31,7 @@ import torch
 from swarmd.errors import BadActivation, StageUnavailable
 from swarmd.model import wire_tensor
 from swarmd.optim import make_optimizer
-from swarmd.stage_server import HOP_TIMEOUT_S, protocols
+from swarmd.stage_server import HOP_TIMEOUT_S, hop_seconds, protocols
 from swarmd.wiring import Wiring
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
@@ -287,8 +287,8 @@ class Trainer:
             t0 = time.perf_counter()
             try:
                 await self.host.ensure_connected(target, peers[target][2])
-                await self.host.request(target, self.proto["forward"], message,
-                                        codec=self.codec, timeout=HOP_TIMEOUT_S)
+                reply = await self.host.request(target, self.proto["forward"], message,
+                                                codec=self.codec, timeout=HOP_TIMEOUT_S)
             except RemoteError as exc:
                 if exc.code == "stage_unavailable":  # a later stage failed: count, restart
                     raise
@@ -298,8 +298,9 @@ class Trainer:
                 self.wiring.error(target, time.time())
                 self.stats.rerouted += 1
             else:
-                self.wiring.success(target, x_rows(message), time.perf_counter() - t0,
-                                    "forward", time.time())
+                self.wiring.success(target, x_rows(message),
+                                    hop_seconds(reply, time.perf_counter() - t0), "forward",
+                                    time.time())
                 return
 
     def _expect(self, kind: str, mb: str) -> asyncio.Future[torch.Tensor]:

@@ -67,7 +67,7 @@ def test_a_new_peer_with_stage_auto_joins_the_stage_that_lost_its_peers(
         d = start_swarm(tmp_path, [0, 0, 1, 1, 2, 2], env=env, into=started)
         wait_until(lambda: all(s["routable_peers"] == 2 for s in
                                d[0].get("/api/v0/swarm")["stages"]), 30, "six routable peers")
-        training = _Training(d[0], 150, env)
+        training = _Training(d[0], 80, env)
         wait_until(lambda: _trained(d[4]) + _trained(d[5]) >= 8, 120, "stage 2 at work")
         d[5].proc.kill()  # stage 2 keeps one peer of two
         d[5].proc.wait(10)
@@ -93,7 +93,7 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
         wait_until(lambda: [s["routable_peers"] for s in
                             d[0].get("/api/v0/swarm")["stages"]] == [3, 1, 1], 30,
                    "five routable peers")
-        training = _Training(d[3], 60, env)
+        training = _Training(d[3], 40, env)
 
         def moved() -> list[DaemonProcess]:
             return [p for p in d[:3]

@@ -109,3 +109,15 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
             await server.close()
 
     uvloop.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_hop_is_judged_by_the_peer_s_own_time_not_the_rest_of_the_chain() -> None:
+    from swarmd.stage_server import hop_seconds
+    from transport.frames import Message
+
+    ok = Message(kind="ok", meta={"service_s": 0.02, "held_s": 0.5})
+    assert hop_seconds(ok, 0.53) == pytest.approx(0.05)  # 20 ms here + 30 ms on the wire
+    for bad in ({}, {"service_s": "x", "held_s": 0.5}, {"service_s": 0.6, "held_s": 0.5},
+                {"service_s": 0.1, "held_s": 9.0}, {"service_s": -1, "held_s": 0.5},
+                {"service_s": True, "held_s": 0.5}):
+        assert hop_seconds(Message(kind="ok", meta=bad), 0.53) == 0.53
