@@ -82,6 +82,8 @@ class StageSync:
         self.protocol = f"/swarmd/{swarm}/1/round"
         self.counters: Counter[str] = Counter()
         self._round: asyncio.Task[None] | None = None
+        #: bytes per second this peer moved in its last rounds (EMA); sizes its part
+        self.bandwidth: float | None = None
         self._reporting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -143,26 +145,33 @@ class StageSync:
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
         answers = await asyncio.gather(*(self._ask(p, addrs, "prepare", {"step": step})
                                          for p, addrs in mates.items()))
-        group = [self.trigger.me]
+        group, bandwidths = [self.trigger.me], [self.bandwidth]
         for peer, reply in zip(mates, answers):
             if reply is None:
                 continue
             their = reply.meta.get("step")
             if their == step and reply.meta.get("free") is True:
                 group.append(peer)
+                bandwidths.append(_bandwidth(reply.meta.get("bandwidth")))
             elif isinstance(their, int) and their > step:
                 self._on_behind(peer, their)
                 return  # we are behind: no round until we caught up
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
         if len(group) > 1:
+            # everyone told must run the very group it was told: a member that refuses now is
+            # missing from the round, whose parts are repaired around it (swarmd.allreduce)
             started = await asyncio.gather(*(self._ask(
-                p, mates[p], "start", {"step": step, "round": round_id, "group": group})
+                p, mates[p], "start", {"step": step, "round": round_id, "group": group,
+                                      "bandwidths": bandwidths})
                 for p in group[1:]))
-            group = [self.trigger.me, *(p for p, r in zip(group[1:], started) if r is not None)]
+            self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
-        await self._average(round_id, group)
+        await self._average(round_id, group, bandwidths)
 
-    async def _average(self, round_id: str, group: list[str]) -> None:
+    async def _average(self, round_id: str, group: list[str],
+                       bandwidths: list[float | None]) -> None:
+        """One round: every member passes the same group and bandwidths (the leader's lists),
+        so they derive the same parts, each sized by its peer's measured bandwidth."""
         vector, samples = await self._snapshot()
         if len(group) == 1 or self.averager is None:
             await self._apply(vector)
@@ -173,7 +182,7 @@ class StageSync:
         try:
             result = await self.averager.all_reduce(
                 round_id, group, vector, float(samples), codec=s.compression,
-                aggregator=s.aggregator, deadline_s=s.timeout_s)
+                aggregator=s.aggregator, deadline_s=s.timeout_s, bandwidths=bandwidths)
         except AllReduceFailed as exc:
             log.warning("stage %d round %s failed (%s): not stepping; catching up later",
                         self.stage, round_id, exc)
@@ -182,6 +191,9 @@ class StageSync:
             self.trigger.samples = self._samples_now()
             return
         await self._apply(result.vector)
+        if result.seconds > 0:
+            rate = (result.bytes_sent + result.bytes_received) / result.seconds
+            self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
         self.counters["rounds"] += 1
         self.counters["peers_missing"] += len(result.missing)
         self._stepped()
@@ -240,17 +252,22 @@ class StageSync:
             self._consider()
             return Message(kind="ok")
         if message.kind == "prepare":
-            return Message(kind="ok", meta={"step": self.trigger.step, "free": not self.busy})
+            return Message(kind="ok", meta={"step": self.trigger.step, "free": not self.busy,
+                                            "bandwidth": self.bandwidth})
         if message.kind == "start":
             group, round_id = meta.get("group"), meta.get("round")
             if (not isinstance(group, list) or not isinstance(round_id, str)
                     or self.host.peer_id not in group or len(group) > 1024
                     or not all(isinstance(p, str) for p in group)):
                 raise RoundRefused("start needs a round id and a group that includes this peer")
+            bandwidths = meta.get("bandwidths")
+            if not isinstance(bandwidths, list) or len(bandwidths) != len(group):
+                raise RoundRefused("start needs one bandwidth (or null) per group member")
             if step != self.trigger.step or self.busy:
                 raise RoundRefused(f"this peer is at step {self.trigger.step}"
                                    f"{' in another round' if self.busy else ''}")
-            self._round = self._spawn(self._average(round_id, list(group)))
+            self._round = self._spawn(self._average(round_id, list(group),
+                                                    [_bandwidth(b) for b in bandwidths]))
             return Message(kind="ok")
         raise RoundRefused(f"unknown round message kind {message.kind!r}")
 
@@ -265,3 +282,10 @@ class StageSync:
         if not task.cancelled() and task.exception() is not None:
             self.counters["round_errors"] += 1
             log.error("stage %d: round task failed: %r", self.stage, task.exception())
+
+
+def _bandwidth(value: Any) -> float | None:
+    """A peer's reported bandwidth, or None when it is not a usable number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e15:
+        return float(value)
+    return None
