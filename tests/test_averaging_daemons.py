@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from daemon_harness import DaemonProcess, start_swarm, wait_until
+from daemon_harness import DaemonProcess, wait_until
 from swarmd.config import load_config
 from swarmd.demo import DEMO_ENV
 from swarmd.train_run import train
@@ -23,18 +23,6 @@ pytestmark = pytest.mark.integration
 ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
        "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "averaging-test",
        "SWARMD_AVERAGING_TIMEOUT_S": "8"}
-
-
-@pytest.fixture
-def daemons(tmp_path: Path) -> Any:
-    started: list[DaemonProcess] = []
-
-    def start(*stages: int) -> list[DaemonProcess]:
-        return start_swarm(tmp_path, stages, env=ENV, into=started)
-
-    yield start
-    for d in started:
-        d.stop()
 
 
 def _train(first: DaemonProcess, steps: int) -> Any:

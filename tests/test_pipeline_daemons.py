@@ -9,14 +9,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import uvloop
 
-from daemon_harness import ROOT, DaemonProcess, start_swarm, wait_until
+from daemon_harness import ROOT, wait_until
 from swarmd.config import load_config
 from swarmd.demo import DEMO_ENV
 from swarmd.train_run import train
@@ -39,18 +38,6 @@ def test_demo_trains_and_reports_one_json_line() -> None:
     assert result["final_val_loss"] <= 0.8 * result["initial_val_loss"]
     assert result["lost"] == 0 and result["tokens_per_s"] > 0
     assert "watch the swarm at http://127.0.0.1:" in out.stderr
-
-
-@pytest.fixture
-def daemons(tmp_path: Path) -> Any:
-    started: list[DaemonProcess] = []
-
-    def start(*stages: int) -> list[DaemonProcess]:
-        return start_swarm(tmp_path, stages, env=ENV, into=started)
-
-    yield start
-    for d in started:
-        d.stop()
 
 
 def test_killing_one_of_two_peers_of_a_stage_loses_nothing(daemons: Any) -> None:
