@@ -189,7 +189,8 @@ class StateServer:
         self._lock = asyncio.Lock()
 
     def start(self) -> None:
-        self.host.set_request_handler(self.protocol, self.serve)
+        # chunks are bytes already: no quantizing or compressing them again
+        self.host.set_request_handler(self.protocol, self.serve, codec=_NONE)
 
     def close(self) -> None:
         self.host.remove_handler(self.protocol)

@@ -27,7 +27,7 @@ def test_optimizers_fit_a_linear_map(name: str) -> None:
     first = None
     for _ in range(200):
         loss = torch.nn.functional.mse_loss(model(x), y)
-        first = first if first is not None else float(loss)
+        first = first if first is not None else float(loss.detach())
         opt.zero_grad()
         loss.backward()
         opt.step()

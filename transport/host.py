@@ -223,12 +223,14 @@ class Host:
         idle.append(stream)
 
     def set_request_handler(self, protocol: str,
-                            serve: Callable[[Message, str], Awaitable[Message]]) -> None:
+                            serve: Callable[[Message, str], Awaitable[Message]], *,
+                            codec: CodecSpec | None = None) -> None:
         """Answer requests on ``protocol``: ``serve(message, peer_id)`` returns the reply.
 
         A typed error raised by ``serve`` (``TransportError`` or any exception with a string
         ``code``) goes back to the requester as an error reply, which raises ``RemoteError``
         there; then the stream is closed. Anything else is also counted and logged as our bug.
+        Replies are encoded with ``codec`` (default: the host's).
         """
 
         async def handler(stream: Stream) -> None:
@@ -252,7 +254,7 @@ class Host:
                     self.counters.add(f"request_errors.{code}")
                     await stream.send_error(code, str(exc))
                     return
-                await stream.send(reply)
+                await stream.send(reply, codec=codec)
 
         self.set_handler(protocol, handler)
 
