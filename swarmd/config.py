@@ -32,7 +32,8 @@ from swarmd.config_fields import (  # the declarations' vocabulary
     FieldSpec, _Invalid, _Section, _convert, _device, _host_port, _int_range, _invalid_message, _is_loopback, _multiaddrs, _one_of, _opt, _parse_text,
     _positive, _positive_seconds, _power_of_two, _show, _swarm_name, _toml_value, split_host_port,
 )
-from swarmd.config_stage import OPTIMIZERS, AveragingConfig, BalancingSection, CheckpointConfig
+from swarmd.config_stage import (OPTIMIZERS, AveragingConfig, BalancingSection,
+                                  CheckpointConfig, ServingSection)
 from swarmd.errors import ConfigError
 from transport.limits import Limits
 
@@ -326,6 +327,7 @@ class Config:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     balancing: BalancingSection = field(default_factory=BalancingSection)
+    serving: ServingSection = field(default_factory=ServingSection)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -396,7 +398,7 @@ class Config:
 _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
                                  AveragingConfig, CheckpointConfig, BalancingSection,
-                                 NetworkConfig, WireConfig, HttpConfig, LogConfig)
+                                 ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -90,3 +90,16 @@ class BalancingSection(_Section):
         10.0, "Mean seconds between checks while a move is being confirmed.",
         "a number of seconds greater than 0", _positive,
     )
+
+
+@dataclass(frozen=True)
+class ServingSection(_Section):
+    SECTION: ClassVar[str] = "serving"
+    DOC: ClassVar[str] = "How a stage peer runs the microbatches it is sent."
+
+    batch_forwards: str = _opt(
+        "auto", "Run microbatches that queue up together as one batch (their backward then "
+        "waits up to 2 s for each other): auto (on for CUDA devices, off on CPUs, where "
+        "measured it cost more in waiting than it saved), on or off.",
+        '"auto", "on" or "off"', _one_of(("auto", "on", "off")),
+    )

@@ -216,7 +216,7 @@ class Daemon:
         from swarmd.host_options import codec_spec
         from swarmd.model import build_stage
         from swarmd.stage_keeper import StageKeeper
-        from swarmd.stage_server import StageServer
+        from swarmd.stage_server import MAX_BATCH, StageServer
         from swarmd.stage_sync import SyncSettings
 
         c = self.config
@@ -239,7 +239,9 @@ class Daemon:
             sync=SyncSettings(compression=c.averaging.compression,
                               aggregator=c.averaging.aggregator,
                               timeout_s=c.averaging.timeout_s),
-            on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module)
+            on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
+            max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
+                c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1)
         keeper = StageKeeper(
             self.host, server, swarm=c.swarm.name, home=self.options.home,
             model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,

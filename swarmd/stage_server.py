@@ -42,15 +42,14 @@ HOP_ATTEMPTS = 4
 HOP_TIMEOUT_S = 60.0
 #: a step waits at most this long for the microbatches in flight here
 DRAIN_S = 20.0
+#: most microbatches forwarded as one batch
+MAX_BATCH = 8
+#: how long a batched microbatch's backward waits for the rest of its batch
+JOIN_WAIT_S = 2.0
 DRAIN_POLL_S = 0.002
 #: weight of each new measurement in the throughput average: slow, because the balancer
 #: compares stage totals made of these and must not chase noise
 THROUGHPUT_EMA = 0.05
-
-
-def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    return fn(*args), time.perf_counter() - t0
 
 
 def hop_seconds(reply: Message, round_trip_s: float) -> float:
@@ -80,7 +79,7 @@ class StageServer:
                  optimizer: str = "adamw", target_batch_size: int = 1,
                  averager: Averager | None = None, sync: SyncSettings = SyncSettings(),
                  on_behind: Callable[[str, int], None] | None = None,
-                 module: torch.nn.Module | None = None) -> None:
+                 module: torch.nn.Module | None = None, max_batch: int = 1) -> None:
         from swarmd.model import build_stage
 
         self.host = host
@@ -106,6 +105,14 @@ class StageServer:
         self._queued = 0
         self._admitted = 0
         self._retiring = False
+        #: forwards waiting to be batched, the task that batches them, backward waiting for
+        #: the rest of their batch, and small tasks this server owns
+        self._pending: list[tuple[str, torch.Tensor, asyncio.Future[Any]]] = []
+        self._batcher: asyncio.Task[None] | None = None
+        self._joined: dict[str, asyncio.Future[torch.Tensor]] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
+        #: most microbatches run as one batch (1: no batching; see ``serving.batch_forwards``)
+        self.max_batch = max(1, min(max_batch, MAX_BATCH))
         #: closed while a step waits for the microbatches in flight here to finish backward
         self._open = asyncio.Event()
         self._open.set()
@@ -142,6 +149,8 @@ class StageServer:
         self.host.remove_handler(self.proto["forward"])
         self.host.remove_handler(self.proto["backward"])
         await self.sync.close()
+        for task in [*self._tasks, *([self._batcher] if self._batcher else [])]:
+            task.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
 
     @property
@@ -152,7 +161,7 @@ class StageServer:
     @property
     def queue(self) -> int:
         """Requests waiting for or in compute (what membership announces as queue length)."""
-        return self._queued
+        return self._queued + len(self._pending)
 
     # ---- handlers ------------------------------------------------------------------------
     async def _on_forward(self, message: Message, peer: str) -> Message:
@@ -172,8 +181,7 @@ class StageServer:
         else:
             self._admitted += 1  # past the gate, not saved yet: a step must wait for it too
             try:
-                y, compute_s = await self._run(_timed, self.worker.forward, mb, x, time.time(),
-                                               admit=True)
+                y, compute_s = await self._forward_batched(mb, x)
             finally:
                 self._admitted -= 1
             self._measured(x.shape[0], compute_s)  # capacity: compute alone, not the queue
@@ -199,7 +207,7 @@ class StageServer:
     async def _on_backward(self, message: Message, peer: str) -> Message:
         meta = self._check(message, "backward")
         (grad,) = message.tensors
-        gx = await self._run(self.worker.backward, meta["mb"], grad, time.time())
+        gx = await self._backward_joined(meta["mb"], grad)
         self.counters["backward"] += 1
         self.sync.progressed(self.worker.samples_accumulated)
         if self.stage == 0:
@@ -211,6 +219,106 @@ class StageServer:
                 kind="backward", meta={**meta, "stage": self.stage - 1}, tensors=(gx,)),
                 codec=self.codec, timeout=HOP_TIMEOUT_S)
         return Message(kind="ok")
+
+    # ---- batching (docs/pipeline.md, "Batching") -----------------------------------------------
+    async def _forward_batched(self, mb: str, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Forward ``mb``, batched with the others of its sequence length that queue up while
+        the compute thread is busy; returns its output and its share of the compute time."""
+        if self._queued + len(self._pending) >= MAX_QUEUE:
+            self.counters["busy"] = self.counters.get("busy", 0) + 1
+            raise StageBusy(f"{MAX_QUEUE} requests already wait for compute here")
+        future: asyncio.Future[tuple[torch.Tensor, float]] = \
+            asyncio.get_running_loop().create_future()
+        self._pending.append((mb, x, future))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._run_batches())
+        return await future
+
+    async def _run_batches(self) -> None:
+        while self._pending:
+            length = int(self._pending[0][1].shape[1])
+            take, rest, tokens = [], [], 0
+            for item in self._pending:
+                n = int(item[1].shape[0]) * length
+                if int(item[1].shape[1]) == length and tokens + n <= self.worker.max_tokens \
+                        and len(take) < self.max_batch:
+                    take.append(item)
+                    tokens += n
+                else:
+                    rest.append(item)
+            self._pending = rest
+            try:
+                results = await self._run(self._forward_batch, [(m, x) for m, x, _ in take])
+            except BaseException as exc:  # the executor is gone (closing): fail them all
+                results = [exc] * len(take)
+            for (_, _, future), result in zip(take, results):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+            if len(take) > 1:
+                self.counters["batched_forwards"] = (self.counters.get("batched_forwards", 0)
+                                                     + len(take))
+
+    def _forward_batch(self, items: list[tuple[str, torch.Tensor]]) -> list[Any]:
+        """In the compute thread: check each, run those that pass as one batch."""
+        results: list[Any] = [None] * len(items)
+        ok = []
+        for i, (mb, x) in enumerate(items):
+            try:
+                self.worker.check_forward(mb, x)
+                ok.append(i)
+            except Exception as exc:  # that microbatch's sender gets the typed error
+                results[i] = exc
+        if ok:
+            t0 = time.perf_counter()
+            try:
+                ys = self.worker.forward_many([items[i] for i in ok], time.time())
+            except Exception as exc:
+                for i in ok:
+                    results[i] = exc
+                return results
+            seconds = time.perf_counter() - t0
+            rows = sum(int(items[i][1].shape[0]) for i in ok)
+            for i, y in zip(ok, ys):
+                results[i] = (y, seconds * int(items[i][1].shape[0]) / rows)
+        return results
+
+    async def _backward_joined(self, mb: str, grad: torch.Tensor) -> torch.Tensor:
+        """Backward of ``mb``; a microbatch forwarded in a batch waits (at most ``JOIN_WAIT_S``)
+        for the rest of its batch, so the batch is back-propagated once."""
+        done = await self._run(self.worker.backward_joined, mb, grad, time.time())
+        if done is None:
+            future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+            self._joined[mb] = future
+            timer = asyncio.get_running_loop().call_later(
+                JOIN_WAIT_S, lambda: self._spawn(self._finish_batch(mb)))
+            try:
+                return await future
+            finally:
+                timer.cancel()
+                self._joined.pop(mb, None)
+        self._deliver(done)
+        return done[mb]
+
+    async def _finish_batch(self, mb: str) -> None:
+        if self.worker.waiting(mb):
+            self.counters["batches_finished_short"] = (
+                self.counters.get("batches_finished_short", 0) + 1)
+            self._deliver(await self._run(self.worker.finish, mb))
+
+    def _deliver(self, done: dict[str, torch.Tensor]) -> None:
+        for other, g in done.items():
+            future = self._joined.get(other)
+            if future is not None and not future.done():
+                future.set_result(g)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _check(self, message: Message, kind: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ use: wrong shape, dtype or non-finite values raise ``BadActivation`` (the sender
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,12 +24,22 @@ from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
 from swarmd.model import wire_tensor
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Saved:
+    """One forward pass: of one microbatch, or of several run as one batch (``rows``)."""
+
     inputs: torch.Tensor  # leaf, requires_grad
     outputs: torch.Tensor
-    samples: int
+    #: microbatch id -> its rows of inputs and outputs, in order
+    rows: dict[str, slice]
     expires_at: float
+    #: gradients arrived so far; members that will never send one (forgotten)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.grads) + len(self.dropped) == len(self.rows)
 
 
 class StageWorker:
@@ -56,16 +66,43 @@ class StageWorker:
 
     def forward(self, mb_id: str, x: torch.Tensor, now: float) -> torch.Tensor:
         """Run the stage on ``x`` (B, T, width); keep what backward needs; return the output."""
+        return self.forward_many([(mb_id, x)], now)[0]
+
+    def check_forward(self, mb_id: str, x: torch.Tensor) -> None:
+        """What ``forward`` refuses, checked before a microbatch joins a batch."""
         if mb_id in self._saved:
             raise BadActivation("duplicate", f"microbatch {mb_id!r} is already in flight here")
         if len(self._saved) >= self.max_saved:
             raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
         self._check(x, "activations")
-        inputs = x.to(self.device, self.dtype).detach().requires_grad_(True)
+
+    def forward_many(self, items: list[tuple[str, torch.Tensor]], now: float
+                     ) -> list[torch.Tensor]:
+        """Forward several microbatches of the same sequence length as one batch (one module
+        call); each gets its own rows of the output. Their backward is joined: it runs once
+        every member's gradient arrived (``backward``) or the rest were given up
+        (``finish``)."""
+        if not items or len({int(x.shape[1]) for _, x in items}) != 1:
+            raise ValueError("forward_many needs microbatches of one sequence length")
+        if len({mb for mb, _ in items}) != len(items):
+            raise BadActivation("duplicate", "the same microbatch twice in one batch")
+        for mb_id, x in items:
+            self.check_forward(mb_id, x)
+        if len(self._saved) + len(items) > self.max_saved:
+            raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
+        rows, start = {}, 0
+        for mb_id, x in items:
+            rows[mb_id] = slice(start, start + int(x.shape[0]))
+            start += int(x.shape[0])
+        joined = items[0][1] if len(items) == 1 else torch.cat([x for _, x in items])
+        inputs = joined.to(self.device, self.dtype).detach().requires_grad_(True)
         with torch.enable_grad():
             outputs = self.module(inputs)
-        self._saved[mb_id] = _Saved(inputs, outputs, int(x.shape[0]), now + self.ttl_s)
-        return wire_tensor(outputs.detach())
+        saved = _Saved(inputs, outputs, rows, now + self.ttl_s)
+        for mb_id in rows:
+            self._saved[mb_id] = saved
+        out = outputs.detach()
+        return [wire_tensor(out[r]) for r in rows.values()]
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only (validation): nothing is kept."""
@@ -74,25 +111,67 @@ class StageWorker:
             return wire_tensor(self.module(x.to(self.device, self.dtype)))
 
     def backward(self, mb_id: str, grad: torch.Tensor, now: float) -> torch.Tensor:
-        """Back-propagate ``grad`` (d loss / d output) and return d loss / d input."""
+        """Back-propagate ``grad`` (d loss / d output) and return d loss / d input. For a
+        microbatch that ran alone; see ``backward_joined`` for batches."""
+        done = self.backward_joined(mb_id, grad, now)
+        if done is None:
+            raise BadActivation("batched", f"microbatch {mb_id!r} waits for its batch")
+        return done[mb_id]
+
+    def backward_joined(self, mb_id: str, grad: torch.Tensor, now: float
+                        ) -> dict[str, torch.Tensor] | None:
+        """Take ``grad`` for ``mb_id``. When it completes its batch, back-propagate the batch
+        and return d loss / d input for every member that sent a gradient; else None."""
         saved = self._saved.get(mb_id)
-        if saved is None or saved.expires_at <= now:
-            self._saved.pop(mb_id, None)
+        if saved is None or saved.expires_at <= now or mb_id in saved.grads:
+            if saved is not None and saved.expires_at <= now:
+                self.expire(now)
             raise UnknownMicrobatch(f"no forward of microbatch {mb_id!r} is kept here (never "
                                     f"seen, already done, or expired): restart it")
-        if tuple(grad.shape) != tuple(saved.outputs.shape):
+        rows = saved.rows[mb_id]
+        shape = (rows.stop - rows.start, *saved.outputs.shape[1:])
+        if tuple(grad.shape) != tuple(shape):
             raise BadActivation("shape", f"gradient of shape {tuple(grad.shape)} for an output "
-                                         f"of shape {tuple(saved.outputs.shape)}")
+                                         f"of shape {tuple(shape)}")
         self._check(grad, "gradient")
-        del self._saved[mb_id]
-        torch.autograd.backward(saved.outputs, grad.to(self.device, saved.outputs.dtype))
-        self.samples_accumulated += saved.samples
+        saved.grads[mb_id] = grad
+        return self._run_backward(saved) if saved.complete else None
+
+    def finish(self, mb_id: str) -> dict[str, torch.Tensor]:
+        """Give up waiting for the rest of ``mb_id``'s batch: back-propagate what arrived (the
+        missing members count as zero gradient and are dropped: their backward, should it
+        still come, gets ``unknown_microbatch``)."""
+        saved = self._saved.get(mb_id)
+        if saved is None or not saved.grads:
+            return {}
+        saved.dropped |= saved.rows.keys() - saved.grads.keys()
+        return self._run_backward(saved)
+
+    def waiting(self, mb_id: str) -> bool:
+        """Whether ``mb_id`` sent its gradient and waits for the rest of its batch."""
+        saved = self._saved.get(mb_id)
+        return saved is not None and mb_id in saved.grads
+
+    def _run_backward(self, saved: _Saved) -> dict[str, torch.Tensor]:
+        for mb in saved.rows:
+            self._saved.pop(mb, None)
+        parts = [saved.grads[mb].to(self.device, saved.outputs.dtype) if mb in saved.grads
+                 else torch.zeros_like(saved.outputs[r]) for mb, r in saved.rows.items()]
+        torch.autograd.backward(saved.outputs, parts[0] if len(parts) == 1 else torch.cat(parts))
+        self.samples_accumulated += sum(r.stop - r.start for mb, r in saved.rows.items()
+                                        if mb in saved.grads)
         assert saved.inputs.grad is not None
-        return wire_tensor(saved.inputs.grad)
+        g = saved.inputs.grad
+        return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
 
     def forget(self, mb_id: str) -> None:
         """Drop a microbatch whose chain failed further on: its backward will never come."""
-        self._saved.pop(mb_id, None)
+        saved = self._saved.pop(mb_id, None)
+        if saved is not None:
+            saved.dropped.add(mb_id)
+            if not (saved.rows.keys() - saved.dropped):  # nobody left in the batch
+                for mb in saved.rows:
+                    self._saved.pop(mb, None)
 
     def expire(self, now: float) -> list[str]:
         """Drop microbatches whose backward did not come in time; returns their ids."""

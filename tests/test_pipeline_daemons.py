@@ -148,3 +148,22 @@ def test_two_trainers_feed_one_swarm(daemons: Any) -> None:
     counters = d1.get("/api/v0/status")["counters"]
     assert counters["stage.backward"] >= 2 * 15 * config.training.microbatches
     assert d1.get("/api/v0/stage")["step"] >= 10
+
+
+def test_batched_forwards_train_the_same_way(tmp_path: Any) -> None:
+    from daemon_harness import start_swarm
+
+    env = {**ENV, "SWARMD_SERVING_BATCH_FORWARDS": "on"}
+    started: list[Any] = []
+    try:
+        d0, d1 = start_swarm(tmp_path, [0, 1], env=env, into=started)
+        config = load_config(None, {**os.environ, **env})
+        result = uvloop.run(asyncio.wait_for(train(
+            config, bootstrap=[d0.addr], steps=12, progress=lambda line: None, bar=False), 200))
+        assert result.lost == 0 and result.restarted == 0
+        assert result.final_val_loss < result.initial_val_loss
+        counters = [d.get("/api/v0/status")["counters"] for d in (d0, d1)]
+        assert sum(c.get("stage.batched_forwards", 0) for c in counters) > 0  # it did batch
+    finally:
+        for d in started:
+            d.stop()

@@ -109,3 +109,48 @@ def test_infer_keeps_nothing_and_matches_forward() -> None:
     assert torch.allclose(y, w.forward("m", x, now=0.0))
     with pytest.raises(BadActivation):
         w.infer(torch.full((2, 3, W), float("nan")))
+
+
+def test_a_batch_of_microbatches_gives_the_gradients_they_give_one_by_one() -> None:
+    one, many = blocks(3), blocks(3)
+    xs = [torch.randn(2, 5, W), torch.randn(3, 5, W), torch.randn(1, 5, W)]
+    gs = [torch.randn(x.shape) for x in xs]
+    w1 = StageWorker(one, width=W, max_tokens=100)
+    alone = []
+    for i, (x, g) in enumerate(zip(xs, gs)):
+        w1.forward(f"m{i}", x, now=0.0)
+        alone.append(w1.backward(f"m{i}", g, now=0.0))
+    wn = StageWorker(many, width=W, max_tokens=100)
+    outs = wn.forward_many([(f"m{i}", x) for i, x in enumerate(xs)], now=0.0)
+    assert [tuple(o.shape) for o in outs] == [tuple(x.shape) for x in xs]
+    assert wn.backward_joined("m2", gs[2], now=0.0) is None  # waits for its batch
+    assert wn.waiting("m2") and not wn.waiting("m0")
+    assert wn.backward_joined("m0", gs[0], now=0.0) is None
+    done = wn.backward_joined("m1", gs[1], now=0.0)
+    assert done is not None and set(done) == {"m0", "m1", "m2"}
+    for i in range(3):
+        assert torch.allclose(done[f"m{i}"], alone[i], rtol=1e-5, atol=1e-6)
+    for p, q in zip(one.parameters(), many.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert wn.saved == 0 and wn.samples_accumulated == w1.samples_accumulated == 6
+
+
+def test_a_batch_whose_member_never_comes_back_is_finished_without_it() -> None:
+    full, part = blocks(4), blocks(4)
+    x0, x1 = torch.randn(2, 5, W), torch.randn(2, 5, W)
+    g0 = torch.randn(2, 5, W)
+    ref = StageWorker(part, width=W, max_tokens=100)
+    ref.forward("a", x0, now=0.0)
+    expected = ref.backward("a", g0, now=0.0)
+    w = StageWorker(full, width=W, max_tokens=100)
+    w.forward_many([("a", x0), ("b", x1)], now=0.0)
+    assert w.backward_joined("a", g0, now=0.0) is None
+    done = w.finish("a")  # "b" is given up: it counts as a zero gradient
+    assert set(done) == {"a"} and torch.allclose(done["a"], expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(full.parameters(), part.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert w.samples_accumulated == 2 and w.saved == 0
+    with pytest.raises(UnknownMicrobatch):
+        w.backward_joined("b", torch.randn(2, 5, W), now=0.0)
+    with pytest.raises(ValueError):
+        w.forward_many([("c", torch.randn(1, 5, W)), ("d", torch.randn(1, 4, W))], now=0.0)
