@@ -299,20 +299,23 @@ class MembershipService:
 
     def peers_of(self, stage: int) -> dict[str, tuple[float, int, tuple[str, ...]]]:
         """Routable peers of ``stage``: {peer_id: (throughput, queue, addrs)}."""
-        now = time.time()
-        return {a.peer_id: (a.throughput, a.queue, a.addrs) for a in self.view.announcements(now)
-                if a.stage == stage and a.peer_id != self.host.peer_id
-                and self.view.why_not(a.peer_id, now) is None}
+        return {a.peer_id: (a.throughput, a.queue, a.addrs)
+                for a in self._others_of(stage, {None})}
 
     def state_sources(self, stage: int) -> list[tuple[str, tuple[str, ...]]]:
         """Peers to ask for ``stage``'s state: online peers of the stage with our model, even
         ones whose next announcement is overdue (a fresh view is often a little stale, and
         asking a dead peer costs only a failed dial). Freshest first."""
-        now = time.time()
-        found = [a for a in self.view.announcements(now)
-                 if a.stage == stage and a.peer_id != self.host.peer_id
-                 and self.view.why_not(a.peer_id, now) in (None, "overdue")]
+        found = self._others_of(stage, {None, "overdue"})
         return [(a.peer_id, a.addrs) for a in sorted(found, key=lambda a: -a.timestamp)]
+
+    def _others_of(self, stage: int, reasons: set[str | None]) -> list[Announcement]:
+        """The other peers of ``stage`` whose reason to be kept out of routing (None: none)
+        is one of ``reasons``."""
+        now = time.time()
+        return [a for a in self.view.announcements(now)
+                if a.stage == stage and a.peer_id != self.host.peer_id
+                and self.view.why_not(a.peer_id, now) in reasons]
 
     def peer_states(self) -> dict[str, tuple[int | None, str]]:
         now = time.time()

@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -140,10 +140,15 @@ class StageServer:
         """Stop taking new microbatches and let those in flight here finish their backward
         (at most ``timeout_s``); returns how many did not (their senders restart them)."""
         self._retiring = True
+        await self._drain(timeout_s)
+        return self.worker.saved
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no microbatch here waits for its backward and
+        none is between the gate and its forward."""
         deadline = time.monotonic() + timeout_s
         while (self.worker.saved or self._admitted) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        return self.worker.saved
 
     async def close(self) -> None:
         self.host.remove_handler(self.proto["forward"])
@@ -167,13 +172,11 @@ class StageServer:
     async def _on_forward(self, message: Message, peer: str) -> Message:
         meta = self._check(message, "forward")
         (x,) = message.tensors
-        if self._retiring:
-            raise StageBusy(f"this peer is leaving stage {self.stage}: route elsewhere")
         if not meta.get("eval"):
             await self._open.wait()  # not while a step waits to change the weights
-            if self._retiring:
-                raise StageBusy(f"this peer is leaving stage {self.stage}: route elsewhere")
             self.worker.expire(time.time())
+        if self._retiring:  # checked after the gate too: retiring may begin while we wait
+            raise StageBusy(f"this peer is leaving stage {self.stage}: route elsewhere")
         mb = meta["mb"]
         t0 = time.perf_counter()
         if meta.get("eval"):
@@ -401,9 +404,7 @@ class StageServer:
         gets ``unknown_microbatch`` and the trainer restarts them)."""
         self._open.clear()
         try:
-            deadline = time.monotonic() + DRAIN_S
-            while (self.worker.saved or self._admitted) and time.monotonic() < deadline:
-                await asyncio.sleep(DRAIN_POLL_S)
+            await self._drain(DRAIN_S)
             if self.worker.saved:
                 dropped = self.worker.expire(float("inf"))
                 self.counters["dropped_for_step"] = (self.counters.get("dropped_for_step", 0)
@@ -417,15 +418,21 @@ class StageServer:
     def _apply_gradient(self, vector: torch.Tensor) -> None:
         """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside."""
         kept = [p.grad for p in self._params]
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.grad = vector[offset:offset + n].view_as(p).to(p.device, p.dtype)
-            offset += n
+        for p, g in self._unflatten(vector):
+            p.grad = g
         self.optimizer.step()
         for p, g in zip(self._params, kept):
             p.grad = g
         self.counters["optimizer_steps"] += 1
+
+    def _unflatten(self, vector: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its slice of the flat ``vector`` shaped like it), in ``_take_gradient``
+        order."""
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            yield p, vector[offset:offset + n].view_as(p).to(p.device, p.dtype)
+            offset += n
 
     def _step_alone(self) -> None:
         """A peer alone in its stage: its own mean gradient, without flattening it."""
@@ -439,12 +446,8 @@ class StageServer:
 
     def _give_back(self, vector: torch.Tensor, samples: int) -> None:
         """Undo ``_take_gradient`` (a round failed): add the snapshot back."""
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            back = (vector[offset:offset + n] * samples).view_as(p).to(p.device, p.dtype)
-            p.grad = back if p.grad is None else p.grad + back
-            offset += n
+        for p, g in self._unflatten(vector):
+            p.grad = g * samples if p.grad is None else p.grad + g * samples
         self.worker.samples_accumulated += samples
 
     async def _hop(self, stage: int, kind: str, message: Message) -> None:

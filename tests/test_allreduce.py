@@ -348,7 +348,7 @@ def _hung_peer(host: Host) -> None:
 
     async def hang(stream: Any) -> None:
         await stream.receive(timeout=30)
-        await asyncio.sleep(30)  # cancelled when the host closes
+        await asyncio.Event().wait()  # never set: hangs until the host closes and cancels it
 
     host.set_handler(PROTOCOL, hang)
 
