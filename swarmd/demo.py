@@ -45,7 +45,7 @@ def run_demo(*, peers: int, stages: int, steps: int,
     import uvloop
 
     from swarmd.config import load_config
-    from swarmd.local_swarm import DaemonProcess, start_swarm
+    from swarmd.local_swarm import DaemonProcess, start_swarm, stop_all
     from swarmd.train_run import train
 
     if stages < 1 or peers < stages:
@@ -66,8 +66,7 @@ def run_demo(*, peers: int, stages: int, steps: int,
                 int(d.get("/api/v0/status")["counters"].get("stage.rerouted", 0))
                 for d in daemons if d.proc.poll() is None)
         finally:
-            for d in daemons:
-                d.stop()
+            stop_all(daemons)
     return DemoResult(peers=peers, stages=stages, steps=steps,
                       initial_val_loss=result.initial_val_loss,
                       final_val_loss=result.final_val_loss, tokens_per_s=result.tokens_per_s,

@@ -41,8 +41,9 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 data_path: Path | None = None, home: Path | None = None,
                 listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                 microbatches: int | None = None, progress: Callable[[str], None] = print,
-                bar: bool = True) -> TrainResult:
-    """Train ``steps`` steps through the swarm. ``microbatches`` overrides
+                bar: bool = True, until: Callable[[], bool] | None = None) -> TrainResult:
+    """Train ``steps`` steps through the swarm, or fewer: ``until`` (when given) is asked
+    after every step and ends the run early once it returns true. ``microbatches`` overrides
     ``training.microbatches``. With ``bar``, a progress bar goes to stderr when that is a
     terminal; otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     import torch
@@ -90,6 +91,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 every = max(1, steps // 20)
                 shown = tqdm(total=steps, unit="step", disable=None if bar else True,
                              file=sys.stderr, dynamic_ncols=True, leave=False)
+                step = 0
                 with shown:
                     for step in range(1, steps + 1):
                         batches = [corpus.sample_batch("train", batch, seq, generator)
@@ -116,10 +118,12 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                                      f"{s.tokens / elapsed:,.0f} tok/s  peers per stage "
                                      f"{routes}  rerouted {s.rerouted}  restarted "
                                      f"{s.restarted}  lost {s.lost}")
+                        if until is not None and until():
+                            break
                 final = await trainer.evaluate(val)
                 progress(f"final validation loss {final:.4f}")
                 s = trainer.stats
-                return TrainResult(steps=steps, initial_val_loss=initial, final_val_loss=final,
+                return TrainResult(steps=step, initial_val_loss=initial, final_val_loss=final,
                                    tokens_per_s=s.tokens / max(1e-9, time.monotonic() - t0),
                                    rerouted=s.rerouted, restarted=s.restarted, lost=s.lost,
                                    seconds=time.monotonic() - t0,

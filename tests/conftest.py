@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def daemons(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
     """``daemons(0, 1, 1)`` starts a local swarm (one daemon per stage listed) with the
     requesting test module's ``ENV``; every daemon is stopped after the test."""
-    from daemon_harness import DaemonProcess, start_swarm
+    from daemon_harness import DaemonProcess, start_swarm, stop_all
 
     started: list[DaemonProcess] = []
 
@@ -20,5 +20,4 @@ def daemons(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
         return start_swarm(tmp_path, stages, env=request.module.ENV, into=started)
 
     yield start
-    for d in started:
-        d.stop()
+    stop_all(started)

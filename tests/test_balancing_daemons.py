@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from daemon_harness import DaemonProcess, start_swarm, wait_until
+from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from swarmd.config import load_config
 from swarmd.demo import DEMO_ENV
 from swarmd.train_run import train
@@ -33,6 +33,7 @@ class _Training:
 
     def __init__(self, first: DaemonProcess, steps: int, env: dict[str, str]) -> None:
         self.result: Any = None
+        self.enough = threading.Event()  # set by the test: finish after the current step
         self.error: BaseException | None = None
         config = load_config(None, {**os.environ, **env})
 
@@ -40,12 +41,19 @@ class _Training:
             try:
                 self.result = uvloop.run(asyncio.wait_for(train(
                     config, bootstrap=[first.addr], steps=steps, progress=lambda line: None,
-                    bar=False), 280))
+                    bar=False, until=self.enough.is_set), 280))
             except BaseException as exc:  # reported by finish()
                 self.error = exc
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
+
+    def going(self) -> bool:
+        """Whether the run is still on; a run that ended early reports why, as a failure."""
+        if self.thread.is_alive():
+            return True
+        self.finish()
+        raise AssertionError(f"training ended early, after {self.result.steps} steps")
 
     def finish(self) -> Any:
         self.thread.join(300)
@@ -67,7 +75,7 @@ def test_a_new_peer_with_stage_auto_joins_the_stage_that_lost_its_peers(
         d = start_swarm(tmp_path, [0, 0, 1, 1, 2, 2], env=env, into=started)
         wait_until(lambda: all(s["routable_peers"] == 2 for s in
                                d[0].get("/api/v0/swarm")["stages"]), 30, "six routable peers")
-        training = _Training(d[0], 80, env)
+        training = _Training(d[0], 2000, env)  # until the newcomer has served
         wait_until(lambda: _trained(d[4]) + _trained(d[5]) >= 8, 120, "stage 2 at work")
         d[5].proc.kill()  # stage 2 keeps one peer of two
         d[5].proc.wait(10)
@@ -77,12 +85,13 @@ def test_a_new_peer_with_stage_auto_joins_the_stage_that_lost_its_peers(
         started.append(newcomer)
         newcomer.wait_started()
         assert newcomer.get("/api/v0/status")["stage"] == 2  # where it is needed
-        wait_until(lambda: _trained(newcomer) >= 1, 120, "the newcomer serving stage 2")
+        wait_until(lambda: training.going() and _trained(newcomer) >= 1, 120,
+                   "the newcomer serving stage 2")
+        training.enough.set()
         result = training.finish()
         assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
     finally:
-        for daemon in started:
-            daemon.stop()
+        stop_all(started)
 
 
 def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Path) -> None:
@@ -93,15 +102,14 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
         wait_until(lambda: [s["routable_peers"] for s in
                             d[0].get("/api/v0/swarm")["stages"]] == [3, 1, 1], 30,
                    "five routable peers")
-        training = _Training(d[3], 40, env)
+        training = _Training(d[3], 2000, env)  # until the move is done
 
         def moved() -> list[DaemonProcess]:
             return [p for p in d[:3]
                     if p.get("/api/v0/status")["counters"].get("balance.migrations", 0)]
 
-        movers = wait_until(moved, 150, "a stage-0 peer migrating")
-        result = training.finish()
-        assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
+        movers = wait_until(lambda: training.going() and moved(), 150,
+                            "a stage-0 peer migrating")
         assert len(movers) == 1  # one move fills the gap; the others stay
         mover = movers[0]
         info = wait_until(lambda: (lambda i: i if i["state"] == "online" else None)(
@@ -111,6 +119,12 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
         wait_until(lambda: sorted(s["routable_peers"] for s in
                                   d[0].get("/api/v0/swarm")["stages"]) == [1, 2, 2], 30,
                    "stages served by 2, 2 and 1 peers")
+        served = _trained(mover)
+        wait_until(lambda: training.going() and _trained(mover) > served, 60,
+                   "the mover serving its new stage")
+        training.enough.set()
+        result = training.finish()
+        assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
+        assert len(moved()) == 1  # and nobody moved back or on
     finally:
-        for daemon in started:
-            daemon.stop()
+        stop_all(started)

@@ -151,7 +151,7 @@ def test_two_trainers_feed_one_swarm(daemons: Any) -> None:
 
 
 def test_batched_forwards_train_the_same_way(tmp_path: Any) -> None:
-    from daemon_harness import start_swarm
+    from daemon_harness import start_swarm, stop_all
 
     env = {**ENV, "SWARMD_SERVING_BATCH_FORWARDS": "on"}
     started: list[Any] = []
@@ -165,5 +165,4 @@ def test_batched_forwards_train_the_same_way(tmp_path: Any) -> None:
         counters = [d.get("/api/v0/status")["counters"] for d in (d0, d1)]
         assert sum(c.get("stage.batched_forwards", 0) for c in counters) > 0  # it did batch
     finally:
-        for d in started:
-            d.stop()
+        stop_all(started)

@@ -27,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from local_swarm import DaemonProcess, start_swarm, wait_until  # noqa: E402
+from local_swarm import DaemonProcess, start_swarm, stop_all, wait_until  # noqa: E402
 
 QUIET_WINDOW_S = 10.0
 
@@ -69,8 +69,7 @@ def local_swarm(n: int, root: Path, kill_one: bool) -> dict[str, Any]:
             out["killed_gone_s"] = time.monotonic() - t0
         return out
     finally:
-        for d in daemons:
-            d.stop()
+        stop_all(daemons)
 
 
 def measure(sizes: tuple[int, ...] = (3, 6, 10), simulate_sizes: tuple[int, ...] = (1000, 10000)

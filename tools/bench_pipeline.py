@@ -380,7 +380,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
     import uvloop
 
     import swarmd.trainer
-    from swarmd.local_swarm import DaemonProcess
+    from swarmd.local_swarm import DaemonProcess, stop_all
     from swarmd.train_run import train
 
     say(f"single process: starting, {warmup} warm-up steps")
@@ -426,8 +426,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
             daemon_pids = {"stage0": first.proc.pid, "stage1": second.proc.pid}
         finally:
             swarmd.trainer.Trainer = original
-            for d in daemons:
-                d.stop()
+            stop_all(daemons)
             single.close()
 
     # ---- throughput: totals over the interleaved blocks, and block by block

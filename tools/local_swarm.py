@@ -6,4 +6,4 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmd.local_swarm import (  # noqa: E402,F401
-    ROOT, DaemonProcess, readline, start_swarm, wait_until)
+    ROOT, DaemonProcess, readline, start_swarm, stop_all, wait_until)

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import trio
 
