@@ -260,7 +260,9 @@ def test_garbage_and_http_on_the_libp2p_port(peer: PeerProcess) -> None:
         deadline = time.monotonic() + 15
         while rejected(await stats(host, peer)) < before + 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert rejected(await stats(host, peer)) == before + 2
+        # >=: libp2p counts a garbage client when its upgrade times out, and a half-open
+        # connection an earlier test left to this shared peer may time out in the same window
+        assert rejected(await stats(host, peer)) >= before + 2
         await assert_still_serving(host, peer)
 
     run(scenario)
