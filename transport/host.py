@@ -166,13 +166,7 @@ class Host:
     async def ensure_connected(self, peer_id: str, addrs: Sequence[str] = (), *,
                                timeout: float = 5.0) -> bool:
         """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that works
-        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did.
-
-        A pooled idle stream to the peer counts as connected without asking libp2p (the hot
-        path of every pipeline hop): if that connection died meanwhile, ``request`` finds out
-        and opens a fresh stream, which dials the peer's known addresses again."""
-        if any(peer == peer_id and idle for (peer, _), idle in self._idle.items()):
-            return True
+        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did."""
         if peer_id in await self.connected_peers():
             return True
         for addr in addrs:
