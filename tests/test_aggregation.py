@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.aggregation import (
+from swarmd.averaging.aggregation import (
     Aggregator,
     BadGradient,
     centered_clip,
@@ -18,8 +18,8 @@ from swarmd.aggregation import (
     coordinate_median,
     weighted_mean,
 )
-from swarmd.allreduce_plan import PartState, PartValue, RoundPlan, pick_relayed, plan_parts
-from swarmd.allreduce_rounds import AveragerOptions, Refusal, RoundTable
+from swarmd.averaging.plan import PartState, PartValue, RoundPlan, pick_relayed, plan_parts
+from swarmd.averaging.rounds import AveragerOptions, Refusal, RoundTable
 from transport.counters import Counters
 
 weights_st = st.lists(st.floats(min_value=0.1, max_value=100.0), min_size=1, max_size=6)

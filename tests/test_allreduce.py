@@ -12,15 +12,15 @@ import pytest
 import torch
 import uvloop
 
-from swarmd.aggregation import weighted_mean
-from swarmd.allreduce import (
+from swarmd.averaging.aggregation import weighted_mean
+from swarmd.averaging.allreduce import (
     AllReduceFailed,
     AllReduceResult,
     Averager,
     AveragerOptions,
     protocol_id,
 )
-from swarmd.allreduce_plan import RoundPlan
+from swarmd.averaging.plan import RoundPlan
 from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message

@@ -15,8 +15,8 @@ import uvloop
 
 from daemon_harness import DaemonProcess, wait_until
 from swarmd.config import load_config
-from swarmd.demo import DEMO_ENV
-from swarmd.train_run import train
+from swarmd.local.demo import DEMO_ENV
+from swarmd.training.run import train
 
 pytestmark = pytest.mark.integration
 

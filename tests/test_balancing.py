@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.balancing import (
+from swarmd.balancing.policy import (
     Balancer, BalancingConfig, Decision, PeerLoad, SwarmLoad, decide, swarm_gain,
 )
 

@@ -14,8 +14,8 @@ import uvloop
 
 from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from swarmd.config import load_config
-from swarmd.demo import DEMO_ENV
-from swarmd.train_run import train
+from swarmd.local.demo import DEMO_ENV
+from swarmd.training.run import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

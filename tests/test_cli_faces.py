@@ -1,6 +1,6 @@
 """The CLI faces of the daemon's commands (``swarmd status|peers|swarm|stop``), run as real
 subprocesses against an HttpApi + FakeDaemon in this process, and the files that connect them:
-``<home>/api`` (swarmd.api_client) and ``<home>/api_token`` (swarmd.api_token)."""
+``<home>/api`` (swarmd.api.client) and ``<home>/api_token`` (swarmd.api.token)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from test_http_api import ME, FakeDaemon, peer_id, run, serving
 
-from swarmd.api_client import find_daemon
-from swarmd.api_token import create_token, read_token
-from swarmd.api_types import to_json
+from swarmd.api.client import find_daemon
+from swarmd.api.token import create_token, read_token
+from swarmd.api.types import to_json
 from swarmd.errors import HomeError
-from swarmd.runfiles import remove_api_file, write_api_file
+from swarmd.node.runfiles import remove_api_file, write_api_file
 
 pytestmark = pytest.mark.integration
 

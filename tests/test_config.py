@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmd import config as C
-from swarmd import config_fields
+from swarmd.config import load as config_load, sections as config_sections
+from swarmd.config import fields as config_fields
 from swarmd.config import Config, ConfigError, load_config, render_default_toml, render_toml
 from transport.limits import Limits
 
@@ -61,10 +62,10 @@ def test_defaults():
 
 
 def test_default_file_is_rendered_and_loads_to_defaults():
-    shipped = REPO / "swarmd" / "default_config.toml"
+    shipped = REPO / "swarmd" / "config" / "default.toml"
     assert shipped.read_text(encoding="utf-8") == render_default_toml(), (
         "regenerate: python -c 'from swarmd.config import render_default_toml as r; "
-        "open(\"swarmd/default_config.toml\", \"w\").write(r())'"
+        "open(\"swarmd/config/default.toml\", \"w\").write(r())'"
     )
     assert load_config(shipped, {}, {}) == Config()
 
@@ -72,7 +73,7 @@ def test_default_file_is_rendered_and_loads_to_defaults():
 def test_repo_root_symlink_points_at_default_file():
     link = REPO / "swarmd.toml"
     assert link.is_symlink()
-    assert link.resolve() == (REPO / "swarmd" / "default_config.toml").resolve()
+    assert link.resolve() == (REPO / "swarmd" / "config" / "default.toml").resolve()
 
 
 def test_default_file_documents_every_key():
@@ -85,7 +86,7 @@ def test_default_file_documents_every_key():
         index = next(i for i, line in enumerate(lines) if line.startswith(f"{name} = ")
                      and lines.index(f"[{section}]") < i)
         assert lines[index - 1] == f"# {spec.doc}"
-    for section in C._SECTIONS:
+    for section in config_load._SECTIONS:
         assert lines[lines.index(f"[{section}]") - 1].startswith("# ")
 
 
@@ -408,7 +409,7 @@ def configs(draw) -> Config:
             max_tensor_bytes=draw(_size), chunk_bytes=draw(_size),
         ),
         http=C.HttpConfig(listen=f"{host}:{draw(_port)}", allow_non_loopback=allow),
-        log=C.LogConfig(level=draw(st.sampled_from(C.LOG_LEVELS)),
+        log=C.LogConfig(level=draw(st.sampled_from(config_sections.LOG_LEVELS)),
                         format=draw(st.sampled_from(["text", "json"]))),
     )
 
@@ -436,7 +437,7 @@ def test_round_trip_through_environment(config):
             text = "true" if value else "false"
         else:
             text = repr(value) if isinstance(value, float) else str(value)
-        env[C._env_name(key)] = text
+        env[config_load._env_name(key)] = text
     assert load_config(None, env, {}) == config
 
 
@@ -453,7 +454,7 @@ def test_arbitrary_text_is_a_config_or_a_config_error(tmp_path, text):
 
 
 @_hyp
-@given(section=st.sampled_from(sorted(C._SECTIONS)),
+@given(section=st.sampled_from(sorted(config_load._SECTIONS)),
        name=st.from_regex(r"[a-z][a-z_]{0,20}", fullmatch=True))
 def test_any_unknown_key_is_rejected(tmp_path, section, name):
     if f"{section}.{name}" in C.field_specs():

@@ -1,4 +1,4 @@
-"""swarmd.data: reading corpora, batches, validation batches, errors; the [data] and [training]
+"""swarmd.training.data: reading corpora, batches, validation batches, errors; the [data] and [training]
 configuration keys."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarmd.config import ConfigError, load_config
-from swarmd.data import SNIFF_BYTES, Corpus, DataError, load_corpus, stdlib_dir
+from swarmd.training.data import SNIFF_BYTES, Corpus, DataError, load_corpus, stdlib_dir
 from swarmd.errors import SwarmdError
 
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transport.codecs import CodecSpec
 
 from swarmd.config import load_config
-from swarmd.host_options import codec_spec, host_options
+from swarmd.node.host_options import codec_spec, host_options
 
 
 def test_wire_and_network_sections_become_host_options(tmp_path) -> None:

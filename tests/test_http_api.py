@@ -1,4 +1,4 @@
-"""The local HTTP API (swarmd.http_api) against a fake daemon, over real sockets on 127.0.0.1.
+"""The local HTTP API (swarmd.api.server) against a fake daemon, over real sockets on 127.0.0.1.
 
 ``FakeDaemon`` and the sample values here are also used by test_page_browser.py and
 test_cli_faces.py.
@@ -19,10 +19,10 @@ import pytest
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarmd.api_types import (ConnectedPeer, IdInfo, PeerRow, StageRow, StatusInfo, SwarmInfo,
+from swarmd.api.types import (ConnectedPeer, IdInfo, PeerRow, StageRow, StatusInfo, SwarmInfo,
                               to_json)
 from swarmd.errors import ConfigError, ListenError, SwarmdError
-from swarmd.http_api import HttpApi
+from swarmd.api.server import HttpApi
 
 TOKEN = "t" * 43
 DEADLINE_S = 30.0
@@ -308,7 +308,7 @@ def test_a_failing_daemon_function_gives_json_500_and_serving_goes_on(
             assert samples[("swarmd_http_errors_total", (("status", "500"),))] == 3
             assert samples[("swarmd_http_errors_total", (("status", "503"),))] == 1
 
-    with caplog.at_level(logging.ERROR, logger="swarmd.http_api"):
+    with caplog.at_level(logging.ERROR, logger="swarmd.api.server"):
         run(body)
     tracebacks = [r for r in caplog.records if r.exc_info and "boom in status" in r.getMessage()
                   + str(r.exc_info[1])]

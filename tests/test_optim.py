@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmd.optim import Lamb, make_optimizer
+from swarmd.training.optim import Lamb, make_optimizer
 
 
 def test_lamb_step_size_follows_the_trust_ratio() -> None:

@@ -1,4 +1,4 @@
-"""The status page (swarmd/page.html) in a real headless Chromium, driven over the Chrome
+"""The status page (swarmd/api/page.html) in a real headless Chromium, driven over the Chrome
 DevTools Protocol (aiohttp's websocket client, no extra packages).
 
 Without chromium the test is skipped, unless ``CI`` is set: then it fails (tools/setup.sh
@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from test_http_api import ME, FakeDaemon, peer_id, run, sample_status, serving
 
-from swarmd.api_types import StatusInfo, to_json
+from swarmd.api.types import StatusInfo, to_json
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import uvloop
 
-from swarmd.model import FullModel, ModelConfig
-from swarmd.stage_server import StageServer
-from swarmd.trainer import Trainer
+from swarmd.training.model import FullModel, ModelConfig
+from swarmd.pipeline.server import StageServer
+from swarmd.pipeline.trainer import Trainer
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.host import Host, HostOptions
@@ -89,7 +89,7 @@ def test_one_step_through_the_swarm_equals_single_process() -> None:
 
 
 def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
-    from swarmd import stage_server
+    from swarmd.pipeline import server as stage_server
     from swarmd.errors import StageBusy
 
     async def scenario() -> None:
@@ -112,7 +112,7 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
 
 
 def test_a_hop_is_judged_by_the_peer_s_own_time_not_the_rest_of_the_chain() -> None:
-    from swarmd.stage_server import hop_seconds
+    from swarmd.pipeline.server import hop_seconds
     from transport.frames import Message
 
     ok = Message(kind="ok", meta={"service_s": 0.02, "held_s": 0.5})

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.placement import choose_stage
+from swarmd.balancing.placement import choose_stage
 
 
 def test_lowest_throughput_wins() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.reconnect import Backoff, Redialer
+from swarmd.node.reconnect import Backoff, Redialer
 
 
 @given(st.integers(0, 200), st.integers(0, 2**32))

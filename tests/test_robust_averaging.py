@@ -32,12 +32,12 @@ import pytest
 import torch
 import uvloop
 
-from swarmd.allreduce import Averager, protocol_id
-from swarmd.data import load_corpus
-from swarmd.model import ModelConfig
-from swarmd.stage_server import StageServer
-from swarmd.stage_sync import SyncSettings
-from swarmd.trainer import Trainer
+from swarmd.averaging.allreduce import Averager, protocol_id
+from swarmd.training.data import load_corpus
+from swarmd.training.model import ModelConfig
+from swarmd.pipeline.server import StageServer
+from swarmd.averaging.stage_sync import SyncSettings
+from swarmd.pipeline.trainer import Trainer
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.host import Host, HostOptions

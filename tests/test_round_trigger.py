@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.round_trigger import SUSPECT_S, RoundTrigger
+from swarmd.averaging.trigger import SUSPECT_S, RoundTrigger
 
 NOW = 1_700_000_000.0
 IDS = st.text(alphabet="abcdefgh", min_size=1, max_size=3)

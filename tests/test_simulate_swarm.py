@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from simulate_swarm import main, optimum_upper_bound, simulate  # noqa: E402
 
-from swarmd.balancing import BalancingConfig  # noqa: E402
+from swarmd.balancing.policy import BalancingConfig  # noqa: E402
 
 FIGURES = ("mean_fraction_of_optimum", "moves_per_peer_hour", "recovery_s",
            "recovery_check_periods")

@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarmd import checkpoint as ckpt
-from swarmd import stage_state as ss
-from swarmd.checkpoint import CorruptCheckpoint, load_checkpoint, quarantine, save_checkpoint
-from swarmd.stage_state import BadStageState, StageState, StateMismatch
+from swarmd.state import checkpoint as ckpt
+from swarmd.state import encoding as ss
+from swarmd.state.checkpoint import CorruptCheckpoint, load_checkpoint, quarantine, save_checkpoint
+from swarmd.state.encoding import BadStageState, StageState, StateMismatch
 
 HASH = "model-abc"
 

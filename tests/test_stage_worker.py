@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
-from swarmd.stage_worker import StageWorker
+from swarmd.pipeline.worker import StageWorker
 
 W = 16
 

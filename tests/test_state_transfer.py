@@ -15,15 +15,11 @@ import pytest
 import torch
 import uvloop
 
-from swarmd import stage_state as ss
-from swarmd.stage_state import StageState
-from swarmd.state_transfer import (
-    Plan,
-    StateInfo,
-    StateServer,
-    StateTransferFailed,
-    fetch_state,
-)
+from swarmd.state import encoding as ss
+from swarmd.state.encoding import StageState
+from swarmd.state.fetch import fetch_state
+from swarmd.state.serve import StateServer
+from swarmd.state.transfer import Plan, StateInfo, StateTransferFailed
 from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message

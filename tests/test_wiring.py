@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmd.wiring import Kind, Wiring, WiringConfig
+from swarmd.pipeline.wiring import Kind, Wiring, WiringConfig
 
 RNG_SEED = 7
 

@@ -89,7 +89,7 @@ async def _peer(seed: int) -> None:
     import torch
     from bench_transport import _host_options
 
-    from swarmd.allreduce import Averager
+    from swarmd.averaging.allreduce import Averager
     from transport import identity
     from transport.codecs import CodecSpec
     from transport.frames import Message
@@ -99,7 +99,7 @@ async def _peer(seed: int) -> None:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(message)s")
-        logging.getLogger("swarmd.allreduce").setLevel(logging.DEBUG)
+        logging.getLogger("swarmd.averaging.allreduce").setLevel(logging.DEBUG)
     host = Host(identity.generate(), _host_options(torch_threads=1))
     payloads: dict[int, Any] = {}
     state: dict[str, Any] = {}
@@ -189,7 +189,7 @@ class Peers:
     """n peer processes driven by JSON lines on stdin; each answers one line per command."""
 
     def __init__(self, n: int, logdir: Path) -> None:
-        from swarmd.local_swarm import readline
+        from swarmd.local.swarm import readline
 
         self._readline = readline
         self.procs, self.info = [], []

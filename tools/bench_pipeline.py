@@ -8,14 +8,14 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 (ratios are stable on these shared machines, absolute numbers are not):
 
 - ``swarm_tokens_per_s``: a local swarm of 2 stages with one peer each (two ``swarmd join``
-  processes, ``swarmd.local_swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
-  wire codec, driven by ``swarmd.train_run.train()`` in this process (the trainer: embedding,
+  processes, ``swarmd.local.swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
+  wire codec, driven by ``swarmd.training.run.train()`` in this process (the trainer: embedding,
   head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, all in flight).
   Every process of the swarm runs one torch thread (``model.threads = 1``, as in
   ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
   ``--trainer-threads`` override it). The first ``warmup_steps`` steps (connections, stream pool,
   allocator, first optimizer steps) are not measured.
-- ``single_tokens_per_s``: the reference. ``swarmd.model.FullModel`` (embedding, both stages,
+- ``single_tokens_per_s``: the reference. ``swarmd.training.model.FullModel`` (embedding, both stages,
   head) trained with AdamW on the same microbatches (the same corpus and the same seeded
   ``torch.Generator`` as ``train()``: the very same batches in the same order, from the same
   initial weights; ``swarm.window_mean_loss`` and ``single.window_mean_loss`` agree to 1e-3
@@ -26,7 +26,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
   driven over a pipe; it warms up before the daemons start.
 - Interleaving: the machine is shared and its load drifts, so the two are measured in
   alternating blocks (``blocks`` x ``block_steps`` steps each): at every block boundary the
-  wrapped trainer (``swarmd.trainer.Trainer`` is replaced by a subclass for the run: ``train()``
+  wrapped trainer (``swarmd.pipeline.trainer.Trainer`` is replaced by a subclass for the run: ``train()``
   imports it at call time) pauses between two steps, when nothing of the pipeline is in flight,
   and the reference runs one block while the swarm idles. Throughputs are totals over the
   blocks (batch sampling included on both sides, validation excluded); ``ratio`` = swarm /
@@ -40,7 +40,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
   (``single.steps`` then counts fewer steps), so a loaded machine cannot stretch a run much
   past 2-3 minutes.
 
-Model: the demo's settings (``swarmd.demo.DEMO_ENV``: width 128, 4 layers, 4 heads, seq_len
+Model: the demo's settings (``swarmd.local.demo.DEMO_ENV``: width 128, 4 layers, 4 heads, seq_len
 64, batch 8) unless ``--model default`` (the configuration defaults: seq_len 128).
 
 Wire accounting (``wire``). Every message is one frame; ``transport.stream`` counts a frame
@@ -105,7 +105,7 @@ def say(text: str) -> None:
 
 
 def bench_env(model: str) -> dict[str, str]:
-    from swarmd.demo import DEMO_ENV
+    from swarmd.local.demo import DEMO_ENV
 
     env = dict(DEMO_ENV) if model == "demo" else {}
     env.update({"SWARMD_SWARM_STAGES": str(STAGES), "SWARMD_WIRE_CODEC": CODEC,
@@ -122,8 +122,8 @@ class SingleProcess:
     def __init__(self, config: Any, *, microbatches: int, threads: int) -> None:
         import torch
 
-        from swarmd.data import load_corpus
-        from swarmd.model import FullModel
+        from swarmd.training.data import load_corpus
+        from swarmd.training.model import FullModel
 
         mc = config.model_config()
         self.seq, self.batch = mc.seq_len, config.training.batch_size
@@ -379,9 +379,9 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
     import torch
     import uvloop
 
-    import swarmd.trainer
-    from swarmd.local_swarm import DaemonProcess, stop_all
-    from swarmd.train_run import train
+    import swarmd.pipeline.trainer
+    from swarmd.local.swarm import DaemonProcess, stop_all
+    from swarmd.training.run import train
 
     say(f"single process: starting, {warmup} warm-up steps")
     single = SingleClient(env, microbatches=microbatches, threads=2)
@@ -393,7 +393,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
         env = {**env, "OMP_NUM_THREADS": str(daemon_threads)}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-pipeline-") as root:
         daemons: list[DaemonProcess] = []
-        original = swarmd.trainer.Trainer
+        original = swarmd.pipeline.trainer.Trainer
         try:
             single.run(warmup, measured=False)
             t0 = time.monotonic()
@@ -416,7 +416,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                            lambda: [os.getpid(), single.pid, *(d.proc.pid for d in daemons)])
             probe.named_pids = {"trainer": os.getpid(), "stage0": first.proc.pid,
                                 "stage1": second.proc.pid}
-            swarmd.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
+            swarmd.pipeline.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
             result = uvloop.run(train(config, bootstrap=[first.addr], steps=marks[-1],
                                       microbatches=microbatches,
                                       progress=lambda s: say(f"train: {s}")))
@@ -425,7 +425,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                               for name, d in (("stage0", first), ("stage1", second))}
             daemon_pids = {"stage0": first.proc.pid, "stage1": second.proc.pid}
         finally:
-            swarmd.trainer.Trainer = original
+            swarmd.pipeline.trainer.Trainer = original
             stop_all(daemons)
             single.close()
 
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke test)")
     parser.add_argument("--model", choices=("demo", "default"), default="demo",
-                        help="model settings: swarmd.demo.DEMO_ENV (default) or the config "
+                        help="model settings: swarmd.local.demo.DEMO_ENV (default) or the config "
                              "defaults")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="microbatches per step (training.microbatches' default: 4)")

@@ -8,14 +8,14 @@ last line of stdout is one JSON object; ``--check`` exits 1 when a target is mis
 Compared in the same run, on the same timeline of events: ``none`` (peers stay where they were
 placed), ``petals`` (Petals' rule: every uniform(0, 2 x period) seconds, move to the stage with
 the lowest total when current min / achievable min < 0.75; no hysteresis, never leaving a stage
-without peers) and ``swarmd`` (:mod:`swarmd.balancing`, the code the daemon runs).
+without peers) and ``swarmd`` (:mod:`swarmd.balancing.policy`, the code the daemon runs).
 
 What is modelled:
 
 - **Peers** have a throughput in samples/s: a GPU class (T4 40%, L4 15%, A10G 15%, V100 15%,
   A100 15%; 1x to 4.5x a T4's 20 samples/s) times per-peer log-normal noise (sigma 0.15), and
   re-measured ``drift_per_hour`` times an hour at base x e^N(0, 0.05).
-- **Joins** are placed by :func:`swarmd.placement.choose_stage` on planned totals, as the
+- **Joins** are placed by :func:`swarmd.balancing.placement.choose_stage` on planned totals, as the
   daemon's ``--stage auto`` does. A joining or migrating peer loads its stage's state for
   ``migration_s`` seconds and serves nothing meanwhile. The swarm starts with ``peers`` peers
   placed one by one, online.
@@ -37,7 +37,7 @@ What is modelled:
   back to >= 90% of the bound; None if never) and the same in check periods.
 
 Cost: a check when the swarm-wide gain is at most the threshold says "stay" to every peer
-(:func:`swarmd.balancing.swarm_gain`), so checks are only simulated while it is above: a peer
+(:func:`swarmd.balancing.policy.swarm_gain`), so checks are only simulated while it is above: a peer
 whose check comes in a balanced swarm stops ticking; when an imbalance appears, each such peer
 gets its next check at a uniformly random point of its next interval, with no confirmations
 (what its skipped "stay" checks would have left). Petals likewise, on its 0.75 rule.
@@ -59,10 +59,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarmd.balancing import (  # noqa: E402
+from swarmd.balancing.policy import (  # noqa: E402
     Balancer, BalancingConfig, PeerLoad, SwarmLoad, swarm_gain,
 )
-from swarmd.placement import choose_stage  # noqa: E402
+from swarmd.balancing.placement import choose_stage  # noqa: E402
 
 POLICIES = ("none", "petals", "swarmd")
 #: (class, throughput relative to a T4, share of the swarm)

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 import trio
@@ -39,48 +38,14 @@ from transport.errors import (
 )
 from transport.frames import Message
 from transport.identity import Identity
-from transport.limits import Limits
-from transport.pubsub import PubsubBridge, PubsubOptions, Subscription
+from transport.options import HostOptions
+from transport.pubsub import PubsubBridge, Subscription
 from transport.stream import Stream
 
 log = logging.getLogger("transport.host")
 
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 Handler = Callable[[Stream], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostOptions:
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    #: inbound connections (handshaking ones included) before new ones are refused
-    max_connections: int = 1024
-    #: an inbound connection that has not finished Noise+yamux by then is dropped
-    handshake_timeout_s: float = 5.0
-    dial_timeout_s: float = 10.0
-    request_timeout_s: float = 30.0
-    #: a request stream with no new request for this long is closed by the serving side
-    idle_stream_timeout_s: float = 120.0
-    limits: Limits = field(default_factory=Limits)
-    #: codec used for tensors when a send does not name one
-    codec: CodecSpec = field(default_factory=lambda: CodecSpec(name="none"))
-    #: None: no pubsub router is started
-    pubsub: PubsubOptions | None = field(default_factory=PubsubOptions)
-    #: yamux frame size for what this process sends (None: py-libp2p's 64 KiB); see
-    #: transport.libp2p_tuning. Larger frames halve the per-byte cost of bulk transfers.
-    yamux_frame_bytes: int | None = 1 << 20
-    #: send yamux window updates in batches rather than after every read
-    batch_window_updates: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.listen:
-            raise LocalUsageError("HostOptions.listen needs at least one multiaddr")
-        for name in ("max_connections",):
-            if getattr(self, name) < 1:
-                raise LocalUsageError(f"HostOptions.{name} must be at least 1")
-        for name in ("handshake_timeout_s", "dial_timeout_s", "request_timeout_s",
-                     "idle_stream_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise LocalUsageError(f"HostOptions.{name} must be positive")
 
 
 class Host:

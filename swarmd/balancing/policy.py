@@ -1,0 +1,337 @@
+"""Which stage this peer should serve: SWARM's adaptive rebalancing. Pure.
+
+The pipeline runs at the speed of its slowest stage, so the swarm's throughput is the lowest
+stage total. Peers of over-served stages move to under-served ones until that minimum is close
+to what the peers could reach together. Time and randomness are parameters (``now``, ``rng``):
+the daemon and ``tools/simulate_swarm.py`` run this same code.
+
+Policy:
+
+* **Totals count arrivals.** A stage's *planned* total is the throughput of its ``online``
+  peers plus that of the peers ``joining`` or ``migrating`` to it (their announcement already
+  names the stage they are loading); ``leaving`` peers count nowhere. Deciding on planned
+  totals means that once enough peers are on their way, nobody else follows them.
+* **The level and the gain.** The peers together could bring every stage to about the mean
+  planned total ``L`` (an upper bound on the best minimum; with many peers per stage it is
+  reached within about one peer). The swarm's *gain* is ``L / min - 1``: how much a full
+  rebalancing would raise the minimum. While it is at most ``threshold`` (5%), nobody moves,
+  whatever the peer: small drifts never cost a migration. The threshold applies to the joint
+  move a peer takes part in, not to its own: one peer of 10,000 is ~0.1% of a stage, so no
+  single move could ever raise the minimum by 5%.
+* **Who moves: the peers that gain most, and only as many as needed.** A stage above the level
+  has a surplus ``q = planned - L`` to give. Its online peers are ranked by throughput (a move
+  raises the target stage by the mover's throughput: the largest peers gain most, and fill a
+  deficit with the fewest migrations), ties by peer id, and taken first-fit: a peer is chosen
+  when it fits in what is left of the surplus, give or take half the stage's smallest peer
+  (but at most what is left: a lone big peer may still fill a large deficit in a small swarm),
+  and never when it would leave its stage without an online peer. So a stage gives its
+  surplus to within one small peer. Every peer computes the same plan from the same view, so
+  in a one-shot imbalance the peers that move are about those the deficit needs, not everyone
+  who checks: no stampede, even when views lag by a few announcements. The plan is stable while
+  it runs: when a chosen peer leaves, the surplus and what is left before every later peer
+  shrink by its throughput, and the same others stay chosen.
+* **Where to.** The surpluses, laid end to end in stage order, are matched to the deficits
+  ``L - planned`` of the stages below the level, laid end to end lowest stage first; a chosen
+  peer goes to the deficit in which its share starts. So the bottleneck is filled first, and
+  when the chosen peers fall short of the whole deficit, the stages closest to the level are
+  the ones left short. A move is refused if it would leave its stage at or below the
+  target's planned total plus half the mover (a move must raise the lower of the two stages
+  it touches by at least half the mover's throughput, which noise cannot fake between two
+  stages one peer apart), so each move raises the lower of the two stages it touches: moves
+  seen one after the other never undo each other (the sorted list of stage totals grows
+  lexicographically with every move), which rules out flapping in a steady swarm. The
+  bottleneck is never a source (its total is below the level).
+* **Hysteresis and timing.** :class:`Balancer` moves only after ``confirmations`` consecutive
+  checks (3) said "move"; a single "stay" resets the count. The target may differ between
+  those checks (deficits shift while others move); the move goes to the latest one. Checks are
+  ``check_period_s`` apart (30 s) with +-``jitter`` randomisation; while a move is being
+  confirmed the next check comes after ``confirm_period_s`` (10 s), so a real imbalance is
+  acted on within about one period plus 20 s.
+
+New peers (``--stage auto``) use :func:`swarmd.balancing.placement.choose_stage`, fed with
+:meth:`SwarmLoad.planned_totals` and :meth:`SwarmLoad.planned_counts` so that simultaneous
+joiners see each other.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_left
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["STATES", "BalancingConfig", "PeerLoad", "Decision", "SwarmLoad", "swarm_gain",
+           "decide", "Balancer"]
+
+#: peer states as membership announces them
+STATES = ("joining", "online", "migrating", "leaving")
+
+
+def _finite(x: object) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BalancingConfig:
+    #: move only while a full rebalancing would raise the minimum stage total by more than this
+    threshold: float = 0.05
+    #: consecutive checks that must say "move" before the peer moves
+    confirmations: int = 3
+    #: mean time between checks
+    check_period_s: float = 30.0
+    #: mean time between checks while a move is being confirmed
+    confirm_period_s: float = 10.0
+    #: check intervals are drawn uniformly in period x [1 - jitter, 1 + jitter]
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"BalancingConfig: {what}")
+        for name in ("threshold", "check_period_s", "confirm_period_s", "jitter"):
+            need(_finite(getattr(self, name)), f"{name} must be a finite number")
+        need(self.threshold >= 0, "threshold must be >= 0 (0.05: move for a 5% gain)")
+        need(type(self.confirmations) is int and self.confirmations >= 1,
+             "confirmations must be an int >= 1")
+        need(self.check_period_s > 0 and self.confirm_period_s > 0, "periods must be > 0")
+        need(0 <= self.jitter < 1, "jitter must be in [0, 1)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerLoad:
+    """One peer as the balancer sees it (from its membership announcement)."""
+
+    peer_id: str
+    #: the stage it serves, or loads when joining or migrating
+    stage: int
+    #: measured throughput, samples per second
+    throughput: float
+    state: str
+
+    def __post_init__(self) -> None:
+        if type(self.peer_id) is not str or not self.peer_id:
+            raise ValueError("peer_id must be a non-empty str")
+        if type(self.stage) is not int or self.stage < 0:
+            raise ValueError("stage must be an int >= 0")
+        if not _finite(self.throughput) or self.throughput < 0:
+            raise ValueError("throughput must be a finite number >= 0")
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {', '.join(STATES)}, not {self.state!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    #: the stage to move to, or None to stay
+    move_to: int | None
+    #: how much a full rebalancing would raise the minimum stage total, relative (inf: a stage
+    #: has nothing planned)
+    gain: float
+    #: why: "move", "balanced", "not_online", "no_throughput", "not_donor", "not_chosen",
+    #: "last_peer", "overshoot"
+    reason: str
+
+
+class SwarmLoad:
+    """Peers per stage with their throughput and state, kept ready for :func:`decide`.
+
+    Updated in place, a binary search and a list insert per change (the simulator feeds it
+    event by event); the daemon can build one per check with :meth:`from_peers`. Per stage it
+    keeps the online peers sorted by throughput (largest first), so that a decision costs
+    O(S log S + k log n) for k chosen peers ranked above the asking one, never O(N).
+    """
+
+    def __init__(self, stages: int) -> None:
+        if type(stages) is not int or stages < 1:
+            raise ValueError("stages must be an int >= 1")
+        self.stages = stages
+        self._peers: dict[str, PeerLoad] = {}
+        self._served = [0.0] * stages
+        self._arriving = [0.0] * stages
+        self._online = [0] * stages
+        self._arrivals = [0] * stages
+        #: per stage, online peers as (-throughput, peer_id) ascending, and the -throughputs
+        self._keys: list[list[tuple[float, str]]] = [[] for _ in range(stages)]
+        self._negs: list[list[float]] = [[] for _ in range(stages)]
+
+    @classmethod
+    def from_peers(cls, stages: int, peers: Iterable[PeerLoad]) -> SwarmLoad:
+        load = cls(stages)
+        for p in peers:
+            load.set(p)
+        return load
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._peers
+
+    def get(self, peer_id: str) -> PeerLoad | None:
+        return self._peers.get(peer_id)
+
+    def peers(self) -> list[PeerLoad]:
+        return list(self._peers.values())
+
+    def set(self, peer: PeerLoad) -> None:
+        """Add or replace a peer; a ``leaving`` peer is removed."""
+        if peer.stage >= self.stages:
+            raise ValueError(f"stage {peer.stage} is out of range (stages: {self.stages})")
+        self.remove(peer.peer_id)
+        if peer.state == "leaving":
+            return
+        s, t = peer.stage, float(peer.throughput)
+        self._peers[peer.peer_id] = peer
+        if peer.state == "online":
+            self._served[s] += t
+            self._online[s] += 1
+            key = (-t, peer.peer_id)
+            i = bisect_left(self._keys[s], key)
+            self._keys[s].insert(i, key)
+            self._negs[s].insert(i, -t)
+        else:
+            self._arriving[s] += t
+            self._arrivals[s] += 1
+
+    def remove(self, peer_id: str) -> None:
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return
+        s, t = peer.stage, float(peer.throughput)
+        if peer.state == "online":
+            self._online[s] -= 1
+            # an emptied stage is exactly 0, whatever rounding the sums picked up
+            self._served[s] = self._served[s] - t if self._online[s] else 0.0
+            i = bisect_left(self._keys[s], (-t, peer_id))
+            del self._keys[s][i]
+            del self._negs[s][i]
+        else:
+            self._arrivals[s] -= 1
+            self._arriving[s] = self._arriving[s] - t if self._arrivals[s] else 0.0
+
+    def served_totals(self) -> list[float]:
+        """Throughput of each stage's online peers: what the pipeline gets now."""
+        return list(self._served)
+
+    def planned_totals(self) -> list[float]:
+        """Served plus arriving (joining, migrating) throughput of each stage."""
+        return [a + b for a, b in zip(self._served, self._arriving)]
+
+    def online_counts(self) -> list[int]:
+        return list(self._online)
+
+    def planned_counts(self) -> list[int]:
+        return [a + b for a, b in zip(self._online, self._arrivals)]
+
+
+def _gain(level: float, low: float) -> float:
+    if level <= 0:
+        return 0.0
+    return math.inf if low <= 0 else level / low - 1.0
+
+
+def swarm_gain(load: SwarmLoad) -> float:
+    """How much a full rebalancing would raise the lowest planned stage total, relative.
+
+    :func:`decide` says "stay" to every peer while this is at most the threshold, so a caller
+    that checks many peers (the simulator) may skip their checks until it rises above it.
+    """
+    planned = load.planned_totals()
+    return _gain(sum(planned) / len(planned), min(planned))
+
+
+def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig) -> Decision:
+    """Stay, or move ``peer_id`` to another stage; see the module docstring. Deterministic."""
+    planned = load.planned_totals()
+    level = sum(planned) / len(planned)
+    gain = _gain(level, min(planned))
+    if gain <= config.threshold:
+        return Decision(move_to=None, gain=gain, reason="balanced")
+    me = load._peers.get(peer_id)
+    if me is None or me.state != "online":
+        return Decision(move_to=None, gain=gain, reason="not_online")
+    if me.throughput <= 0:
+        return Decision(move_to=None, gain=gain, reason="no_throughput")
+    a, t = me.stage, float(me.throughput)
+    surplus = planned[a] - level
+    if surplus <= 0:
+        return Decision(move_to=None, gain=gain, reason="not_donor")
+    # first-fit, largest first: the next peer that fits in what is left, give or take
+    negs = load._negs[a]
+    slack = -negs[-1] / 2  # half the stage's smallest peer
+    mine = bisect_left(load._keys[a], (-t, peer_id))
+    left, taken, i = surplus, 0, 0
+    while True:
+        if taken + 2 > len(negs):
+            return Decision(move_to=None, gain=gain, reason="last_peer")
+        # the next peer with throughput <= left + min(left, slack)
+        j = bisect_left(negs, -(left + min(left, slack)), i) if left > 0 else len(negs)
+        if j > mine:
+            return Decision(move_to=None, gain=gain, reason="not_chosen")
+        if j == mine:
+            break
+        left += negs[j]
+        taken += 1
+        i = j + 1
+    # where my share starts among all surpluses, matched to the deficits, lowest stage first
+    at = sum(p - level for p in planned[:a] if p > level) + (surplus - left)
+    target, seen = -1, 0.0
+    for p, s in sorted((p, s) for s, p in enumerate(planned) if p < level):
+        target = s
+        seen += level - p
+        if at < seen:
+            break
+    # the move must raise the lower of the two stages by at least half the mover's own
+    # throughput: min(a - t, target + t) - target >= t / 2. Between two stages one peer apart
+    # (a = target + t, give or take measurement noise) it never does, so noisy throughputs
+    # cannot make peers swap back and forth
+    if planned[a] - planned[target] < 1.5 * t:
+        return Decision(move_to=None, gain=gain, reason="overshoot")
+    return Decision(move_to=target, gain=gain, reason="move")
+
+
+class Balancer:
+    """One peer's balancing state: the hysteresis around :func:`decide`.
+
+    Call :meth:`check` at the times :meth:`next_check_at` gives (about every 30 s; every 10 s
+    while confirming), with a :class:`SwarmLoad` of the current view: every peer with this
+    model hash and a stage in range, as (peer_id, stage, announced throughput, state), entries
+    that are expired or overdue left out, and this peer itself as it last announced. When it
+    returns a stage, move there: announce ``migrating`` with the new stage at once (so that the
+    others count it as arriving), load the stage, then announce ``online``.
+    """
+
+    def __init__(self, peer_id: str, config: BalancingConfig | None = None) -> None:
+        self.peer_id = peer_id
+        self.config = config or BalancingConfig()
+        #: consecutive checks that said "move"
+        self.streak = 0
+        self.last: Decision | None = None
+        self.last_check_at: float | None = None
+        self.moved_at: float | None = None
+        self.moves = 0
+
+    def reset(self) -> None:
+        """Forget the confirmations gathered so far (as a "stay" would)."""
+        self.streak = 0
+
+    def check(self, load: SwarmLoad, now: float) -> int | None:
+        """The stage to move to now, or None."""
+        decision = decide(load, self.peer_id, self.config)
+        self.last, self.last_check_at = decision, now
+        if decision.move_to is None:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak < self.config.confirmations:
+            return None
+        self.streak = 0
+        self.moved_at = now
+        self.moves += 1
+        return decision.move_to
+
+    def next_check_at(self, now: float, rng: random.Random) -> float:
+        """When to check next: sooner while a move is being confirmed; randomised."""
+        c = self.config
+        period = c.confirm_period_s if self.streak else c.check_period_s
+        return now + period * rng.uniform(1.0 - c.jitter, 1.0 + c.jitter)

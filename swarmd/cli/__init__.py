@@ -1,0 +1,132 @@
+"""The ``swarmd`` command line.
+
+Each command is a :class:`Command`: a function that takes the parsed arguments and returns a
+typed value (a dataclass), and a function that renders that value as text. With ``--json`` the
+value is printed as one JSON object instead. Adding a command means writing those two
+functions and one entry in :data:`COMMANDS`; nothing else here changes.
+
+Errors: a :class:`swarmd.errors.SwarmdError` or ``transport.errors.IdentityError`` ends the
+command with one line ``swarmd: error: ...`` on stderr and the error's exit status (2 for
+configuration and usage, 1 otherwise), never a traceback.
+
+Importing this module (``--version``, ``--help``) imports neither libp2p nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from swarmd import __version__
+from swarmd.cli.client import (_daemon_arguments, _stop_arguments, cmd_peers, cmd_status,
+                               cmd_stop, cmd_swarm, text_peers, text_status, text_stop,
+                               text_swarm)
+from swarmd.cli.common import PROG, Command, to_jsonable
+from swarmd.cli.local import (_demo_arguments, _id_arguments, _init_arguments,
+                              _join_arguments, _train_arguments, cmd_demo, cmd_id, cmd_init,
+                              cmd_join, cmd_train, text_demo, text_id, text_init, text_join,
+                              text_train)
+from swarmd.errors import SwarmdError
+from transport.errors import IdentityError
+
+
+
+COMMANDS: list[Command] = [
+    Command("init", "create the home directory, identity key and config file",
+            _init_arguments, cmd_init, text_init,
+            description="Create the home directory (mode 0700) with a new identity key and a "
+                        "documented config.toml. Running it again keeps the existing identity "
+                        "and config."),
+    Command("id", "print this node's peer id and listen addresses",
+            _id_arguments, cmd_id, text_id),
+    Command("join", "run the daemon: join (or start) a swarm and serve a stage",
+            _join_arguments, cmd_join, text_join,
+            description="Run the swarmd daemon in the foreground until SIGINT/SIGTERM or "
+                        "`swarmd stop`. With no bootstrap address it starts a new swarm. Prints "
+                        "its peer id, listen addresses (with /p2p/<id>) and HTTP URL once they "
+                        "are bound; writes <home>/api then, and removes it on exit."),
+    Command("train", "train the model through a running swarm",
+            _train_arguments, cmd_train, text_train,
+            description="Join the swarm at --bootstrap as a trainer and train the model through "
+                        "its stages: byte-level data from --data (default: the Python standard "
+                        "library's sources), a held-out validation split, progress with loss, "
+                        "tokens/s and route statistics, metrics appended to "
+                        "<home>/train-metrics.jsonl."),
+    Command("demo", "start a local swarm, train it, and show the result",
+            _demo_arguments, cmd_demo, text_demo,
+            description="Start --peers daemons on 127.0.0.1 serving --stages stages, train "
+                        "--steps steps through them, shut everything down and print a summary "
+                        "(with --json, the last line is one JSON object). Exits non-zero if "
+                        "the validation loss did not go down."),
+    Command("status", "print the running daemon's state, stage, throughput and counters",
+            _daemon_arguments, cmd_status, text_status,
+            description="Ask the daemon running for this home (found through <home>/api) for "
+                        "its status: peer id, lifecycle state, stage, uptime, throughput, queue "
+                        "and counters. --json prints GET /api/v0/status."),
+    Command("peers", "list the peers the running daemon is connected to",
+            _daemon_arguments, cmd_peers, text_peers,
+            description="List the libp2p peers the running daemon is connected to, with the "
+                        "stage and state they announced. --json prints GET /api/v0/peers."),
+    Command("swarm", "show the pipeline as the running daemon sees it",
+            _daemon_arguments, cmd_swarm, text_swarm,
+            description="Show the swarm as the running daemon sees it: each stage with its "
+                        "total throughput and peers, the bottleneck stage, and the peers kept "
+                        "out of routing with the reason. --json prints GET /api/v0/swarm."),
+    Command("stop", "stop the running daemon gracefully",
+            _stop_arguments, cmd_stop, text_stop,
+            description="Ask the daemon running for this home to shut down (with the token in "
+                        "<home>/api_token) and wait until it has exited."),
+]
+
+
+# ---------------------------------------------------------------------------------- plumbing
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="SWARM-parallel training over libp2p, as a daemon.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help,
+                           description=command.description or command.help[:1].upper()
+                           + command.help[1:] + ".")
+        command.add_arguments(p)
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        p.set_defaults(_command=command)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors (argparse printed them)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    command: Command | None = getattr(args, "_command", None)
+    if command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        result = command.run(args)
+    except SwarmdError as exc:
+        _error(str(exc))
+        return exc.exit_status
+    except IdentityError as exc:
+        _error(str(exc))
+        return 1
+    except OSError as exc:
+        _error(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(to_jsonable(result)))
+    else:
+        print(command.text(result))
+    return 0

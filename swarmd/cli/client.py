@@ -1,0 +1,172 @@
+"""Commands that ask the running daemon (through ``<home>/api``): status, peers, swarm, stop."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from swarmd.cli.common import add_home_argument, home_from_args
+
+
+STOP_TIMEOUT_S = 15.0
+
+
+def _daemon_arguments(parser: argparse.ArgumentParser) -> None:
+    add_home_argument(parser)
+
+
+def _client(args: argparse.Namespace):
+    from swarmd.api.client import DaemonClient
+
+    return DaemonClient.for_home(home_from_args(args))
+
+
+def _table(rows: list[list[str]], indent: str = "", right: frozenset[int] = frozenset(),
+           widths: list[int] | None = None) -> str:
+    """Rows as aligned columns (the first row is the header); ``right`` columns align right.
+
+    ``widths`` (from :func:`_widths`) lines up several tables with one another."""
+    widths = widths or _widths(rows)
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return "\n".join(lines)
+
+
+def _widths(rows: list[list[str]]) -> list[int]:
+    return [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    d, h, m, s = s // 86400, s % 86400 // 3600, s % 3600 // 60, s % 60
+    if d:
+        return f"{d}d {h}h {m:02d}m"
+    if h:
+        return f"{h}h {m:02d}m {s:02d}s"
+    return f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+def _stage(stage: int | None) -> str:
+    return "-" if stage is None else str(stage)
+
+
+def cmd_status(args: argparse.Namespace):
+    return _client(args).status()
+
+
+def text_status(st) -> str:
+    lines = [f"peer id     {st.peer_id}",
+             f"swarm       {st.swarm}",
+             f"version     {st.version}",
+             f"state       {st.state}",
+             f"stage       {'none' if st.stage is None else st.stage}",
+             f"uptime      {_duration(st.uptime_s)}",
+             f"connected   {st.connected_peers} peer{'' if st.connected_peers == 1 else 's'}",
+             f"throughput  {_rate(st.throughput)} samples/s",
+             f"queue       {st.queue}"]
+    if st.counters:
+        width = max(len(name) for name in st.counters)
+        for i, (name, value) in enumerate(sorted(st.counters.items())):
+            lines.append(f"{'counters' if i == 0 else '':<12}{name:<{width}}  {value}")
+    else:
+        lines.append("counters    (none)")
+    return "\n".join(lines)
+
+
+def cmd_peers(args: argparse.Namespace):
+    return _client(args).peers()
+
+
+def text_peers(peers) -> str:
+    if not peers:
+        return "no connected peers"
+    rows = [["PEER ID", "STAGE", "STATE"]]
+    rows += [[p.peer_id, _stage(p.stage), p.state or "-"]
+             for p in sorted(peers, key=lambda p: (p.stage is None, p.stage or 0, p.peer_id))]
+    return _table(rows) + f"\n{len(peers)} connected peer{'' if len(peers) == 1 else 's'}"
+
+
+def cmd_swarm(args: argparse.Namespace):
+    return _client(args).swarm()
+
+
+def text_swarm(sw) -> str:
+    head = (f"swarm {sw.swarm}: {sw.num_stages} stage{'' if sw.num_stages == 1 else 's'}, "
+            f"{sw.peers_total} peer{'' if sw.peers_total == 1 else 's'}")
+    if sw.bottleneck is not None:
+        slowest = next((s for s in sw.stages if s.stage == sw.bottleneck), None)
+        rate = f" ({_rate(slowest.total_throughput)} samples/s)" if slowest else ""
+        head += f"; bottleneck: stage {sw.bottleneck}{rate}"
+    header = ["PEER ID", "STATE", "STEP", "SAMPLES/S", "QUEUE", "AGE", "NOTE"]
+    tables = [[header] + [[p.peer_id, p.state, str(p.step), _rate(p.throughput), str(p.queue),
+                           f"{p.age_s:.1f}s",
+                           "" if p.routable else f"not routed: {p.reason or 'no reason given'}"]
+                          for p in row.peers]
+              for row in sw.stages]
+    widths = _widths([line for table in tables for line in table]) if tables else None
+    blocks = [head]
+    for row, table in zip(sw.stages, tables):
+        mark = "   <== BOTTLENECK" if row.stage == sw.bottleneck else ""
+        lines = [f"stage {row.stage}  {_rate(row.total_throughput)} samples/s  "
+                 f"{row.routable_peers} of {len(row.peers)} peer"
+                 f"{'' if len(row.peers) == 1 else 's'} routable{mark}"]
+        if row.peers:
+            lines.append(_table(table, indent="  ", right=frozenset({2, 3, 4, 5}),
+                                widths=widths))
+        else:
+            lines.append("  (no peers)")
+        blocks.append("\n".join(lines))
+    if not sw.stages:
+        blocks.append("no stages known yet")
+    if sw.excluded:
+        rows = [["PEER ID", "STATE", "STAGE", "REASON"]]
+        rows += [[p.peer_id, p.state, _stage(p.stage), p.reason or "no reason given"]
+                 for p in sw.excluded]
+        blocks.append(f"excluded from routing ({len(sw.excluded)}):\n"
+                      + _table(rows, indent="  "))
+    return "\n\n".join(blocks)
+
+
+@dataclass(frozen=True)
+class StopResult:
+    #: the daemon's HTTP API
+    url: str
+    #: True: the daemon removed its api file (it has exited)
+    stopped: bool
+
+
+def _stop_arguments(parser: argparse.ArgumentParser) -> None:
+    add_home_argument(parser)
+    parser.add_argument("--timeout", metavar="SECONDS", type=float, default=STOP_TIMEOUT_S,
+                        help=f"how long to wait for the daemon to exit (default "
+                             f"{STOP_TIMEOUT_S:g})")
+
+
+def cmd_stop(args: argparse.Namespace) -> StopResult:
+    from swarmd.api.client import api_file_path, wait_gone
+    from swarmd.api.token import read_token
+    from swarmd.errors import DaemonReplyError
+
+    home = home_from_args(args)
+    client = _client(args)
+    client.stop(read_token(home))
+    if not wait_gone(api_file_path(home), args.timeout):
+        raise DaemonReplyError(
+            f"the daemon at {client.url} accepted the stop request but has not exited within "
+            f"{args.timeout:g} s ({api_file_path(home)} is still there): wait a little and run "
+            f"`swarmd status --home {home}`; if it hangs, stop it with Ctrl-C or `kill`")
+    return StopResult(url=client.url, stopped=True)
+
+
+def text_stop(result: StopResult) -> str:
+    return "stopped"
+
+
+# ------------------------------------------------------------------------------------- join

@@ -1,0 +1,80 @@
+"""What every command shares: the command record, the home and config options, logging."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROG = "swarmd"
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    #: one line, shown in ``swarmd --help``
+    help: str
+    #: adds the command's own options to its subparser
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    #: does the work, returns a dataclass
+    run: Callable[[argparse.Namespace], Any]
+    #: renders the result for people
+    text: Callable[[Any], str]
+    description: str | None = None
+
+
+# ------------------------------------------------------------------------------ shared options
+
+def add_home_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--home", metavar="DIR",
+                        help="home directory (default: $SWARMD_HOME, else ~/.swarmd)")
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", type=Path,
+                        help="TOML config file (default: <home>/config.toml if present)")
+
+
+def home_from_args(args: argparse.Namespace) -> Path:
+    from swarmd.node.home import resolve_home
+
+    return resolve_home(getattr(args, "home", None), os.environ)
+
+
+def config_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None = None):
+    """The configuration: ``--config`` or ``<home>/config.toml``, environment, then ``overrides``."""
+    from swarmd.config import load_config
+    from swarmd.node.home import home_config_path
+
+    path = getattr(args, "config", None)
+    if path is None:
+        path = home_config_path(home_from_args(args))
+    return load_config(path, os.environ, overrides or {})
+
+
+def configure_logging(level: str) -> None:
+    """Log to stderr at ``level``. Imports libp2p first: importing it resets its logger, so
+    logging configured before that import would be undone."""
+    import logging
+
+    import libp2p  # noqa: F401
+
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def to_jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,0 +1,289 @@
+"""The sections of swarmd's typed configuration: one frozen dataclass per TOML table.
+
+Every key is declared once, as a field of a section dataclass whose ``metadata["spec"]`` holds
+its one-line doc, what a valid value looks like and its validator. Validation, the error
+messages and the documented default file (``swarmd/config/default.toml``) all come from these
+declarations; :mod:`swarmd.config.load` applies the sources and renders the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from swarmd.config.fields import (  # the declarations' vocabulary
+    _Section, _device, _host_port, _int_range, _is_loopback, _multiaddrs, _one_of, _opt,
+    _positive, _positive_seconds, _power_of_two, _show, _swarm_name, split_host_port,
+)
+from swarmd.config.stage import OPTIMIZERS
+from transport.limits import Limits
+
+
+#: prefix of the environment variables that set configuration keys
+ENV_PREFIX = "SWARMD_"
+#: ``SWARMD_*`` variables that are not configuration keys; the loader ignores them
+RESERVED_ENV = frozenset({"SWARMD_HOME"})
+#: allowed values of ``wire.codec``
+CODECS = tuple(f"{base}{suffix}" for base in ("none", "fp16", "int8") for suffix in ("", "+zstd"))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+#: allowed values of ``model.dtype`` (the names of ``swarmd.training.model.DTYPES``, kept torch-free here)
+DTYPES = ("float32", "bfloat16", "float16")
+
+_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class SwarmConfig(_Section):
+    SECTION: ClassVar[str] = "swarm"
+    DOC: ClassVar[str] = "The swarm this node belongs to."
+
+    name: str = _opt(
+        "swarmd-default",
+        "Name of the swarm; peers only work with peers of the same name, keeping swarms apart.",
+        'a name of 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+        _swarm_name,
+    )
+    stages: int = _opt(
+        2,
+        "Number of pipeline stages the model is cut into; peers announcing another stage are "
+        "kept out of routing.",
+        "an integer from 1 to 4096",
+        _int_range(1, 4096),
+    )
+    model: str = _opt(
+        "swarmd-default",
+        "Identifier of the model this swarm trains; peers announcing another are kept out of "
+        "routing.",
+        'a name of 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+        _swarm_name,
+    )
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    SECTION: ClassVar[str] = "model"
+    DOC: ClassVar[str] = ("The model: a byte-level GPT; every peer of a swarm needs the same shape "
+                          "(width, heads, layers, seq_len, share_layers).")
+
+    width: int = _opt(
+        128, "Width of the residual stream (embedding size); a multiple of model.heads.",
+        "an integer from 1 to 65536", _int_range(1, 65536),
+    )
+    heads: int = _opt(
+        4, "Attention heads per layer.", "an integer from 1 to 1024", _int_range(1, 1024),
+    )
+    layers: int = _opt(
+        4, "Transformer layers, counting each application of a shared layer.",
+        "an integer from 1 to 4096", _int_range(1, 4096),
+    )
+    seq_len: int = _opt(
+        128, "Longest sequence (context) in bytes.", "an integer from 1 to 1048576",
+        _int_range(1, 1 << 20),
+    )
+    share_layers: int = _opt(
+        1, "Consecutive layers sharing one set of weights (1: none shared); divides model.layers.",
+        "an integer from 1 to 4096", _int_range(1, 4096),
+    )
+    dtype: str = _opt(
+        "float32", "Type of parameters and activations: float32, bfloat16 or float16.",
+        "one of " + ", ".join(f'"{d}"' for d in DTYPES), _one_of(DTYPES),
+    )
+    device: str = _opt(
+        "auto", "Where this node computes: auto (CUDA when available, else CPU), cpu, cuda or "
+        "cuda:N.", '"auto", "cpu", "cuda" or "cuda:N"', _device,
+    )
+    threads: int = _opt(
+        0, "torch CPU threads of this process (0: torch's default, one per core). Set it when "
+        "several swarmd processes share one machine's cores, as `swarmd demo` does.",
+        "an integer from 0 to 1024", _int_range(0, 1024),
+    )
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    SECTION: ClassVar[str] = "training"
+    DOC: ClassVar[str] = "How the trainer trains: microbatches, learning rate, seed."
+
+    batch_size: int = _opt(
+        8, "Sequences per microbatch, the unit that travels through the pipeline.",
+        "an integer from 1 to 65536", _int_range(1, 65536),
+    )
+    microbatches: int = _opt(
+        4, "Microbatches per optimizer step of a trainer.", "an integer from 1 to 65536",
+        _int_range(1, 65536),
+    )
+    in_flight: int = _opt(
+        0, "Microbatches a trainer keeps in the pipeline at once (0: training.microbatches).",
+        "an integer from 0 to 4096", _int_range(0, 4096),
+    )
+    lr: float = _opt(
+        3e-3, "Learning rate.", "a number greater than 0", _positive,
+    )
+    optimizer: str = _opt(
+        "adamw", "Optimizer of every stage and trainer: adamw or lamb.",
+        "one of " + ", ".join(f'"{o}"' for o in OPTIMIZERS), _one_of(OPTIMIZERS),
+    )
+    seed: int = _opt(
+        0, "Seed of the initial weights (with the model hash) and of batch sampling.",
+        "an integer from 0 to 2**63 - 1", _int_range(0, (1 << 63) - 1),
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    SECTION: ClassVar[str] = "data"
+    DOC: ClassVar[str] = "What the trainer trains on: bytes of text."
+
+    path: str = _opt(
+        "", "Text file or directory of text files (read in sorted order, binary files skipped); "
+        "empty: the Python standard library's sources.",
+        'a path, or "" for the standard library sources',
+    )
+    max_bytes: int = _opt(
+        32 << 20, "Most bytes of the corpus read (32 MiB).", "a positive integer", _int_range(1),
+    )
+
+
+@dataclass(frozen=True)
+class NetworkConfig(_Section):
+    SECTION: ClassVar[str] = "network"
+    DOC: ClassVar[str] = "Peer-to-peer networking (libp2p)."
+
+    listen: tuple[str, ...] = _opt(
+        ["/ip4/0.0.0.0/tcp/31337"],
+        "Multiaddrs to accept peer connections on.",
+        'a list of multiaddrs such as "/ip4/0.0.0.0/tcp/31337"',
+        _multiaddrs(need_peer_id=False),
+    )
+    bootstrap: tuple[str, ...] = _opt(
+        [],
+        "Peers to join through, as multiaddrs ending in /p2p/<peer id>; empty starts a new swarm.",
+        'a list of multiaddrs ending in /p2p/<peer id>, such as '
+        '"/ip4/192.0.2.7/tcp/31337/p2p/12D3KooW..."',
+        _multiaddrs(need_peer_id=True),
+    )
+    max_connections: int = _opt(
+        1024, "Most peer connections open at once.", "an integer from 1 to 1000000",
+        _int_range(1, 1_000_000),
+    )
+    handshake_timeout_s: float = _opt(
+        5.0, "Seconds allowed for the security and multiplexer handshake of a new connection.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+    dial_timeout_s: float = _opt(
+        10.0, "Seconds allowed to dial a peer before giving up.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+    request_timeout_s: float = _opt(
+        30.0, "Seconds allowed for one request and its reply.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+
+
+@dataclass(frozen=True)
+class WireConfig(_Section):
+    SECTION: ClassVar[str] = "wire"
+    DOC: ClassVar[str] = "How tensors travel between peers, and what a peer may send us."
+
+    codec: str = _opt(
+        "int8",
+        "Tensor encoding: none, fp16 or int8 (blockwise), each optionally followed by +zstd.",
+        "one of " + ", ".join(f'"{c}"' for c in CODECS),
+        _one_of(CODECS),
+    )
+    int8_block_size: int = _opt(
+        64, "Values per scale block of the int8 codec.",
+        "a power of two from 16 to 65536", _power_of_two(16, 65536),
+    )
+    int8_scale_dtype: str = _opt(
+        "float16", "Type of the per-block scales of the int8 codec.",
+        '"float16" or "float32"', _one_of(("float16", "float32")),
+    )
+    zstd_level: int = _opt(
+        1, "zstd level of the +zstd codecs: 1 is fastest, 22 smallest.",
+        "an integer from 1 to 22", _int_range(1, 22),
+    )
+    max_header_bytes: int = _opt(
+        _LIMITS.max_header_bytes, "Largest frame header accepted from a peer, in bytes (64 KiB).",
+        "a positive integer", _int_range(1),
+    )
+    max_message_bytes: int = _opt(
+        _LIMITS.max_message_bytes,
+        "Largest message payload accepted from a peer, in bytes (256 MiB).",
+        "a positive integer", _int_range(1),
+    )
+    max_tensor_bytes: int = _opt(
+        _LIMITS.max_tensor_bytes,
+        "Largest decoded tensor accepted from a peer, in bytes (1 GiB).",
+        "a positive integer", _int_range(1),
+    )
+    chunk_bytes: int = _opt(
+        _LIMITS.chunk_bytes, "Size of the pieces a payload is streamed in, in bytes (1 MiB).",
+        "a positive integer", _int_range(1),
+    )
+
+
+@dataclass(frozen=True)
+class HttpConfig(_Section):
+    SECTION: ClassVar[str] = "http"
+    DOC: ClassVar[str] = "The local HTTP API that `swarmd status` and the other commands talk to."
+
+    listen: str = _opt(
+        "127.0.0.1:8411", "Address (host:port) the HTTP API listens on; port 0 picks a free one.",
+        'host:port with an IP address or localhost, such as "127.0.0.1:8411"', _host_port,
+    )
+    allow_non_loopback: bool = _opt(
+        False,
+        "Allow a non-loopback http.listen (the API has no authentication: keep it private).",
+        "true or false",
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig(_Section):
+    SECTION: ClassVar[str] = "log"
+    DOC: ClassVar[str] = "Logging."
+
+    level: str = _opt(
+        "info", "Least severe level logged: debug, info, warning or error.",
+        "one of " + ", ".join(f'"{v}"' for v in LOG_LEVELS), _one_of(LOG_LEVELS),
+    )
+    format: str = _opt(
+        "text", "Log line format: text for people, json for machines (one object per line).",
+        '"text" or "json"', _one_of(("text", "json")),
+    )
+
+
+def _cross_checks(get: Callable[[str], Any],
+                  blame: Callable[..., str]) -> Iterator[tuple[str, str]]:
+    """Checks spanning several keys: yields ``(key to blame, message)``.
+
+    ``blame(*keys)`` picks, among keys that are only wrong together, the one set by the
+    strongest source (a flag before an environment variable before the file before a default).
+    """
+    http_listen = get("http.listen")
+    host, _ = split_host_port(http_listen)
+    if not get("http.allow_non_loopback") and not _is_loopback(host):
+        yield "http.listen", (
+            f"http.listen = {_show(http_listen)} is not a loopback address and the HTTP API has "
+            f"no authentication: listen on 127.0.0.1, or set http.allow_non_loopback = true "
+            f"to expose it anyway"
+        )
+    width, heads = get("model.width"), get("model.heads")
+    if width % heads:
+        key = blame("model.heads", "model.width")
+        yield key, (f"{key} = {get(key)} is invalid: model.width ({width}) must be a multiple of "
+                    f"model.heads ({heads})")
+    layers, share = get("model.layers"), get("model.share_layers")
+    if layers % share:
+        key = blame("model.share_layers", "model.layers")
+        yield key, (f"{key} = {get(key)} is invalid: model.share_layers ({share}) must divide "
+                    f"model.layers ({layers})")
+    elif get("swarm.stages") > layers // share:
+        key = blame("swarm.stages", "model.layers", "model.share_layers")
+        groups = layers // share
+        yield key, (f"{key} = {get(key)} is invalid: swarm.stages ({get('swarm.stages')}) is more "
+                    f"than the {groups} group(s) of layers (model.layers {layers} / "
+                    f"model.share_layers {share}) a stage boundary can fall between; use at most "
+                    f"{groups} stage(s), or more layers")

@@ -1,0 +1,105 @@
+"""Configuration sections of a stage's shared training state: averaging and checkpoints.
+
+Declared like every other section (see ``swarmd.config.fields``) and assembled into
+``swarmd.config.Config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from swarmd.config.fields import _Invalid, _Section, _int_range, _one_of, _opt, _positive
+
+#: ``averaging.aggregator`` values (``swarmd.averaging.aggregation``)
+AGGREGATORS = ("mean", "centered_clip")
+#: ``averaging.compression`` values: what gradients are compressed to on the wire
+AVERAGING_CODECS = ("none", "fp16", "int8")
+def _range(lo: float, hi: float):  # type: ignore[no-untyped-def]
+    def check(value: float) -> None:
+        if not lo <= value <= hi:
+            raise _Invalid("out of range")
+    return check
+
+
+#: ``training.optimizer`` values
+OPTIMIZERS = ("adamw", "lamb")
+
+
+@dataclass(frozen=True)
+class AveragingConfig(_Section):
+    SECTION: ClassVar[str] = "averaging"
+    DOC: ClassVar[str] = ("How the peers of a stage combine their gradients before each "
+                          "optimizer step.")
+
+    target_batch_size: int = _opt(
+        0, "Samples a stage accumulates, over all its peers, before it steps (0: "
+        "training.batch_size x training.microbatches, one trainer's step).",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
+    compression: str = _opt(
+        "fp16", "Compression of gradients during averaging: none, fp16 or int8.",
+        "one of " + ", ".join(f'"{c}"' for c in AVERAGING_CODECS), _one_of(AVERAGING_CODECS),
+    )
+    aggregator: str = _opt(
+        "centered_clip", "How contributions are combined: mean, or centered_clip (bounds the "
+        "influence of one peer's gradients).",
+        "one of " + ", ".join(f'"{a}"' for a in AGGREGATORS), _one_of(AGGREGATORS),
+    )
+    timeout_s: float = _opt(
+        30.0, "Deadline of one averaging round; peers that miss it are left out of the round.",
+        "a number of seconds greater than 0", _positive,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    SECTION: ClassVar[str] = "checkpoint"
+    DOC: ClassVar[str] = ("Stage state saved in the home (<home>/checkpoints), so a restarted "
+                          "daemon resumes.")
+
+    every_steps: int = _opt(
+        50, "Save the stage's state every this many optimizer steps (0: only on shutdown).",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
+
+
+@dataclass(frozen=True)
+class BalancingSection(_Section):
+    SECTION: ClassVar[str] = "balancing"
+    DOC: ClassVar[str] = ("When a peer moves to the stage that limits the pipeline "
+                          "(swarmd/balancing/policy.py).")
+
+    enabled: bool = _opt(
+        True, "Move to the bottleneck stage when that raises the pipeline's throughput.",
+        "true or false",
+    )
+    threshold: float = _opt(
+        0.05, "Move only while rebalancing would raise the slowest stage by more than this "
+        "fraction.", "a number from 0 to 10", _range(0.0, 10.0),
+    )
+    confirmations: int = _opt(
+        3, "Consecutive checks that must agree before a peer moves.",
+        "an integer from 1 to 100", _int_range(1, 100),
+    )
+    check_period_s: float = _opt(
+        30.0, "Mean seconds between checks (randomized by +-50%).",
+        "a number of seconds greater than 0", _positive,
+    )
+    confirm_period_s: float = _opt(
+        10.0, "Mean seconds between checks while a move is being confirmed.",
+        "a number of seconds greater than 0", _positive,
+    )
+
+
+@dataclass(frozen=True)
+class ServingSection(_Section):
+    SECTION: ClassVar[str] = "serving"
+    DOC: ClassVar[str] = "How a stage peer runs the microbatches it is sent."
+
+    batch_forwards: str = _opt(
+        "auto", "Run microbatches that queue up together as one batch (their backward then "
+        "waits up to 2 s for each other): auto (on for CUDA devices, off on CPUs, where "
+        "measured it cost more in waiting than it saved), on or off.",
+        '"auto", "on" or "off"', _one_of(("auto", "on", "off")),
+    )

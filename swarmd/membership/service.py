@@ -1,0 +1,341 @@
+"""Membership in the daemon: the adapter that moves the pure core's bytes over libp2p.
+
+What to send and when is decided by ``swarmd.membership`` (``View``, ``Schedule``); this module
+only carries bytes and keeps the clock:
+
+- ``/swarmd/<swarm>/1/view``: pull anti-entropy. The request and each reply page are the core's
+  bytes in a message's meta. A newly connected peer is pulled from at once (full view), so a
+  newcomer has the whole view within a round trip of its bootstrap dial.
+- ``/swarmd/<swarm>/1/announce``: a direct push of one signed announcement to the connected
+  peers, for events that must spread fast (``leaving``, state or stage changes).
+- gossipsub topic ``swarmd/<swarm>/announce/1``: an accelerator the schedule allows rarely.
+
+The swarm name is in every protocol id and topic, so two swarms never exchange membership.
+Times are wall-clock seconds (announcements carry the signer's timestamp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from typing import Any, Callable, NamedTuple
+
+from swarmd import __version__
+from swarmd.api.types import PeerRow, StageRow, SwarmInfo
+from swarmd.errors import BadPeerMessage
+from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConfig,
+                               encode_request, encode_signed)
+from transport.errors import TransportError
+from transport.frames import Message
+from transport.signing import signer, verify
+from swarmd.protocols import Protocols
+
+log = logging.getLogger("swarmd.membership")
+
+#: longest sleep of the loop, so new connections and stop requests are noticed quickly
+TICK_S = 0.5
+PULL_TIMEOUT_S = 10.0
+#: pulls and pushes running at once, beyond the scheduled pull
+MAX_BACKGROUND = 8
+MAX_PAGES = 256
+#: a peer whose pull failed is not picked again for this long (while others can be)
+PULL_FAILED_SKIP_S = 10.0
+
+
+class LocalState(NamedTuple):
+    """What this peer announces about itself."""
+
+    stage: int | None
+    #: a PeerState value: "joining", "syncing", "online", "migrating", "leaving"
+    state: str
+    throughput: float = 0.0
+    queue: int = 0
+    step: int = 0
+
+
+class MembershipService:
+    """``async with MembershipService(host, identity, config, local) as m:``
+
+    ``local()`` returns this peer's current :class:`LocalState`.
+    """
+
+    def __init__(self, host: Any, identity: Any, config: Any,
+                 local: Callable[[], LocalState],
+                 rng: random.Random | None = None) -> None:
+        self.host = host
+        self.config = config
+        self._local = local
+        self._sign = signer(identity)
+        self._rng = rng or random.Random()
+        swarm = config.swarm.name
+        self.pull_protocol = Protocols(swarm).view
+        self.push_protocol = Protocols(swarm).announce
+        self.topic = Protocols(swarm).announce_topic
+        self.view = View(ViewConfig(stages=config.swarm.stages, model_hash=self.model_hash()),
+                         verify)
+        self.schedule = Schedule(now=time.time(), rng=self._rng)
+        self._counters: Counter[str] = Counter()
+        self._pulled_from: set[str] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._subscription: Any = None
+        self._pump: asyncio.Task[None] | None = None
+        self._last_announcement: bytes | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pull_task: asyncio.Task[Any] | None = None
+        #: peer -> when a scheduled pull from it last failed
+        self._pull_failed: dict[str, float] = {}
+        #: set once a full view has been pulled from some peer
+        self.has_view = asyncio.Event()
+
+    def model_hash(self) -> str:
+        """The swarm's model name and the hash of its architecture: both must match."""
+        return self.config.model_hash()
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def __aenter__(self) -> MembershipService:
+        self.host.set_request_handler(self.pull_protocol, self._serve_pull)
+        self.host.set_request_handler(self.push_protocol, self._serve_push)
+        try:
+            self._subscription = await self.host.subscribe(self.topic)
+            self._pump = asyncio.create_task(self._pump_gossip())
+        except TransportError as exc:  # pubsub is an accelerator only
+            log.warning("gossip unavailable, membership runs on pulls alone: %s", exc)
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for task in (self._task, self._pump, *self._tasks):
+            if task is not None:
+                task.cancel()
+        for task in (self._task, self._pump, *self._tasks):
+            if task is not None:
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        if self._subscription is not None:
+            try:
+                await asyncio.wait_for(self._subscription.close(), 2.0)
+            except (TransportError, TimeoutError):
+                pass
+
+    def changed(self) -> None:
+        """Our stage or state changed: announce soon."""
+        self.schedule.changed(time.time())
+        self._wake.set()
+
+    async def leave(self, timeout: float = 2.0) -> None:
+        """Tell the connected peers we are leaving (best effort within ``timeout``)."""
+        now = time.time()
+        data = self._announcement(now, period=self.config_period_hint(), state="leaving")
+        self.view.apply(data, now)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._push_to_connected(data)
+        except TimeoutError:
+            pass
+
+    def config_period_hint(self) -> float:
+        return max(2.0, self.schedule.plan(self.view.estimate(time.time())).period_s)
+
+    # ---- the loop --------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not end membership: log, count, go on
+                self._counters["membership_errors"] += 1
+                log.exception("membership tick failed")
+            now = time.time()
+            delay = min(TICK_S, max(0.0, self.schedule.next_wakeup() - now))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except TimeoutError:
+                pass
+
+    async def _tick(self) -> None:
+        now = time.time()
+        for ann in self.view.expire(now):
+            log.info("peer %s left the view (expired)", ann.peer_id)
+        if self.schedule.announce_due(now):
+            await self._announce(now)
+        # Pulls run as tasks of their own: a pull that waits on a dead or slow peer (up to
+        # PULL_TIMEOUT_S) must never delay our announcements, or others would expire us.
+        connected = await self.host.connected_peers()
+        for peer in connected:  # first contact: pull its full view at once
+            if peer not in self._pulled_from and len(self._tasks) < MAX_BACKGROUND:
+                self._pulled_from.add(peer)
+                self._spawn(self._pull(peer, cutoff=None))
+        self._pulled_from.intersection_update(connected)
+        now = time.time()
+        if self.schedule.pull_due(now) and (self._pull_task is None or self._pull_task.done()):
+            # a peer whose last pull failed is skipped for a while: pulls spent on a dead
+            # peer are pulls not spent on live ones, and entries expire in 3 periods
+            failing = {p for p, t in self._pull_failed.items() if t > now - PULL_FAILED_SKIP_S}
+            self._pull_failed = {p: self._pull_failed[p] for p in failing}
+            candidates = [p for p in self.view.peer_ids(now) if p != self.host.peer_id]
+            candidates = [p for p in candidates if p not in failing] or candidates
+            order = self.schedule.pull(now, self.view.estimate(now), candidates or connected)
+            if order is not None:
+                self._pull_task = self._spawn(self._scheduled_pull(order))
+
+    async def _scheduled_pull(self, order: Any) -> None:
+        # One scheduled pull runs at a time: one stuck on a dead peer must end well before
+        # entries expire (3 periods), or every view loses every peer at once.
+        period = self.schedule.plan(self.view.estimate(time.time())).period_s
+        ok = await self._pull(order.peer_id, cutoff=order.cutoff,
+                              timeout=min(PULL_TIMEOUT_S, max(0.5, period / 2)))
+        if not ok:
+            self._pull_failed[order.peer_id] = time.time()
+        self.schedule.pulled(time.time(), order, ok=ok)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _announce(self, now: float) -> None:
+        period = self.schedule.announce(now, self.view.estimate(now))
+        stage, state = self._local().stage, self._local().state
+        data = self._announcement(now, period=period, state=state)
+        previous = self.view.get(self.host.peer_id)
+        self.view.apply(data, now)
+        self._counters["announcements_made"] += 1
+        event = previous is None or previous.stage != stage or previous.state.value != state
+        if event:
+            self._spawn(self._push_to_connected(data))
+        if event and self._subscription is not None and self.schedule.may_gossip(
+                now, self.view.estimate(now)):
+            try:
+                await self.host.publish(self.topic, data)
+            except TransportError as exc:
+                log.debug("gossip publish failed: %s", exc)
+
+    def _announcement(self, now: float, *, period: float, state: str) -> bytes:
+        local = self._local()
+        ann = Announcement(
+            peer_id=self.host.peer_id, addrs=tuple(self.host.addrs)[:8], stage=local.stage,
+            state=PeerState(state), throughput=float(local.throughput), queue=int(local.queue),
+            version=__version__, model_hash=self.model_hash(), timestamp=now, period=period,
+            step=int(local.step))
+        data = encode_signed(ann, self._sign)
+        self._last_announcement = data
+        return data
+
+    # ---- pulling and pushing ------------------------------------------------------------
+    async def _pull(self, peer: str, *, cutoff: float | None,
+                    timeout: float = PULL_TIMEOUT_S) -> bool:
+        """Pull the full view (cutoff None) or a delta from ``peer``, page by page."""
+        try:
+            ann = self.view.get(peer)
+            await self.host.ensure_connected(peer, ann.addrs if ann is not None else ())
+            request = self.view.pull_request(time.time(), cutoff)
+            async with asyncio.timeout(timeout):
+                for _ in range(MAX_PAGES):
+                    reply = await self.host.request(peer, self.pull_protocol, Message(
+                        kind="pull", meta={"r": encode_request(request)}))
+                    page = reply.meta.get("p")
+                    if reply.kind != "page" or not isinstance(page, bytes):
+                        raise BadPeerMessage("malformed", "pull reply without a page")
+                    results, cursor = self.view.apply_page(page, time.time())
+                    for applied in results:
+                        self._counters[f"membership.{applied.outcome}"] += 1
+                    if cursor is None:
+                        break
+                    request = request.next_page(cursor)
+            self._counters["pulls_ok"] += 1
+            if cutoff is None:
+                self.has_view.set()
+            return True
+        except (TransportError, BadPeerMessage, TimeoutError) as exc:
+            self._counters["pulls_failed"] += 1
+            log.debug("pull from %s failed: %s", peer, exc)
+            return False
+
+    async def _push_to_connected(self, data: bytes) -> None:
+        peers = await self.host.connected_peers()
+
+        async def push(peer: str) -> None:
+            try:
+                await self.host.request(peer, self.push_protocol,
+                                        Message(kind="announce", meta={"a": data}), timeout=2.0)
+            except TransportError as exc:
+                log.debug("push to %s failed: %s", peer, exc)
+
+        await asyncio.gather(*(push(p) for p in peers))
+
+    async def _serve_pull(self, message: Message, peer: str) -> Message:
+        request = message.meta.get("r")
+        if message.kind != "pull" or not isinstance(request, bytes):
+            raise BadPeerMessage("malformed", "a pull carries its request in meta 'r'")
+        return Message(kind="page", meta={"p": self.view.handle_pull(request, time.time())})
+
+    async def _serve_push(self, message: Message, peer: str) -> Message:
+        data = message.meta.get("a")
+        if message.kind != "announce" or not isinstance(data, bytes):
+            raise BadPeerMessage("malformed", "a push carries one announcement in meta 'a'")
+        applied = self.view.apply(data, time.time())
+        self._counters[f"membership.{applied.outcome}"] += 1
+        return Message(kind="ok", meta={"outcome": applied.outcome})
+
+    async def _pump_gossip(self) -> None:
+        async for msg in self._subscription:
+            applied = self.view.apply(msg.data, time.time())
+            self._counters[f"membership.{applied.outcome}"] += 1
+
+    # ---- what the API shows ---------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        out = dict(self._counters)
+        for reason, n in self.view.dropped.items():
+            out[f"membership_dropped.{reason}"] = n
+        return out
+
+    def peers_of(self, stage: int) -> dict[str, tuple[float, int, tuple[str, ...]]]:
+        """Routable peers of ``stage``: {peer_id: (throughput, queue, addrs)}."""
+        return {a.peer_id: (a.throughput, a.queue, a.addrs)
+                for a in self._others_of(stage, {None})}
+
+    def state_sources(self, stage: int) -> list[tuple[str, tuple[str, ...]]]:
+        """Peers to ask for ``stage``'s state: online peers of the stage with our model, even
+        ones whose next announcement is overdue (a fresh view is often a little stale, and
+        asking a dead peer costs only a failed dial). Freshest first."""
+        found = self._others_of(stage, {None, "overdue"})
+        return [(a.peer_id, a.addrs) for a in sorted(found, key=lambda a: -a.timestamp)]
+
+    def _others_of(self, stage: int, reasons: set[str | None]) -> list[Announcement]:
+        """The other peers of ``stage`` whose reason to be kept out of routing (None: none)
+        is one of ``reasons``."""
+        now = time.time()
+        return [a for a in self.view.announcements(now)
+                if a.stage == stage and a.peer_id != self.host.peer_id
+                and self.view.why_not(a.peer_id, now) in reasons]
+
+    def peer_states(self) -> dict[str, tuple[int | None, str]]:
+        now = time.time()
+        return {a.peer_id: (a.stage, a.state.value) for a in self.view.announcements(now)}
+
+    def swarm_info(self) -> SwarmInfo:
+        snap = self.view.snapshot(time.time())
+
+        def row(p: Any) -> PeerRow:
+            return PeerRow(peer_id=p.peer_id, stage=p.stage, state=p.state,
+                           throughput=p.throughput, queue=p.queue, routable=p.routable,
+                           reason=p.why_not, age_s=p.age_s, addrs=tuple(p.addrs),
+                           step=p.step)
+
+        stages = tuple(StageRow(stage=s.stage, peers=tuple(row(p) for p in s.peers),
+                                total_throughput=s.total_throughput,
+                                routable_peers=s.routable_peers) for s in snap.stages)
+        return SwarmInfo(swarm=self.config.swarm.name, num_stages=len(stages), stages=stages,
+                         bottleneck=snap.bottleneck_stage if stages else None,
+                         excluded=tuple(row(p) for p in snap.other_peers),
+                         peers_total=snap.peers)
+

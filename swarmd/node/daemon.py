@@ -1,0 +1,408 @@
+"""``swarmd join``: one daemon per machine.
+
+Owns, in this order (and tears down in reverse): the home lock, the libp2p host, membership,
+the local HTTP API. ``<home>/api`` is written only once the HTTP server is bound and removed on
+exit. SIGINT/SIGTERM start a graceful stop: announce ``leaving``, stop taking work, close
+everything, exit 0 within ``SHUTDOWN_BUDGET_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmd import __version__
+from swarmd.api.types import ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo
+from swarmd.config import Config
+from swarmd.node.reconnect import Backoff, Redialer
+from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
+
+log = logging.getLogger("swarmd.node.daemon")
+
+#: a stop request must end the process within this many seconds
+SHUTDOWN_BUDGET_S = 8.0
+#: with --stage auto, how long to wait for a first view before choosing a stage
+PLACEMENT_WAIT_S = 5.0
+#: how often connectivity is checked (bootstrap redial)
+CONNECTIVITY_CHECK_S = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinOptions:
+    """What ``swarmd join`` was asked for on top of the configuration."""
+
+    home: Path
+    config: Config
+    listen: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+    http_listen: str | None = None
+    #: a stage number, or None for "auto" (the balancer places the peer)
+    stage: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started:
+    """Printed when the daemon is up."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    http_url: str
+
+
+class Daemon:
+    """The daemon's state and its ``DaemonApi`` (what the HTTP API and CLI read)."""
+
+    def __init__(self, options: JoinOptions) -> None:
+        self.options = options
+        self.config = options.config
+        self.started_at = time.monotonic()
+        self.state = "joining"
+        self.stage = options.stage
+        self.host: Any = None
+        self.membership: Any = None
+        self.stage_server: Any = None
+        self.averager: Any = None
+        self.keeper: Any = None
+        self.balancer: Any = None
+        self.balance_counters: Counter[str] = Counter()
+        self.last_migration: dict[str, Any] | None = None
+        self._throughput_hint = 0.0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop = asyncio.Event()
+        self._rng = random.Random()
+
+    # ---- DaemonApi ---------------------------------------------------------------------
+    def id_info(self) -> IdInfo:
+        return IdInfo(peer_id=self.host.peer_id, addrs=tuple(self.host.addrs),
+                      swarm=self.config.swarm.name, version=__version__)
+
+    async def status(self) -> StatusInfo:
+        counters = self.host.counters.snapshot()
+        if self.membership is not None:
+            counters.update(self.membership.counters())
+        if self.stage_server is not None:
+            counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
+            counters.update({f"sync.{k}": v for k, v in self.stage_server.sync.counters.items()})
+            counters["stage.step"] = self.stage_server.step
+        counters.update({f"balance.{k}": v for k, v in self.balance_counters.items()})
+        if self.keeper is not None:
+            counters.update({f"state.{k}": v for k, v in self.keeper.counters.items()})
+        if self.averager is not None:
+            counters.update({f"allreduce.{k}": v
+                             for k, v in self.averager.counters.snapshot().items()})
+        local = self._local()
+        throughput, queue = local.throughput, local.queue
+        return StatusInfo(
+            peer_id=self.host.peer_id, swarm=self.config.swarm.name, version=__version__,
+            stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
+            connected_peers=len(await self.host.connected_peers()), throughput=throughput,
+            queue=queue, counters=counters)
+
+    def swarm(self) -> SwarmInfo:
+        if self.membership is not None:
+            return self.membership.swarm_info()
+        return SwarmInfo(swarm=self.config.swarm.name, num_stages=0, stages=(), bottleneck=None)
+
+    async def stage_info(self) -> StageInfo:
+        server, keeper = self.stage_server, self.keeper
+        if server is None:
+            return StageInfo(stage=self.stage, state=self.state)
+        digest, norm = await server.run_exclusive(server.params_fingerprint)
+        return StageInfo(stage=self.stage, state=self.state, step=server.step,
+                         samples=server.worker.samples_accumulated,
+                         state_from=keeper.source_of_state if keeper else "initial",
+                         syncing=keeper.syncing if keeper else None, params_digest=digest,
+                         params_norm=norm)
+
+    async def peers(self) -> list[ConnectedPeer]:
+        connected = await self.host.connected_peers()
+        known = self.membership.peer_states() if self.membership is not None else {}
+        return [ConnectedPeer(peer_id=p, stage=known.get(p, (None, None))[0],
+                              state=known.get(p, (None, None))[1]) for p in sorted(connected)]
+
+    async def stop(self) -> None:
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        if not self._stop.is_set():
+            log.info("stop requested")
+            self._stop.set()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def run(self, on_started: Callable[[Started], None] | None = None) -> None:
+        from swarmd.api.token import create_token
+        from swarmd.node.home import load_identity
+        from swarmd.membership.service import MembershipService
+        from swarmd.node.host_options import host_options
+        from swarmd.averaging.allreduce import Averager, protocol_id
+        from swarmd.api.server import HttpApi
+        from transport.host import Host
+        from transport.memory import keep_freed_memory
+
+        home = self.options.home
+        self._device, self._dtype = self.config.torch_placement()  # bad settings fail here
+        with HomeLock(home):
+            identity = load_identity(home)
+            keep_freed_memory()
+            token = create_token(home)
+            http = self.config.http
+            async with Host(identity, host_options(self.config, self.options.listen)) as host:
+                self.host = host
+                membership = MembershipService(host, identity, self.config, self._local)
+                averager = Averager(host, protocol_id(self.config.swarm.name),
+                                    addrs_of=self._addrs_of)
+                async with membership, averager, HttpApi(
+                        self, listen=self.options.http_listen or http.listen, token=token,
+                        allow_non_loopback=http.allow_non_loopback) as api:
+                    self.membership = membership
+                    self.averager = averager
+                    write_api_file(home, api.url)
+                    try:
+                        async with asyncio.TaskGroup() as tasks:
+                            tasks.create_task(self._connectivity())
+                            stopping = tasks.create_task(self._stop.wait())
+                            # placed and synced before we say we are up
+                            serving = tasks.create_task(
+                                self._serve_stage() if self.stage is not None
+                                else self._place())
+                            await asyncio.wait((serving, stopping),
+                                               return_when=asyncio.FIRST_COMPLETED)
+                            if not serving.done():  # stopped while still syncing
+                                serving.cancel()
+                            else:
+                                serving.result()  # a failure to load ends the daemon
+                            if not self._stop.is_set():
+                                self.state = "online"
+                                membership.changed()  # announce "online" now
+                                if self.config.balancing.enabled:
+                                    tasks.create_task(self._balance())
+                                if on_started is not None:
+                                    on_started(Started(peer_id=host.peer_id,
+                                                       addrs=tuple(host.addrs),
+                                                       http_url=api.url))
+                            await stopping
+                            self.state = "leaving"
+                            await membership.leave()
+                            raise _Stopping()
+                    except* _Stopping:
+                        pass
+                    finally:
+                        remove_api_file(home, api.url)
+                        await self._stop_serving()
+
+    def _addrs_of(self, peer: str) -> tuple[str, ...]:
+        ann = self.membership.view.get(peer) if self.membership is not None else None
+        return tuple(ann.addrs) if ann is not None else ()
+
+    def _local(self) -> Any:
+        """This peer as membership announces it."""
+        from swarmd.membership.service import LocalState
+
+        server = self.stage_server
+        if server is None:
+            return LocalState(self.stage, self.state)
+        return LocalState(self.stage, self.state, server.throughput, server.queue, server.step)
+
+    async def _serve_stage(self) -> None:
+        """Serve ``self.stage``: take the newest state (checkpoint or peers), then forward,
+        backward, averaging and state transfer over libp2p."""
+        from swarmd.node.host_options import codec_spec
+        from swarmd.training.model import build_stage
+        from swarmd.state.keeper import StageKeeper
+        from swarmd.pipeline.server import MAX_BATCH, StageServer
+        from swarmd.averaging.stage_sync import SyncSettings
+
+        c = self.config
+        model = c.model_config()
+        stage = self.stage
+        assert stage is not None
+        self.state = "syncing"
+        self.membership.changed()
+        await self._wait_for_view()  # a peer of the stage must be known before we decide
+        module = await asyncio.to_thread(  # seconds for a big model: not on the event loop
+            build_stage, model, stage, c.swarm.stages, c.training.seed, device=self._device,
+            dtype=self._dtype)
+        server = StageServer(
+            self.host, swarm=c.swarm.name, stage=stage, num_stages=c.swarm.stages,
+            model_config=model, model_hash=c.model_hash(), codec=codec_spec(c),
+            lr=c.training.lr, seed=c.training.seed, peers_of=self.membership.peers_of,
+            max_tokens=4 * c.training.batch_size * model.seq_len,
+            device=self._device, dtype=self._dtype, optimizer=c.training.optimizer,
+            target_batch_size=c.target_batch_size(), averager=self.averager,
+            sync=SyncSettings(compression=c.averaging.compression,
+                              aggregator=c.averaging.aggregator,
+                              timeout_s=c.averaging.timeout_s),
+            on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
+            max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
+                c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1)
+        keeper = StageKeeper(
+            self.host, server, swarm=c.swarm.name, home=self.options.home,
+            model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,
+            sources=lambda: self.membership.state_sources(stage))
+        server.on_stepped = lambda: self._spawn(keeper.stepped())
+        # a peer that moved keeps its measured speed: announcing 0 would make the others see
+        # its new stage as still short of peers and follow it
+        server.throughput = self._throughput_hint
+        self.stage_server, self.keeper = server, keeper
+        origin = await keeper.load()
+        server.start()
+        log.info("serving stage %d of %d from step %d (state from %s)", stage, c.swarm.stages,
+                 server.step, origin)
+
+    async def _stop_serving(self) -> None:
+        if self.keeper is not None:
+            try:
+                await self.keeper.close()  # saves a checkpoint
+            except Exception as exc:  # a failed save is reported, the stop goes on
+                log.error("stage %s: saving the checkpoint on shutdown failed: %s",
+                          self.stage, exc)
+        if self.stage_server is not None:
+            await self.stage_server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _wait_for_view(self) -> None:
+        if not (self.options.bootstrap or self.config.network.bootstrap):
+            return  # a first peer of a new swarm has nobody to ask
+        try:
+            await asyncio.wait_for(self.membership.has_view.wait(), PLACEMENT_WAIT_S)
+        except TimeoutError:
+            log.warning("no view from the swarm within %.0f s: going on with what is known",
+                        PLACEMENT_WAIT_S)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _place(self) -> None:
+        """``--stage auto``: serve the bottleneck stage once the view has been pulled.
+
+        A first placement only; moving between stages later is the balancer's job."""
+        await self._wait_for_view()
+        from swarmd.balancing.placement import choose_stage
+
+        info = self.membership.swarm_info()
+        by_stage = {s.stage: s for s in info.stages}
+        stages = range(self.config.swarm.stages)
+        self.stage = choose_stage(
+            [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
+            [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng)
+        log.info("placed on stage %d (the bottleneck)", self.stage)
+        await self._serve_stage()
+
+    # ---- rebalancing ----------------------------------------------------------------------
+    def _swarm_load(self) -> Any:
+        """The view as the balancer sees it: every peer with our model and a stage, with the
+        stage it serves or loads, its announced throughput and its state."""
+        from swarmd.balancing.policy import PeerLoad, SwarmLoad
+
+        states = {"online": "online", "joining": "joining", "syncing": "joining",
+                  "migrating": "migrating", "leaving": "leaving"}
+        load = SwarmLoad(self.config.swarm.stages)
+        for stage_row in self.membership.swarm_info().stages:
+            for p in stage_row.peers:
+                if p.reason in (None, "joining", "syncing", "migrating") and p.state in states:
+                    load.set(PeerLoad(peer_id=p.peer_id, stage=stage_row.stage,
+                                      throughput=float(p.throughput), state=states[p.state]))
+        return load
+
+    async def _balance(self) -> None:
+        """Check now and then whether this peer should serve another stage (the policy is
+        ``swarmd.balancing.policy``: it moves only for a real gain, after confirmations)."""
+        from swarmd.balancing.policy import Balancer, BalancingConfig
+
+        b = self.config.balancing
+        self.balancer = Balancer(self.host.peer_id, BalancingConfig(
+            threshold=b.threshold, confirmations=b.confirmations,
+            check_period_s=b.check_period_s, confirm_period_s=b.confirm_period_s))
+        while True:
+            now = time.time()
+            await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
+            if self.state != "online" or self.stage_server is None:
+                self.balancer.reset()
+                continue
+            target = self.balancer.check(self._swarm_load(), time.time())
+            self.balance_counters["checks"] += 1
+            if target is not None and target != self.stage:
+                await self._migrate(target)
+                # let the swarm see the move and our speed on the new stage before judging
+                # again: a peer that just moved never moves straight back
+                self.balancer.reset()
+                await asyncio.sleep(b.check_period_s * b.confirmations)
+
+    async def _migrate(self, target: int) -> None:
+        """Move to ``target``: announce ``migrating`` (with the new stage, so the others count
+        this peer as arriving there), let the work in flight finish, save the old stage's
+        state, then load the new stage's state from its peers and serve it."""
+        old = self.stage
+        log.info("moving from stage %s to stage %d (the bottleneck)", old, target)
+        self.balance_counters["migrations"] += 1
+        self.state, self.stage = "migrating", target
+        self.membership.changed()
+        t0 = time.monotonic()
+        if self.stage_server is not None:
+            self._throughput_hint = self.stage_server.throughput
+            unfinished = await self.stage_server.retire()
+            self.balance_counters["migration_dropped_microbatches"] += unfinished
+        await self._stop_serving()
+        self.stage_server = self.keeper = None
+        await self._serve_stage()
+        self.state = "online"
+        self.membership.changed()
+        self.last_migration = {"from": old, "to": target, "at": time.time(),
+                               "seconds": time.monotonic() - t0}
+        log.info("moved from stage %s to stage %d in %.1f s", old, target,
+                 self.last_migration["seconds"])
+
+    async def _connectivity(self) -> None:
+        """Dial the bootstrap peers at start and whenever every connection is lost."""
+        bootstrap = self.options.bootstrap or tuple(self.config.network.bootstrap)
+        redialer = Redialer(Backoff(initial_s=1.0, max_s=60.0))
+        while True:
+            now = time.monotonic()
+            connected = len(await self.host.connected_peers())
+            if redialer.should_dial(now, connected, bool(bootstrap)):
+                errors = []
+                for addr in bootstrap:
+                    try:
+                        await self.host.dial(addr)
+                    except Exception as exc:  # every failure is reported, none is fatal
+                        errors.append(f"{addr}: {exc}")
+                if len(errors) < len(bootstrap):
+                    if redialer.failures:
+                        log.info("reconnected to the swarm after %d failed rounds",
+                                 redialer.failures)
+                    redialer.succeeded()
+                else:
+                    wait = redialer.failed(now, self._rng)
+                    log.warning("no bootstrap peer answered (%s); retrying in %.0f s",
+                                "; ".join(errors), wait)
+            await asyncio.sleep(CONNECTIVITY_CHECK_S)
+
+
+class _Stopping(Exception):
+    """Ends the daemon's task group on a stop request."""
+
+
+def run_join(options: JoinOptions, on_started: Callable[[Started], None]) -> None:
+    """Run a daemon in this process until SIGINT/SIGTERM or ``POST /api/v0/stop``."""
+    import uvloop
+
+    daemon = Daemon(options)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.request_stop)
+        await daemon.run(on_started)
+
+    uvloop.run(main())

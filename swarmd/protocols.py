@@ -1,0 +1,72 @@
+"""Every libp2p protocol id and gossip topic swarmd speaks, built in this one place.
+
+The swarm's name is part of each, so two swarms never exchange a message; the ``1`` is the
+protocol's version (a peer answers only what it speaks). Pure: strings in, strings out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Protocols", "VERSION"]
+
+VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Protocols:
+    """The ids of one swarm: ``Protocols("my-swarm").forward == "/swarmd/my-swarm/1/forward"``."""
+
+    swarm: str
+
+    def _id(self, name: str) -> str:
+        return f"/swarmd/{self.swarm}/{VERSION}/{name}"
+
+    # the pipeline (swarmd.pipeline): activations down, gradients up, answers to the trainer
+    @property
+    def forward(self) -> str:
+        return self._id("forward")
+
+    @property
+    def backward(self) -> str:
+        return self._id("backward")
+
+    @property
+    def result(self) -> str:
+        return self._id("result")
+
+    @property
+    def grad(self) -> str:
+        return self._id("grad")
+
+    # a stage's step (swarmd.averaging): progress, prepare and start, then the all-reduce
+    @property
+    def round(self) -> str:
+        return self._id("round")
+
+    @property
+    def allreduce(self) -> str:
+        return self._id("allreduce")
+
+    # a stage's state for joiners (swarmd.state)
+    @property
+    def state(self) -> str:
+        return self._id("state")
+
+    # membership (swarmd.membership): pull anti-entropy, push of one announcement, gossip
+    @property
+    def view(self) -> str:
+        return self._id("view")
+
+    @property
+    def announce(self) -> str:
+        return self._id("announce")
+
+    @property
+    def announce_topic(self) -> str:
+        return f"swarmd/{self.swarm}/announce/{VERSION}"
+
+    def pipeline(self) -> dict[str, str]:
+        """The four pipeline ids keyed by message kind."""
+        return {"forward": self.forward, "backward": self.backward, "result": self.result,
+                "grad": self.grad}

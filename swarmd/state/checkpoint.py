@@ -1,0 +1,193 @@
+"""Checkpoints of a stage's state in the home: saved atomically, verified when loaded.
+
+Layout (``dir`` is ``<home>/checkpoints``, see :func:`checkpoint_dir`)::
+
+    stage-<k>.swst                      the newest checkpoint of stage k (only one is kept)
+    stage-<k>.swst.corrupt-<utc time>   a corrupt one set aside by :func:`quarantine`
+    .stage-<k>.swst.tmp-<pid>-<random>  being written (or left by a crash: never read)
+
+A file is a 48-byte header, then an encoded :class:`~swarmd.state.encoding.StageState`::
+
+    magic b"SWCK", version (u8), 3 zero bytes, payload length (u64 LE), blake2b-256 of payload
+
+Saving writes a temporary file in the same directory, flushes and fsyncs it, renames it over
+the old checkpoint and fsyncs the directory: a crash at any point leaves either the old or the
+new checkpoint, whole. Loading checks the header, the length (truncation) and the digest (bit
+flips) before decoding; a bad file raises :class:`CorruptCheckpoint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import struct
+import time
+from pathlib import Path
+
+from swarmd.errors import SwarmdError
+from swarmd.state.encoding import MAX_STATE_BYTES, BadStageState, StageState, decode, encode
+
+__all__ = ["CorruptCheckpoint", "checkpoint_dir", "checkpoint_path", "save_checkpoint",
+           "load_checkpoint", "quarantine", "saved_stages"]
+
+MAGIC = b"SWCK"
+VERSION = 1
+HEADER = struct.Struct("<4sB3xQ32s")
+SUFFIX = ".swst"
+#: corrupt files set aside per stage; older ones are deleted
+KEEP_QUARANTINED = 3
+_NAME = re.compile(r"stage-(\d{1,6})\.swst")
+
+
+class CorruptCheckpoint(SwarmdError):
+    """A checkpoint file exists but cannot be used (truncated, bit flip, wrong format)."""
+
+    code = "corrupt_checkpoint"
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = Path(path)
+        self.what = what
+        super().__init__(f"checkpoint {path} is corrupt: {what}. It will be set aside and the "
+                         f"stage state fetched from peers; or delete the file to do so by hand")
+
+
+def checkpoint_dir(home: Path) -> Path:
+    """Where a home keeps its checkpoints."""
+    return Path(home) / "checkpoints"
+
+
+def checkpoint_path(dir: Path, stage: int) -> Path:
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+        raise ValueError(f"stage must be a non-negative integer, got {stage!r}")
+    return Path(dir) / f"stage-{stage}{SUFFIX}"
+
+
+def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None) -> Path:
+    """Write ``state`` as the checkpoint of its stage, atomically; returns its path.
+
+    ``data`` may pass ``encode(state)`` when the caller has it already. Blocking I/O: call it
+    from a worker thread in an event loop, one save per stage at a time. Raises ``OSError``
+    when the disk refuses (the previous checkpoint is then intact).
+    """
+    dir = Path(dir)
+    dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    final = checkpoint_path(dir, state.stage)
+    payload = encode(state) if data is None else data
+    header = HEADER.pack(MAGIC, VERSION, len(payload),
+                         hashlib.blake2b(payload, digest_size=32).digest())
+    _remove_stale_temps(dir, final.name)
+    tmp = dir / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(header)
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(dir)
+    return final
+
+
+def load_checkpoint(dir: Path, stage: int, *, max_bytes: int = MAX_STATE_BYTES
+                    ) -> StageState | None:
+    """The checkpoint of ``stage`` in ``dir``; None when there is none.
+
+    Raises ``CorruptCheckpoint`` when the file is unreadable or fails any check; the caller
+    should :func:`quarantine` it and fetch the state from peers.
+    """
+    path = checkpoint_path(dir, stage)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > HEADER.size + max_bytes:
+                raise CorruptCheckpoint(path, f"{size} bytes, more than the limit of {max_bytes}")
+            data = f.read(size + 1)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise CorruptCheckpoint(path, "it is a directory") from None
+    except OSError as exc:
+        raise CorruptCheckpoint(path, f"cannot read it ({exc.strerror})") from None
+    if len(data) < HEADER.size:
+        raise CorruptCheckpoint(path, f"truncated to {len(data)} bytes, shorter than its header")
+    magic, version, length, expected = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptCheckpoint(path, "not a swarmd checkpoint (bad magic)")
+    if version != VERSION:
+        raise CorruptCheckpoint(path, f"format version {version}, this swarmd reads {VERSION}")
+    payload = memoryview(data)[HEADER.size:]
+    if len(payload) != length:
+        what = "truncated" if len(payload) < length else "has trailing bytes"
+        raise CorruptCheckpoint(path, f"{what}: {len(payload)} payload bytes, header says "
+                                      f"{length}")
+    if hashlib.blake2b(payload, digest_size=32).digest() != expected:
+        raise CorruptCheckpoint(path, "its checksum does not match (damaged on disk)")
+    try:
+        state = decode(payload, max_bytes=max_bytes)
+    except BadStageState as exc:
+        raise CorruptCheckpoint(path, f"its contents are invalid ({exc})") from None
+    if state.stage != stage:
+        raise CorruptCheckpoint(path, f"it holds stage {state.stage}, not {stage}")
+    return state
+
+
+def quarantine(path: Path, *, now: float | None = None) -> Path:
+    """Rename a corrupt checkpoint to ``<name>.corrupt-<UTC time>`` so it is kept but never
+    read again; keeps the newest ``KEEP_QUARANTINED`` of its kind. Returns the new path."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    os.replace(path, target)
+    _fsync_dir(path.parent)
+    old = sorted(path.parent.glob(f"{path.name}.corrupt-*"), key=lambda p: p.name)
+    for extra in old[:-KEEP_QUARANTINED]:
+        extra.unlink(missing_ok=True)
+    return target
+
+
+def saved_stages(dir: Path) -> list[int]:
+    """Stages that have a checkpoint file in ``dir`` (not checked), ascending."""
+    try:
+        names = os.listdir(dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for name in names if (m := _NAME.fullmatch(name)))
+
+
+def _remove_stale_temps(dir: Path, name: str) -> None:
+    """Temporary files of ``name`` left by a process that died while writing."""
+    for tmp in dir.glob(f".{name}.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if not (pid.isdigit() and _other_process_alive(int(pid))):
+            tmp.unlink(missing_ok=True)
+
+
+def _other_process_alive(pid: int) -> bool:
+    """Our own pid counts as dead: it is a previous run's (saves of a stage are sequential)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(dir: Path) -> None:
+    fd = os.open(dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

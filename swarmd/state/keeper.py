@@ -1,0 +1,200 @@
+"""Where a stage's state comes from and where it goes: checkpoints, peers, catch-up.
+
+- **Before serving** (``load``): the newer of this home's checkpoint and the stage's live
+  peers (``swarmd.state.transfer.fetch_state`` with ``newer_than`` the checkpoint's step). A
+  corrupt checkpoint is reported, set aside (``quarantine``) and replaced from peers. Only a
+  peer with neither a checkpoint nor a live peer of its stage starts from the initial weights.
+- **While serving**: a ``StateServer`` hands this stage's state to joiners, captured in the
+  compute thread between two steps; a peer that learns a mate is ahead (``behind``) downloads
+  the newer state and takes it over between two steps; every ``every_steps`` steps and on
+  shutdown the state is saved atomically (``save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmd.state.checkpoint import (CorruptCheckpoint, checkpoint_dir, load_checkpoint, quarantine,
+                               save_checkpoint)
+from swarmd.state.encoding import StageState, StateMismatch, capture, restore
+from swarmd.state.fetch import fetch_state
+from swarmd.state.serve import StateServer
+from swarmd.state.transfer import StateTransferFailed
+from transport.errors import TransportError
+from swarmd.protocols import Protocols
+
+log = logging.getLogger("swarmd.keeper")
+
+FETCH_TIMEOUT_S = 120.0
+MAX_STATE_BYTES = 16 << 30
+#: after a catch-up attempt, the next one waits at least this long
+CATCH_UP_GAP_S = 2.0
+
+
+def state_protocol(swarm: str) -> str:
+    return Protocols(swarm).state
+
+
+class StageKeeper:
+    """One per served stage. ``sources()`` returns [(peer id, addrs)] of the stage's other
+    live peers; ``server`` is the ``StageServer`` whose module, optimizer and step it keeps."""
+
+    def __init__(self, host: Any, server: Any, *, swarm: str, home: Path | None,
+                 model_hash: str, every_steps: int,
+                 sources: Callable[[], list[tuple[str, tuple[str, ...]]]]) -> None:
+        self.host = host
+        self.server = server
+        self.stage = server.stage
+        self.model_hash = model_hash
+        self.dir = checkpoint_dir(home) if home is not None else None
+        self.every_steps = every_steps
+        self.sources = sources
+        self.protocol = state_protocol(swarm)
+        self.counters: dict[str, int] = {}
+        #: (done, total) bytes of a download in progress, for status
+        self.syncing: tuple[int, int] | None = None
+        self.source_of_state = "initial"
+        self._serving = StateServer(host, self.protocol, self._snapshot, stage=self.stage,
+                                    model_hash=model_hash)
+        self._catching_up: asyncio.Task[None] | None = None
+        self._last_catch_up = 0.0
+        self._saving = asyncio.Lock()
+        self._saved_step = -1
+        self._ready = False
+
+    # ---- before serving ------------------------------------------------------------------
+    async def load(self) -> str:
+        """Take the newest state available; returns where it came from."""
+        local = self._read_checkpoint()
+        peers = self.sources()
+        log.info("stage %d: checkpoint %s, %d live peer(s) of the stage to ask", self.stage,
+                 f"at step {local.step}" if local else "none", len(peers))
+        fetched: StageState | None = None
+        if peers:
+            try:
+                fetched = await self._fetch(peers, newer_than=local.step if local else None)
+            except (StateTransferFailed, TransportError) as exc:
+                # e.g. every peer of the stage is itself still syncing: start from what we
+                # have; the first round with a peer that is ahead makes us catch up
+                log.warning("stage %d: could not download the state from peers (%s); "
+                            "starting from %s", self.stage, exc,
+                            "the checkpoint" if local else "the initial weights")
+                self.counters["state_downloads_failed"] = (
+                    self.counters.get("state_downloads_failed", 0) + 1)
+        state, origin = (fetched, "peers") if fetched is not None else (
+            (local, "checkpoint") if local is not None else (None, "initial"))
+        if state is not None:
+            await self.server.when_drained(self._restore, state)
+            self.server.took_state(state.step)
+        self.source_of_state = origin
+        self._saved_step = self.server.step if origin == "checkpoint" else -1
+        log.info("stage %d: state from %s (step %d)", self.stage, origin, self.server.step)
+        self._ready = True
+        self._serving.start()
+        return origin
+
+    def _read_checkpoint(self) -> StageState | None:
+        if self.dir is None:
+            return None
+        try:
+            state = load_checkpoint(self.dir, self.stage)
+        except CorruptCheckpoint as exc:
+            log.error("%s", exc)
+            quarantine(exc.path)
+            self.counters["corrupt_checkpoints"] = self.counters.get("corrupt_checkpoints", 0) + 1
+            return None
+        if state is not None and state.model_hash != self.model_hash:
+            log.warning("stage %d: the checkpoint is of model %s, this swarm trains %s: "
+                        "ignored", self.stage, state.model_hash, self.model_hash)
+            return None
+        return state
+
+    async def _fetch(self, peers: list[tuple[str, tuple[str, ...]]], *,
+                     newer_than: int | None) -> StageState | None:
+        def progress(done: int, total: int) -> None:
+            self.syncing = (done, total)
+
+        self.syncing = (0, 0)
+        try:
+            return await fetch_state(self.host, self.protocol, peers, stage=self.stage,
+                                     model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
+                                     max_bytes=MAX_STATE_BYTES, on_progress=progress,
+                                     newer_than=newer_than, counters=self.counters)
+        finally:
+            self.syncing = None
+
+    def _restore(self, state: StageState) -> None:
+        """In the compute thread: take ``state`` over (weights, optimizer, step)."""
+        restore(state, self.server.module, self.server.optimizer, stage=self.stage,
+                model_hash=self.model_hash)
+        self.server.worker.zero_grad()  # gradients of the old weights do not apply
+
+    # ---- while serving ---------------------------------------------------------------------
+    async def _snapshot(self) -> StageState | None:
+        if not self._ready or self._catching_up is not None and not self._catching_up.done():
+            return None  # nothing trustworthy to hand out while our own state is in transit
+        return await self.server.run_exclusive(self._capture)
+
+    def _capture(self) -> StageState:
+        return capture(self.server.module, self.server.optimizer, stage=self.stage,
+                       step=self.server.step, model_hash=self.model_hash)
+
+    def behind(self, peer: str, step: int) -> None:
+        """A mate is at ``step``, ahead of us: download its state (once at a time)."""
+        if step <= self.server.step or not self._ready:
+            return
+        if self._catching_up is not None and not self._catching_up.done():
+            return
+        if time.monotonic() - self._last_catch_up < CATCH_UP_GAP_S:
+            return
+        self._last_catch_up = time.monotonic()
+        self._catching_up = asyncio.create_task(self._catch_up(peer))
+
+    async def _catch_up(self, peer: str) -> None:
+        peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
+        try:
+            state = await self._fetch(peers, newer_than=self.server.step)
+        except (StateTransferFailed, TransportError) as exc:
+            log.warning("stage %d: catching up failed: %s", self.stage, exc)
+            return
+        if state is None:
+            return
+        try:
+            await self.server.when_drained(self._restore, state)
+        except StateMismatch as exc:
+            log.error("stage %d: the downloaded state does not fit: %s", self.stage, exc)
+            return
+        self.server.took_state(state.step)
+        self.counters["caught_up"] = self.counters.get("caught_up", 0) + 1
+        log.info("stage %d: caught up to step %d", self.stage, state.step)
+
+    async def stepped(self) -> None:
+        """After every optimizer step: save a checkpoint when one is due."""
+        if self.every_steps and self.server.step - max(self._saved_step, 0) >= self.every_steps:
+            await self.save()
+
+    async def save(self) -> Path | None:
+        if self.dir is None or not self._ready:
+            return None
+        async with self._saving:
+            if self.server.step == self._saved_step:
+                return None
+            state = await self.server.run_exclusive(self._capture)
+            path = await asyncio.to_thread(save_checkpoint, self.dir, state)
+            self._saved_step = state.step
+            self.counters["checkpoints_saved"] = self.counters.get("checkpoints_saved", 0) + 1
+            return path
+
+    async def close(self) -> None:
+        self._serving.close()
+        if self._catching_up is not None:
+            self._catching_up.cancel()
+            try:
+                await self._catching_up
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.save()  # on shutdown: never lose more than this
