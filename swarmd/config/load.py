@@ -179,6 +179,90 @@ def _source_rank(source: str) -> int:
     return 0 if source == "default" else 1
 
 
+class _Layers:
+    """The values being loaded, with the source each came from (for error messages)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {key: f.default for key, f in _SPECS.items()}
+        self.sources: dict[str, str] = {key: "default" for key in _SPECS}
+
+    def put(self, source: str, key: str, raw: Any, text: bool) -> None:
+        f = _SPECS[key]
+        try:
+            self.values[key] = _parse_text(f, raw) if text else _convert(f, raw)
+        except _Invalid as exc:
+            raise ConfigError(_invalid_message(source, key, raw, f, exc)) from None
+        self.sources[key] = source
+
+    def blame(self, *keys: str) -> str:
+        """Of keys that conflict, the one set by the strongest source."""
+        return max(keys, key=lambda k: _source_rank(self.sources[k]))
+
+    def file(self, path: Path) -> None:
+        source = str(path)
+        for section, table in _read_toml(path).items():
+            if section not in _SECTIONS:
+                raise ConfigError(_unknown_section(source, section, table))
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: {section} = {_show(table)} is invalid; "
+                                  f"expected a table [{section}]")
+            for name, raw in table.items():
+                key = f"{section}.{name}"
+                if key not in _SPECS:
+                    raise ConfigError(f'{source}: unknown key "{key}"'
+                                      + _did_you_mean(_suggest_key(section, name)))
+                self.put(source, key, raw, text=False)
+
+    def environment(self, env: Mapping[str, str]) -> None:
+        for var in sorted(env):
+            if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
+                continue
+            section_part, sep, name_part = var[len(ENV_PREFIX):].partition("_")
+            section = section_part.lower()
+            if not sep or section not in _SECTIONS or section_part != section.upper():
+                continue  # not shaped like a configuration key
+            key = f"{section}.{name_part.lower()}"
+            source = f"environment variable {var}"
+            if key not in _SPECS or name_part != name_part.upper():
+                suggestion = _suggest_key(section, name_part.lower())
+                raise ConfigError(f'{source}: unknown key "{key}"'
+                                  + _did_you_mean(suggestion and _env_name(suggestion), "{}"))
+            self.put(source, key, env[var], text=True)
+
+    def flags(self, overrides: Mapping[str, Any]) -> None:
+        source = "command line flag"
+        for key, raw in overrides.items():
+            if key not in _SPECS:
+                section, _, name = key.partition(".")
+                raise ConfigError(f'{source}: unknown key "{key}"'
+                                  + _did_you_mean(_suggest_key(section, name)))
+            if raw is None:
+                continue
+            self.put(source, key, raw,
+                     text=isinstance(raw, str) and not isinstance(_SPECS[key].default, str))
+
+    def build(self) -> Config:
+        for key, message in _cross_checks(self.values.__getitem__, self.blame):
+            raise ConfigError(f"{self.sources[key]}: {message}")
+        sections = {}
+        for section, cls in _SECTIONS.items():
+            prefix = section + "."
+            sections[section] = cls(**{k[len(prefix):]: v for k, v in self.values.items()
+                                       if k.startswith(prefix)})
+        return Config(**sections)
+
+
+def _unknown_section(source: str, section: str, table: Any) -> str:
+    if not isinstance(table, dict):
+        suggestion = _suggest_key(None, section)
+        return (f'{source}: unknown key "{section}" at the top level, keys '
+                f'belong in a [section]{_did_you_mean(suggestion)}')
+    close = difflib.get_close_matches(section, list(_SECTIONS), n=1)
+    return (f"{source}: unknown section [{section}]"
+            + _did_you_mean(close[0] if close else None, "[{}]")
+            + "; known sections: " + ", ".join(f"[{s}]" for s in _SECTIONS))
+
+
 def load_config(
     path: Path | None,
     env: Mapping[str, str],
@@ -191,77 +275,12 @@ def load_config(
     an error. ``overrides`` maps ``"section.key"`` to a typed value, or to a string parsed as
     an environment variable would be; ``None`` values (flags not given) are skipped.
     """
-    values: dict[str, Any] = {key: f.default for key, f in _SPECS.items()}
-    sources: dict[str, str] = {key: "default" for key in _SPECS}
-
-    def put(source: str, key: str, raw: Any, text: bool) -> None:
-        f = _SPECS[key]
-        try:
-            values[key] = _parse_text(f, raw) if text else _convert(f, raw)
-        except _Invalid as exc:
-            raise ConfigError(_invalid_message(source, key, raw, f, exc)) from None
-        sources[key] = source
-
+    layers = _Layers()
     if path is not None:
-        source = str(path)
-        for section, table in _read_toml(path).items():
-            if section not in _SECTIONS:
-                if not isinstance(table, dict):
-                    suggestion = _suggest_key(None, section)
-                    raise ConfigError(f'{source}: unknown key "{section}" at the top level, keys '
-                                      f'belong in a [section]{_did_you_mean(suggestion)}')
-                close = difflib.get_close_matches(section, list(_SECTIONS), n=1)
-                raise ConfigError(f"{source}: unknown section [{section}]"
-                                  + _did_you_mean(close[0] if close else None, "[{}]")
-                                  + "; known sections: "
-                                  + ", ".join(f"[{s}]" for s in _SECTIONS))
-            if not isinstance(table, dict):
-                raise ConfigError(f"{source}: {section} = {_show(table)} is invalid; "
-                                  f"expected a table [{section}]")
-            for name, raw in table.items():
-                key = f"{section}.{name}"
-                if key not in _SPECS:
-                    raise ConfigError(f'{source}: unknown key "{key}"'
-                                      + _did_you_mean(_suggest_key(section, name)))
-                put(source, key, raw, text=False)
-
-    for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV:
-            continue
-        section_part, sep, name_part = var[len(ENV_PREFIX):].partition("_")
-        section = section_part.lower()
-        if not sep or section not in _SECTIONS or section_part != section.upper():
-            continue  # not shaped like a configuration key
-        key = f"{section}.{name_part.lower()}"
-        source = f"environment variable {var}"
-        if key not in _SPECS or name_part != name_part.upper():
-            suggestion = _suggest_key(section, name_part.lower())
-            raise ConfigError(f'{source}: unknown key "{key}"'
-                              + _did_you_mean(suggestion and _env_name(suggestion), "{}"))
-        put(source, key, env[var], text=True)
-
-    for key, raw in (overrides or {}).items():
-        source = "command line flag"
-        if key not in _SPECS:
-            section, _, name = key.partition(".")
-            raise ConfigError(f'{source}: unknown key "{key}"'
-                              + _did_you_mean(_suggest_key(section, name)))
-        if raw is None:
-            continue
-        put(source, key, raw, text=isinstance(raw, str) and not isinstance(_SPECS[key].default, str))
-
-    def blame(*keys: str) -> str:
-        return max(keys, key=lambda k: _source_rank(sources[k]))
-
-    for key, message in _cross_checks(values.__getitem__, blame):
-        raise ConfigError(f"{sources[key]}: {message}")
-
-    sections = {}
-    for section, cls in _SECTIONS.items():
-        prefix = section + "."
-        sections[section] = cls(**{k[len(prefix):]: v for k, v in values.items()
-                                   if k.startswith(prefix)})
-    return Config(**sections)
+        layers.file(path)
+    layers.environment(env)
+    layers.flags(overrides or {})
+    return layers.build()
 
 
 # ---------------------------------------------------------------------------------- rendering
