@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from swarmd.config.fields import (  # the declarations' vocabulary
-    _Section, _device, _host_port, _int_range, _is_loopback, _multiaddrs, _one_of, _opt,
+    _Invalid, _Section, _device, _host_port, _int_range, _is_loopback, _multiaddrs, _one_of, _opt,
     _positive, _positive_seconds, _power_of_two, _show, _swarm_name, split_host_port,
 )
 from swarmd.config.stage import OPTIMIZERS
@@ -31,6 +31,16 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DTYPES = ("float32", "bfloat16", "float16")
 
 _LIMITS = Limits()
+
+
+def _address_filters(values: tuple[str, ...]) -> None:
+    from swarmd.node.addresses import parse_filter  # pure
+
+    for index, text in enumerate(values, 1):
+        try:
+            parse_filter(text)
+        except ValueError as exc:
+            raise _Invalid(f"entry {index}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,21 @@ class NetworkConfig(_Section):
         'a list of multiaddrs ending in /p2p/<peer id>, such as '
         '"/ip4/192.0.2.7/tcp/31337/p2p/12D3KooW..."',
         _multiaddrs(need_peer_id=True),
+    )
+    announce: tuple[str, ...] = _opt(
+        [],
+        "Addresses to announce instead of the ones listened on (e.g. the public address a cloud "
+        "VM is reached at); empty: the listened ones, 0.0.0.0 expanded to the interfaces' "
+        "addresses, loopback left out unless nothing else is left.",
+        'a list of multiaddrs such as "/ip4/203.0.113.7/tcp/31337"',
+        _multiaddrs(need_peer_id=False),
+    )
+    no_announce: tuple[str, ...] = _opt(
+        [],
+        "Addresses never to announce: CIDR blocks (\"10.0.0.0/8\", \"/ip4/10.0.0.0/ipcidr/8\") "
+        "or whole multiaddrs.",
+        'a list of CIDR blocks such as "192.168.0.0/16" or multiaddrs',
+        _address_filters,
     )
     max_connections: int = _opt(
         1024, "Most peer connections open at once.", "an integer from 1 to 1000000",

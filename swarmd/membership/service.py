@@ -31,6 +31,8 @@ from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConf
 from transport.errors import TransportError
 from transport.frames import Message
 from transport.signing import signer, verify
+from swarmd.node.addresses import AddressPolicy, announced_addrs
+from swarmd.node.interfaces import interface_ips
 from swarmd.protocols import Protocols
 
 log = logging.getLogger("swarmd.membership")
@@ -90,6 +92,22 @@ class MembershipService:
         self._pull_failed: dict[str, float] = {}
         #: set once a full view has been pulled from some peer
         self.has_view = asyncio.Event()
+        network = config.network
+        self._address_policy = AddressPolicy(announce=tuple(network.announce),
+                                             no_announce=tuple(network.no_announce))
+        self._announced: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+
+    def announced_addrs(self) -> tuple[str, ...]:
+        """What this peer announces it is reached at (``swarmd.node.addresses``): the bound
+        addresses with 0.0.0.0 expanded, loopback left out unless alone, ``network.announce``
+        and ``network.no_announce`` applied. Interfaces are read once per host address set."""
+        bound = tuple(self.host.addrs)
+        if self._announced is None or self._announced[0] != bound:
+            interfaces = interface_ips() if any("/0.0.0.0/" in a or "/::/" in a
+                                                for a in bound) else []
+            self._announced = (bound, announced_addrs(bound, interfaces, self._address_policy,
+                                                      self.host.peer_id))
+        return self._announced[1]
 
     def model_hash(self) -> str:
         """The swarm's model name and the hash of its architecture: both must match."""
@@ -222,7 +240,7 @@ class MembershipService:
     def _announcement(self, now: float, *, period: float, state: str) -> bytes:
         local = self._local()
         ann = Announcement(
-            peer_id=self.host.peer_id, addrs=tuple(self.host.addrs)[:8], stage=local.stage,
+            peer_id=self.host.peer_id, addrs=self.announced_addrs(), stage=local.stage,
             state=PeerState(state), throughput=float(local.throughput), queue=int(local.queue),
             version=__version__, model_hash=self.model_hash(), timestamp=now, period=period,
             step=int(local.step))
