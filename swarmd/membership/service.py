@@ -33,6 +33,7 @@ from transport.frames import Message
 from transport.signing import signer, verify
 from swarmd.node.addresses import AddressPolicy, announced_addrs
 from swarmd.node.interfaces import interface_ips
+from swarmd.links import LinkEstimates
 from swarmd.protocols import Protocols
 
 log = logging.getLogger("swarmd.membership")
@@ -66,7 +67,7 @@ class MembershipService:
 
     def __init__(self, host: Any, identity: Any, config: Any,
                  local: Callable[[], LocalState],
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, links: LinkEstimates | None = None) -> None:
         self.host = host
         self.config = config
         self._local = local
@@ -96,6 +97,8 @@ class MembershipService:
         self._address_policy = AddressPolicy(announce=tuple(network.announce),
                                              no_announce=tuple(network.no_announce))
         self._announced: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        #: what was measured of each link; pull deadlines follow it (swarmd.links)
+        self.links = links if links is not None else LinkEstimates()
 
     def announced_addrs(self) -> tuple[str, ...]:
         """What this peer announces it is reached at (``swarmd.node.addresses``): the bound
@@ -258,11 +261,17 @@ class MembershipService:
             request = self.view.pull_request(time.time(), cutoff)
             async with asyncio.timeout(timeout):
                 for _ in range(MAX_PAGES):
-                    reply = await self.host.request(peer, self.pull_protocol, Message(
-                        kind="pull", meta={"r": encode_request(request)}))
+                    t0 = time.monotonic()
+                    reply = await self.host.request(
+                        peer, self.pull_protocol,
+                        Message(kind="pull", meta={"r": encode_request(request)}),
+                        timeout=self.links.deadline(peer, self.view.config.limits.max_page_bytes,
+                                                    cap_s=PULL_TIMEOUT_S))
                     page = reply.meta.get("p")
                     if reply.kind != "page" or not isinstance(page, bytes):
                         raise BadPeerMessage("malformed", "pull reply without a page")
+                    self.links.observe_transfer(peer, len(page), time.monotonic() - t0,
+                                                time.monotonic())
                     results, cursor = self.view.apply_page(page, time.time())
                     for applied in results:
                         self._counters[f"membership.{applied.outcome}"] += 1
