@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +56,16 @@ def config_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None 
     return load_config(path, os.environ, overrides or {})
 
 
-def configure_logging(level: str) -> None:
-    """Log to stderr at ``level``. Imports libp2p first: importing it resets its logger, so
-    logging configured before that import would be undone."""
-    import logging
+def configure_logging(level: str, log: Any = None) -> None:
+    """Log at ``level``; with ``log`` (the ``[log]`` section) in its format and to its file
+    too (``swarmd.node.logs``)."""
+    from swarmd.node import logs
 
-    import libp2p  # noqa: F401
-
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log is None:
+        logs.configure(level)
+    else:
+        logs.configure(level, format=log.format, file=log.file, max_bytes=log.max_bytes,
+                       backups=log.backups)
 
 
 def to_jsonable(value: Any) -> Any:

@@ -101,11 +101,14 @@ def cmd_join(args: argparse.Namespace) -> JoinResult:
         except ValueError:
             raise ConfigError(f"command line flag --stage: {args.stage!r} is invalid; expected a "
                               f"stage number (0, 1, ...) or auto") from None
-    configure_logging(config.log.level.upper())
+    configure_logging(config.log.level.upper(), config.log)
     options = JoinOptions(home=home_from_args(args), config=config, stage=stage)
     started: list[Started] = []
 
     def on_started(info: Started) -> None:
+        from swarmd.node.logs import set_peer_id
+
+        set_peer_id(info.peer_id)
         started.append(info)
         if args.json:
             print(json.dumps(to_jsonable(info)), flush=True)
@@ -153,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> Any:
         raise ConfigError("swarmd train needs a swarm to join: pass --bootstrap "
                           "/ip4/HOST/tcp/PORT/p2p/PEER_ID (a running daemon's address, see "
                           "`swarmd id`)")
-    configure_logging(config.log.level.upper())
+    configure_logging(config.log.level.upper(), config.log)
     home = home_from_args(args)
     home.mkdir(parents=True, exist_ok=True)
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print

@@ -278,6 +278,18 @@ class LogConfig(_Section):
         "text", "Log line format: text for people, json for machines (one object per line).",
         '"text" or "json"', _one_of(("text", "json")),
     )
+    file: str = _opt(
+        "", "Also log to this file, rotated by size; empty: stderr only (journald, docker).",
+        'a file path such as "~/.swarmd/swarmd.log", or ""',
+    )
+    max_bytes: int = _opt(
+        10 << 20, "Rotate log.file when it reaches this many bytes (10 MiB).",
+        "an integer from 4096 to 1099511627776", _int_range(4096, 1 << 40),
+    )
+    backups: int = _opt(
+        5, "Rotated log files kept besides log.file.", "an integer from 0 to 1000",
+        _int_range(0, 1000),
+    )
 
 
 def _cross_checks(get: Callable[[str], Any],
