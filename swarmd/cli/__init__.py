@@ -24,6 +24,7 @@ from swarmd.cli.client import (_daemon_arguments, _stop_arguments, cmd_peers, cm
                                cmd_stop, cmd_swarm, text_peers, text_status, text_stop,
                                text_swarm)
 from swarmd.cli.common import PROG, Command, to_jsonable
+from swarmd.cli.service import _service_arguments, cmd_service, text_service
 from swarmd.cli.local import (_demo_arguments, _id_arguments, _init_arguments,
                               _join_arguments, _train_arguments, cmd_demo, cmd_id, cmd_init,
                               cmd_join, cmd_train, text_demo, text_id, text_init, text_join,
@@ -74,6 +75,11 @@ COMMANDS: list[Command] = [
             description="Show the swarm as the running daemon sees it: each stage with its "
                         "total throughput and peers, the bottleneck stage, and the peers kept "
                         "out of routing with the reason. --json prints GET /api/v0/swarm."),
+    Command("service", "install or remove a systemd unit that keeps the daemon running",
+            _service_arguments, cmd_service, text_service,
+            description="install writes a systemd unit running `swarmd join --home HOME` as you "
+                        "(restarted on failure with a growing delay) and prints how to enable "
+                        "it; uninstall removes it. --user: a user unit, no root needed."),
     Command("stop", "stop the running daemon gracefully",
             _stop_arguments, cmd_stop, text_stop,
             description="Ask the daemon running for this home to shut down (with the token in "
