@@ -24,6 +24,7 @@ from swarmd.cli.client import (_daemon_arguments, _stop_arguments, cmd_peers, cm
                                cmd_stop, cmd_swarm, text_peers, text_status, text_stop,
                                text_swarm)
 from swarmd.cli.common import PROG, Command, to_jsonable
+from swarmd.cli.doctor import _doctor_arguments, cmd_doctor, text_doctor
 from swarmd.cli.service import _service_arguments, cmd_service, text_service
 from swarmd.cli.local import (_demo_arguments, _id_arguments, _init_arguments,
                               _join_arguments, _train_arguments, cmd_demo, cmd_id, cmd_init,
@@ -75,6 +76,12 @@ COMMANDS: list[Command] = [
             description="Show the swarm as the running daemon sees it: each stage with its "
                         "total throughput and peers, the bottleneck stage, and the peers kept "
                         "out of routing with the reason. --json prints GET /api/v0/swarm."),
+    Command("doctor", "check what could stop this machine from joining a swarm",
+            _doctor_arguments, cmd_doctor, text_doctor,
+            description="Check Python, torch and the device, the config (and what differs from "
+                        "the defaults), the home, each bootstrap address (reachable, same swarm, "
+                        "same model, clock), with what to do for each problem. Exits 1 when "
+                        "something blocks joining."),
     Command("service", "install or remove a systemd unit that keeps the daemon running",
             _service_arguments, cmd_service, text_service,
             description="install writes a systemd unit running `swarmd join --home HOME` as you "
@@ -135,4 +142,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(to_jsonable(result)))
     else:
         print(command.text(result))
-    return 0
+    status = getattr(result, "exit_status", 0)  # a command that reports a failing verdict
+    return status if isinstance(status, int) else 0
