@@ -48,6 +48,11 @@ class Protocols:
     def allreduce(self) -> str:
         return self._id("allreduce")
 
+    # reachability (swarmd.node.dialback): "can you dial me back?"
+    @property
+    def dialback(self) -> str:
+        return self._id("dialback")
+
     # a stage's state for joiners (swarmd.state)
     @property
     def state(self) -> str:

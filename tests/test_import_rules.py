@@ -23,6 +23,7 @@ CORES = frozenset({
     "swarmd.protocols",
     "swarmd.links",
     "swarmd.node.addresses",
+    "swarmd.node.reachability",
     "swarmd.pipeline.wiring",
     "swarmd.balancing.policy",
     "swarmd.balancing.placement",
