@@ -1,0 +1,134 @@
+"""The protocol fuzzer's cases: hostile messages for every protocol a daemon or trainer serves.
+
+Cases are deterministic (a seeded generator), bounded in number, and built only from what is on
+the wire: protocol ids (swarmd.protocols), message kinds, the metadata keys the receivers read,
+and tensors of wrong count, shape, dtype and value. ``cases(protocols, model_hash)`` yields
+``Case`` values; a raw case carries bytes written as they are on a fresh stream.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from swarmd.protocols import Protocols
+
+#: the kinds each protocol's handlers look at
+KINDS: dict[str, tuple[str, ...]] = {
+    "forward": ("forward",), "backward": ("backward",), "result": ("result",),
+    "grad": ("grad",), "round": ("progress", "prepare", "start"),
+    "allreduce": ("part", "contribute", "contribution", "probe", "repair", "absent"),
+    "state": ("state_info", "state_chunk"), "view": ("pull",), "announce": ("announce",),
+}
+#: metadata keys any receiver reads
+KEYS = ("mb", "stage", "step", "path", "trainer", "trainer_addrs", "model", "model_hash",
+        "eval", "round", "group", "samples", "bandwidth", "bandwidths", "free", "digest", "index",
+        "checksum", "chunks", "r", "a", "p", "w", "c", "e", "code", "message", "service_s",
+        "held_s", "results")
+WEIRD: tuple[Any, ...] = (None, True, -1, 0, 2**63 - 1, -2**63, 1e308, math.nan, math.inf, "",
+                          "x" * 5000, [], ["12D3KooW"] * 10_000, {"a": {"b": {"c": [1]}}},
+                          b"\x00" * 64, [None, 1, "a"], -0.0, "../../etc/passwd")
+
+
+@dataclass(frozen=True)
+class Case:
+    protocol: str
+    name: str
+    kind: str = ""
+    meta: Any = None
+    tensors: tuple[torch.Tensor, ...] = ()
+    #: bytes written as they are (a malformed frame), instead of a message
+    raw: bytes | None = None
+
+
+def _tensors(rng: random.Random) -> tuple[torch.Tensor, ...]:
+    choice = rng.randrange(9)
+    if choice == 0:
+        return ()
+    if choice == 1:
+        return (torch.zeros(1),)
+    if choice == 2:
+        return (torch.full((2, 16, 64), math.nan),)
+    if choice == 3:
+        return (torch.full((2, 16, 64), math.inf),)
+    if choice == 4:
+        return (torch.zeros(2, 16, 64, dtype=torch.int64),)
+    if choice == 5:
+        return (torch.zeros(2, 16, 64), torch.zeros(2, 16, 64))
+    if choice == 6:
+        return (torch.full((1, 8, 64), 3e38),)
+    if choice == 7:
+        return (torch.zeros(0, 16, 64),)
+    return (torch.randn(4, 16, 64),)
+
+
+def _value(rng: random.Random, depth: int = 0) -> Any:
+    roll = rng.randrange(10)
+    if roll < 4 or depth > 2:
+        return rng.choice(WEIRD)
+    if roll < 6:
+        return rng.randrange(-10, 10**9)
+    if roll < 8:
+        return "".join(rng.choice("abc/12D3KooW-_") for _ in range(rng.randrange(40)))
+    if roll == 8:
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    return {rng.choice(KEYS): _value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def _plausible(kind: str, model_hash: str, rng: random.Random) -> dict[str, Any]:
+    """Metadata that passes the first checks (right model, a real stage) but lies elsewhere."""
+    return {"mb": f"12D3KooWfake/{rng.randrange(10**6)}", "stage": rng.randrange(2),
+            "step": rng.randrange(100), "path": ["12D3KooWnobody"] * rng.randrange(3),
+            "trainer": "12D3KooWnobody", "trainer_addrs": ["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWx"],
+            "model": model_hash, "model_hash": model_hash, "round": rng.randrange(10**6),
+            "samples": rng.choice([1, 10**12, -5, math.nan]), "group": ["12D3KooWnobody"],
+            "digest": "0" * 64, "index": rng.randrange(-2, 10**6), "extra_unknown_key": 1}
+
+
+def _frame(header: dict[str, Any]) -> bytes:
+    body = msgpack.packb(header)
+    return b"SW\x01\x00" + struct.pack(">I", len(body)) + body
+
+
+def _raw_frames() -> Iterator[tuple[str, bytes]]:
+    yield "empty", b""
+    yield "garbage", bytes(random.Random(7).randrange(256) for _ in range(1024))
+    yield "truncated_prefix", b"SW\x01"
+    yield "huge_header_claim", b"SW\x01\x00" + struct.pack(">I", 2**31 - 1)
+    yield "junk_header", b"SW\x01\x00" + struct.pack(">I", 16) + b"\xff" * 16
+    yield "http", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def cases(swarm: str, model_hash: str, *, per_kind: int = 6, seed: int = 1) -> Iterator[Case]:
+    """Every case for every protocol of ``swarm``: named cases first, then ``per_kind`` random
+    ones per kind (seeded), then malformed raw frames."""
+    rng = random.Random(seed)
+    ids = Protocols(swarm)
+    for name, kinds in KINDS.items():
+        protocol = getattr(ids, name)
+        yield Case(protocol, "unknown_kind", kind="nonsense", meta={})
+        for kind in kinds:
+            yield Case(protocol, "empty_meta", kind=kind, meta={})
+            yield Case(protocol, "non_dict_meta", raw=_frame({"k": kind, "m": [1, 2, 3],
+                                                              "t": [], "n": 0}))
+            yield Case(protocol, "lying_payload_size", raw=_frame({"k": kind, "m": {},
+                                                                  "t": [], "n": 2**40}))
+            for key in KEYS:
+                value = WEIRD[(hash(key) + len(kind)) % len(WEIRD)]
+                meta = _plausible(kind, model_hash, rng)
+                meta[key] = value
+                yield Case(protocol, f"weird_{key}", kind=kind, meta=meta,
+                           tensors=_tensors(rng))
+            for i in range(per_kind):
+                meta = (_plausible(kind, model_hash, rng) if i % 2 else
+                        {rng.choice(KEYS): _value(rng) for _ in range(rng.randrange(6))})
+                yield Case(protocol, f"random_{i}", kind=kind, meta=meta, tensors=_tensors(rng))
+        for raw_name, data in _raw_frames():
+            yield Case(protocol, f"raw_{raw_name}", raw=data)
