@@ -46,6 +46,8 @@ log = logging.getLogger("transport.host")
 
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 Handler = Callable[[Stream], Awaitable[None]]
+#: most addresses of one peer tried by ``ensure_connected`` (an announcement may list more)
+MAX_DIAL_ADDRS = 8
 
 
 class Host:
@@ -123,7 +125,7 @@ class Host:
         """Connect to a ``.../p2p/<id>`` multiaddr; returns the peer id."""
         timeout = timeout or self.options.dial_timeout_s
         try:
-            return await self.bridge.call(self._t_dial, addr, timeout)
+            return await self._call(f"dial {addr}", self._t_dial, addr, timeout)
         except PeerUnavailable:
             self.counters.add("dial_failures")
             raise
@@ -131,22 +133,49 @@ class Host:
     async def ensure_connected(self, peer_id: str, addrs: Sequence[str] = (), *,
                                timeout: float = 5.0) -> bool:
         """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that works
-        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did."""
+        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did. At most
+        ``MAX_DIAL_ADDRS`` addresses are tried, and only those naming ``peer_id``; nothing
+        but a ``TransportError`` (never a raw libp2p exception) comes out of here."""
+        try:
+            await self.connect(peer_id, addrs, timeout=timeout)
+        except PeerUnavailable:
+            return False
+        return True
+
+    async def connect(self, peer_id: str, addrs: Sequence[str] = (), *,
+                      timeout: float = 5.0) -> None:
+        """Like ``ensure_connected``, but a failure raises ``PeerUnavailable`` saying why."""
         if peer_id in await self.connected_peers():
-            return True
-        for addr in addrs:
+            return
+        suffix = f"/p2p/{peer_id}"
+        usable = [a for a in addrs if isinstance(a, str) and a.endswith(suffix)]
+        errors = []
+        for addr in usable[:MAX_DIAL_ADDRS]:
             try:
                 await self.dial(addr, timeout=timeout)
-                return True
-            except TransportError:
-                continue
-        return False
+                return
+            except TransportError as exc:  # LocalUsageError too: a malformed address
+                errors.append(str(exc))
+        self.counters.add("connect_failures")
+        why = "; ".join(errors[-2:]) if errors else "no usable address for it"
+        raise PeerUnavailable(f"cannot reach {peer_id}: {why}")
 
     async def open_stream(self, peer_id: str, protocol: str, *,
                           timeout: float | None = None) -> Stream:
         timeout = timeout or self.options.dial_timeout_s
-        ns = await self.bridge.call(self._t_new_stream, peer_id, protocol, timeout)
+        ns = await self._call(f"open {protocol} to {peer_id}", self._t_new_stream, peer_id,
+                              protocol, timeout)
         return Stream(self, ns, peer_id, protocol)
+
+    async def _call(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Cross to trio; whatever libp2p raises comes back as a ``TransportError``."""
+        try:
+            return await self.bridge.call(fn, *args)
+        except TransportError:
+            raise
+        except Exception as exc:  # a libp2p exception the trio side did not convert
+            self.counters.add("unconverted_libp2p_errors")
+            raise PeerUnavailable(f"{what} failed: {_cause(exc)}") from None
 
     async def request(self, peer_id: str, protocol: str, message: Message, *,
                       timeout: float | None = None, codec: CodecSpec | None = None
@@ -159,6 +188,8 @@ class Host:
         """
         timeout = timeout or self.options.request_timeout_s
         key = (peer_id, protocol)
+        if not timeout > 0:
+            raise DeadlineExceeded(f"{protocol} with {peer_id}: no time left to send")
         try:
             async with asyncio.timeout(timeout):
                 pooled = self._idle.get(key)
@@ -225,13 +256,13 @@ class Host:
 
     async def ping(self, peer_id: str, *, timeout: float = 5.0) -> float:
         """Round trip of a standard libp2p ping, in seconds (full precision)."""
-        return await self.bridge.call(self._t_ping, peer_id, timeout)
+        return await self._call(f"ping {peer_id}", self._t_ping, peer_id, timeout)
 
     async def connected_peers(self) -> list[str]:
-        return await self.bridge.call(self._t_connected_peers)
+        return await self._call("list connected peers", self._t_connected_peers)
 
     async def disconnect(self, peer_id: str) -> None:
-        await self.bridge.call(self._t_disconnect, peer_id)
+        await self._call(f"disconnect {peer_id}", self._t_disconnect, peer_id)
 
     # ---- publish/subscribe ---------------------------------------------------------------
     async def publish(self, topic: str, data: bytes) -> None:
