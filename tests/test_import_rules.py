@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORES = frozenset({
     "swarmd.protocols",
     "swarmd.pipeline.wiring",
+    "swarmd.pipeline.messages",
     "swarmd.balancing.policy",
     "swarmd.balancing.placement",
     "swarmd.membership.announcement",
