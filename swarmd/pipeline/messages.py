@@ -228,6 +228,8 @@ def activation(x: Any, width: int, max_tokens: int, what: str) -> None:
                                          f"most {max_tokens} here")
     if not x.is_floating_point():
         raise BadActivation("dtype", f"{what} must be floating point, got {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise BadActivation("not_finite", f"{what} contain NaN or Inf")
 
 
 # ---- fields ----------------------------------------------------------------------------------
