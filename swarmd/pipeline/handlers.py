@@ -87,7 +87,7 @@ class PipelineHandlers:
         expected = fwd.trainer if fwd.stage == 0 else fwd.path[-1]
         if peer != expected:
             self._refuse("forward_sender")
-            raise NotOnPath(f"a forward for stage {fwd.stage} comes from {expected}, not "
+            raise NotOnPath("sender", f"a forward for stage {fwd.stage} comes from {expected}, not "
                             f"{peer}")
         if not fwd.eval:
             await self.gate.wait_open()  # not while a step waits to change the weights
@@ -143,7 +143,7 @@ class PipelineHandlers:
         if peer != expected or peer not in route.next or (
                 stage > 0 and bwd.path[stage - 1] != route.previous):
             self._refuse("backward_sender")
-            raise NotOnPath(f"the backward of {bwd.mb!r} comes from the peer its forward went "
+            raise NotOnPath("sender", f"the backward of {bwd.mb!r} comes from the peer its forward went "
                             f"to, not {peer}")
         gx = await self.batcher.backward(bwd.mb, bwd.grad)
         self._routes.pop(bwd.mb, None)

@@ -140,13 +140,13 @@ class Trainer:
                 result = parse_result(message, num_stages=self.num_stages,
                                       shape=expected.shape)
                 if peer != result.path[-1] or result.path[0] not in expected.first:
-                    raise NotOnPath(f"a result of {mb!r} comes from the last peer of the path "
+                    raise NotOnPath("sender", f"a result of {mb!r} comes from the last peer of the path "
                                     f"its forward took, not {peer}")
                 expected.path, tensor = result.path, result.y
             else:
                 grad = parse_grad(message, shape=expected.shape)
                 if peer not in expected.first:
-                    raise NotOnPath(f"the grad of {mb!r} comes from the stage-0 peer of its "
+                    raise NotOnPath("sender", f"the grad of {mb!r} comes from the stage-0 peer of its "
                                     f"path, not {peer}")
                 tensor = grad.grad
         except SwarmdError as exc:
