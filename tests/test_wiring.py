@@ -407,3 +407,11 @@ def test_busy_never_bans_and_availability_is_never_in_the_past(events: list) -> 
             assert (chosen is None) == (at > now)
         assert w.banned <= errors
     assert all(math.isfinite(s.load) for s in w.snapshot(now))
+
+
+def test_excluded_peers_are_not_chosen_and_nobody_left_means_none() -> None:
+    rng = random.Random(RNG_SEED)
+    w = Wiring()
+    w.update_peers({"a": (100.0, 0), "b": (1.0, 0)}, 0.0)
+    assert {w.choose("forward", 1, 0.0, rng, exclude={"a"}) for _ in range(5)} == {"b"}
+    assert w.choose("forward", 1, 0.0, rng, exclude={"a", "b"}) is None

@@ -124,8 +124,9 @@ class Router:
         deadline = self._clock() + timeout
         rows = int(message.tensors[0].shape[0])
         tried: list[str] = []
+        slow: set[str] = set()  # timed out on this message: not tried again for it
         for _ in range(MAX_ATTEMPTS):
-            target = await self._choose(kind, rows, deadline, wait)
+            target = await self._choose(kind, rows, deadline, wait, slow)
             if target is None:
                 break
             if tried:
@@ -133,13 +134,16 @@ class Router:
             tried.append(target)
             if on_attempt is not None:
                 on_attempt(target)
-            reply = await self._attempt(target, kind, message, rows, deadline)
+            reply, verdict = await self._attempt(target, kind, message, rows, deadline)
             if reply is not None:
                 return target, reply
+            if verdict is Verdict.SLOW:
+                slow.add(target)
         raise StageUnavailable(f"no peer of stage {self.stage} took the {kind} (tried "
                                f"{len(set(tried))} peer(s) {len(tried)} time(s))")
 
-    async def _choose(self, kind: Kind, rows: int, deadline: float, wait: bool) -> str | None:
+    async def _choose(self, kind: Kind, rows: int, deadline: float, wait: bool,
+                      slow: set[str]) -> str | None:
         """A peer in service, waiting for one within the deadline when allowed; None: give up."""
         while True:
             now = self._clock()
@@ -148,7 +152,14 @@ class Router:
             peers = self.peers_of(self.stage)
             # every peer, every time: a peer left out of update_peers would lose its ban
             self.wiring.update_peers({p: (v[0], v[1]) for p, v in peers.items()}, now)
-            target = self.wiring.choose(kind, rows, now, self._rng) if peers else None
+            if not peers:
+                target = None
+            elif slow:
+                target = self.wiring.choose(kind, rows, now, self._rng, exclude=slow)
+            else:  # (the plain call: tests may stand in for choose)
+                target = self.wiring.choose(kind, rows, now, self._rng)
+            if target is None and slow and not (peers.keys() - slow):
+                return None  # every peer listed timed out on this message
             if target is not None:
                 if target in peers:
                     return target
@@ -165,8 +176,8 @@ class Router:
             await self._sleep(max(0.001, min(at, limit, now + POLL_S) - now))
 
     async def _attempt(self, target: str, kind: Kind, message: Message, rows: int,
-                       deadline: float) -> HopReply | None:
-        """One try: the reply, or None after the outcome was recorded (try another)."""
+                       deadline: float) -> tuple[HopReply | None, Verdict | None]:
+        """One try: the reply, or None and the verdict once it was recorded (try another)."""
         t0 = self._clock()
         try:
             addrs = self.peers_of(self.stage).get(target, (0.0, 0, ()))[2]
@@ -176,13 +187,12 @@ class Router:
                                           timeout=min(HOP_TIMEOUT_S, deadline - self._clock()))
             reply = parse_hop_reply(raw)
         except Exception as exc:
-            self._judged(target, kind, exc)
-            return None
+            return None, self._judged(target, kind, exc)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
                             self._clock())
-        return reply
+        return reply, None
 
-    def _judged(self, target: str, kind: Kind, exc: Exception) -> None:
+    def _judged(self, target: str, kind: Kind, exc: Exception) -> Verdict:
         verdict = judge(exc) if not _is_bad_reply(exc) else Verdict.BROKEN
         now = self._clock()
         self.counters[f"hop_{verdict.value}"] += 1
@@ -202,6 +212,7 @@ class Router:
             self.wiring.error(target, now)
         log.info("stage %d peer %s: %s %s (%s); trying another", self.stage, target, kind,
                  verdict.value, exc)
+        return verdict
 
 
 def _is_bad_reply(exc: Exception) -> bool:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -274,8 +274,10 @@ class Wiring:
 
     # ---- the decision -------------------------------------------------------------------
 
-    def choose(self, kind: Kind, samples: int, now: float, rng: random.Random) -> str | None:
-        """The peer to run ``samples`` of ``kind`` next, or None if no peer is in service."""
+    def choose(self, kind: Kind, samples: int, now: float, rng: random.Random,
+               exclude: Collection[str] = ()) -> str | None:
+        """The peer to run ``samples`` of ``kind`` next, or None if no peer is in service
+        (``exclude``: peers the caller already tried for this task, e.g. one that timed out)."""
         if not (_finite(samples) and samples > 0):
             raise ValueError("samples must be a number > 0")
         work = samples * self.config.cost(kind)
@@ -288,7 +290,7 @@ class Wiring:
         least = math.inf
         ties: list[tuple[str, _Peer, float]] = []
         for peer_id, p in self._peers.items():
-            if p.banned_until is not None or p.busy_until > now:
+            if p.banned_until is not None or p.busy_until > now or peer_id in exclude:
                 continue
             tput = p.estimate
             if p.slow_excess:
