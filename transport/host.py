@@ -29,6 +29,7 @@ from transport.codecs import CodecSpec
 from transport.counters import Counters
 from transport.errors import (
     DeadlineExceeded,
+    HandlerFailure,
     LocalUsageError,
     PeerProtocolError,
     PeerUnavailable,
@@ -36,6 +37,7 @@ from transport.errors import (
     TransportClosed,
     TransportError,
 )
+from transport.errors import cause_of as _cause
 from transport.frames import Message
 from transport.identity import Identity
 from transport.options import HostOptions
@@ -132,10 +134,7 @@ class Host:
 
     async def ensure_connected(self, peer_id: str, addrs: Sequence[str] = (), *,
                                timeout: float = 5.0) -> bool:
-        """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that works
-        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did. At most
-        ``MAX_DIAL_ADDRS`` addresses are tried, and only those naming ``peer_id``; nothing
-        but a ``TransportError`` (never a raw libp2p exception) comes out of here."""
+        """``connect``; False when it failed."""
         try:
             await self.connect(peer_id, addrs, timeout=timeout)
         except PeerUnavailable:
@@ -144,7 +143,9 @@ class Host:
 
     async def connect(self, peer_id: str, addrs: Sequence[str] = (), *,
                       timeout: float = 5.0) -> None:
-        """Like ``ensure_connected``, but a failure raises ``PeerUnavailable`` saying why."""
+        """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that
+        works: at most ``MAX_DIAL_ADDRS`` of them, only those ending in ``/p2p/<peer_id>``.
+        A failure raises ``PeerUnavailable`` saying why (never a raw libp2p exception)."""
         if peer_id in await self.connected_peers():
             return
         suffix = f"/p2p/{peer_id}"
@@ -319,7 +320,7 @@ class Host:
             log.exception("handler for %s failed on a stream from %s", stream.protocol,
                           stream.peer_id)
             code = exc.code if isinstance(exc, TransportError) else "internal_error"
-            await stream.fail(_WrappedError(code, f"{type(exc).__name__}: {exc}"))
+            await stream.fail(HandlerFailure(code, f"{type(exc).__name__}: {exc}"))
         else:
             try:
                 await stream.close()
@@ -494,14 +495,6 @@ class Host:
         await self._t_host.disconnect(_t_peer_id(peer_id))
 
 
-class _WrappedError(TransportError):
-    """Our own failure, as reported to the peer."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _t_peer_id(peer_id: str) -> Any:
     from libp2p.peer.id import ID
 
@@ -516,14 +509,3 @@ async def _close_quietly(stream: Any) -> None:
         await stream.close()
     except Exception:
         pass
-
-
-def _cause(exc: BaseException) -> str:
-    """The innermost message of a libp2p exception chain, for error messages."""
-    parts = []
-    while exc is not None and len(parts) < 4:
-        text = str(exc) or type(exc).__name__
-        if text not in parts:
-            parts.append(text)
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return ": ".join(parts)

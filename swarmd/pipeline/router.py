@@ -161,9 +161,7 @@ class Router:
             if target is None and slow and not (peers.keys() - slow):
                 return None  # every peer listed timed out on this message
             if target is not None:
-                if target in peers:
-                    return target
-                continue  # not listed (a stale choice): look again
+                return target if target in peers else None  # (a stand-in choose may err)
             at = self.wiring.available_at(now)
             limit = deadline if wait else min(deadline, now + BUSY_WAIT_S)
             if at is None:  # nobody listed
