@@ -127,3 +127,25 @@ class ModelMismatch(SwarmdError):
     """A request for another model (name or architecture hash) than this peer trains."""
 
     code = "model_hash_mismatch"
+
+
+class NotOnPath(BadPeerMessage):
+    """A result, gradient or backward from a peer that is not the one the microbatch went to
+    along its path (or for a microbatch that did not go that way): refused, nothing changes."""
+
+    code = "not_on_path"
+
+
+class OutputRefused(SwarmdError):
+    """The next peer refused what this side produced (bad activation, too large, codec): our
+    bug or our weights went bad, never that peer's fault. Nobody is banned for it; a sender
+    before us in the chain judges the peer that says this as failed."""
+
+    code = "output_refused"
+
+
+class TrainerUnreachable(SwarmdError):
+    """The last stage could not reach the microbatch's trainer at the addresses the trainer
+    announced (or it announced none yet): not this stage's fault; the trainer restarts it."""
+
+    code = "trainer_unreachable"

@@ -25,6 +25,7 @@ CORES = frozenset({
     "swarmd.node.addresses",
     "swarmd.node.reachability",
     "swarmd.pipeline.wiring",
+    "swarmd.pipeline.messages",
     "swarmd.balancing.policy",
     "swarmd.balancing.placement",
     "swarmd.membership.announcement",

@@ -81,8 +81,10 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
     forward = "/swarmd/pipeline-test/1/forward"
     backward = "/swarmd/pipeline-test/1/backward"
 
+    me = identity.generate()
+
     def meta(**over: Any) -> dict[str, Any]:
-        m = {"mb": "t/1", "stage": 0, "step": 0, "path": [], "trainer": "x", "model":
+        m = {"mb": "t/1", "stage": 0, "step": 0, "path": [], "trainer": me.peer_id, "model":
              config.model_hash()}
         m.update(over)
         return m
@@ -102,7 +104,7 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
 
     async def scenario() -> list[str]:
         codes = []
-        async with Host(identity.generate(), HostOptions(pubsub=None)) as host:
+        async with Host(me, HostOptions(pubsub=None)) as host:
             await host.dial(d0.addr)
             for proto, m, tensors, _ in cases:
                 kind = "forward" if proto == forward else "backward"

@@ -35,8 +35,11 @@ async def _swarm_grads(batches, codec: CodecSpec):
         common = dict(swarm=SWARM, num_stages=2, model_config=CONFIG,
                       model_hash=CONFIG.model_hash(), codec=codec, lr=1e-3, seed=0,
                       peers_of=lambda s: table.get(s, {}))
+        # the trainer's signed announcement, as membership would give it to the last stage
+        announced = {t_host.peer_id: tuple(t_host.addrs)}
         # a target above the samples sent: nobody steps, the accumulated gradients stay
-        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=1000, **common)
+        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=1000,
+                               addrs_of=lambda p: announced.get(p, ()), **common)
                    for i, h in enumerate((s0_host, s1_host))]
         for s in servers:
             s.start()
@@ -69,7 +72,7 @@ def _reference(batches):
     for x, y in batches:
         _, loss = model(x, y)
         (loss / len(batches)).backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total / len(batches), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -98,13 +101,13 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
                 host, swarm=SWARM, stage=0, num_stages=2, model_config=CONFIG,
                 model_hash=CONFIG.model_hash(), codec=CodecSpec(name="none"), lr=1e-3, seed=0,
                 peers_of=lambda s: {}, max_tokens=4096)
-            server._queued = stage_server.MAX_QUEUE  # as if MAX_QUEUE requests were waiting
+            server.compute.queued = stage_server.MAX_QUEUE  # as if MAX_QUEUE requests waited
             with pytest.raises(StageBusy):
-                await server._run(server.worker.infer, torch.randn(1, 4, CONFIG.width),
-                                  admit=True)
+                await server.compute.run(server.worker.infer, torch.randn(1, 4, CONFIG.width),
+                                         admit=True)
             assert server.counters["busy"] == 1
             # backward-side work still runs
-            out = await server._run(server.worker.infer, torch.randn(1, 4, CONFIG.width))
+            out = await server.compute.run(server.worker.infer, torch.randn(1, 4, CONFIG.width))
             assert out.shape == (1, 4, CONFIG.width)
             await server.close()
 
@@ -112,7 +115,7 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
 
 
 def test_a_hop_is_judged_by_the_peer_s_own_time_not_the_rest_of_the_chain() -> None:
-    from swarmd.pipeline.server import hop_seconds
+    from swarmd.pipeline.messages import hop_seconds
     from transport.frames import Message
 
     ok = Message(kind="ok", meta={"service_s": 0.02, "held_s": 0.5})

@@ -343,3 +343,75 @@ def test_a_peer_never_measured_follows_the_others_and_is_not_starved() -> None:
     w.update_peers(peers, 1.0)
     picks = Counter(w.choose("forward", 8, 1.0, rng) for _ in range(30))
     assert picks["c"] >= 5, picks
+
+
+# ---- busy: backpressure, not a fault ---------------------------------------------------------
+def test_busy_pauses_a_peer_briefly_without_a_ban_and_others_take_the_work() -> None:
+    rng = random.Random(RNG_SEED)
+    w = Wiring()
+    w.update_peers({"a": (1.0, 0), "b": (1.0, 0)}, 0.0)
+    w.busy("a", 0.0)
+    assert [w.choose("forward", 1, 0.1, rng) for _ in range(5)] == ["b"] * 5
+    (a, b) = w.snapshot(0.1)
+    assert a.busy == 1 and a.busy_until == 0.25 and a.banned_until is None
+    assert a.error_streak == 0 and w.banned == 0
+    # back after the pause, at the others' load: no burst of the work it missed
+    picks = [w.choose("forward", 1, 0.3, rng) for _ in range(10)]
+    assert picks.count("a") == 5 and picks.count("b") == 5
+
+
+def test_busy_pauses_double_while_a_peer_stays_busy_and_a_success_resets_them() -> None:
+    w = Wiring()
+    w.update_peers({"a": (1.0, 0)}, 0.0)
+    w.busy("a", 0.0)
+    w.busy("a", 0.1)  # sent before the pause: same episode
+    assert w.available_at(0.1) == 0.25
+    w.busy("a", 0.25)
+    assert w.available_at(0.25) == 0.75
+    w.busy("a", 0.75)
+    w.busy("a", 1.75)
+    w.busy("a", 3.75)
+    assert w.available_at(3.75) == 5.75  # capped at busy_max_s
+    assert w.choose("forward", 1, 4.0, random.Random(0)) is None
+    w.success("a", 1, 0.1, "forward", 6.0)
+    w.busy("a", 6.0)
+    assert w.available_at(6.0) == 6.25
+    assert w.banned == 0 and w.snapshot(6.0)[0].error_streak == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(events=st.lists(st.tuples(st.sampled_from(["busy", "error", "timeout", "success",
+                                                   "choose"]),
+                                 st.sampled_from(["a", "b", "c"]),
+                                 st.floats(0.0, 5.0)), max_size=60))
+def test_busy_never_bans_and_availability_is_never_in_the_past(events: list) -> None:
+    w = Wiring()
+    w.update_peers({"a": (1.0, 0), "b": (2.0, 0), "c": (3.0, 0)}, 0.0)
+    rng, now = random.Random(0), 0.0
+    errors = 0
+    for what, peer, dt in events:
+        now += dt
+        if what == "busy":
+            w.busy(peer, now)
+        elif what == "error":
+            errors += 1
+            w.error(peer, now)
+        elif what == "timeout":
+            w.timeout(peer, now)
+        elif what == "success":
+            w.success(peer, 1, 0.5, "forward", now)
+        else:
+            chosen = w.choose("forward", 1, now, rng)
+            at = w.available_at(now)
+            assert at is not None and at >= now
+            assert (chosen is None) == (at > now)
+        assert w.banned <= errors
+    assert all(math.isfinite(s.load) for s in w.snapshot(now))
+
+
+def test_excluded_peers_are_not_chosen_and_nobody_left_means_none() -> None:
+    rng = random.Random(RNG_SEED)
+    w = Wiring()
+    w.update_peers({"a": (100.0, 0), "b": (1.0, 0)}, 0.0)
+    assert {w.choose("forward", 1, 0.0, rng, exclude={"a"}) for _ in range(5)} == {"b"}
+    assert w.choose("forward", 1, 0.0, rng, exclude={"a", "b"}) is None

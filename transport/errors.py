@@ -89,3 +89,22 @@ class IdentityError(TransportError):
     """The local identity key file cannot be used; the message names the file and the fix."""
 
     code = "identity"
+
+
+class HandlerFailure(TransportError):
+    """Our own handler failed; what the peer is told (``code``: ours, e.g. internal_error)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def cause_of(exc: BaseException) -> str:
+    """The messages of a (libp2p) exception chain, innermost last, for error messages."""
+    parts: list[str] = []
+    while exc is not None and len(parts) < 4:
+        text = str(exc) or type(exc).__name__
+        if text not in parts:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return ": ".join(parts)

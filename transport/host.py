@@ -29,6 +29,7 @@ from transport.codecs import CodecSpec
 from transport.counters import Counters
 from transport.errors import (
     DeadlineExceeded,
+    HandlerFailure,
     LocalUsageError,
     PeerProtocolError,
     PeerUnavailable,
@@ -36,6 +37,7 @@ from transport.errors import (
     TransportClosed,
     TransportError,
 )
+from transport.errors import cause_of as _cause
 from transport.frames import Message
 from transport.identity import Identity
 from transport.options import HostOptions
@@ -46,6 +48,8 @@ log = logging.getLogger("transport.host")
 
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 Handler = Callable[[Stream], Awaitable[None]]
+#: most addresses of one peer tried by ``ensure_connected`` (an announcement may list more)
+MAX_DIAL_ADDRS = 8
 
 
 class Host:
@@ -123,30 +127,56 @@ class Host:
         """Connect to a ``.../p2p/<id>`` multiaddr; returns the peer id."""
         timeout = timeout or self.options.dial_timeout_s
         try:
-            return await self.bridge.call(self._t_dial, addr, timeout)
+            return await self._call(f"dial {addr}", self._t_dial, addr, timeout)
         except PeerUnavailable:
             self.counters.add("dial_failures")
             raise
 
     async def ensure_connected(self, peer_id: str, addrs: Sequence[str] = (), *,
                                timeout: float = 5.0) -> bool:
-        """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that works
-        (each a multiaddr ending in ``/p2p/<peer id>``). False when none did."""
+        """``connect``; False when it failed."""
+        try:
+            await self.connect(peer_id, addrs, timeout=timeout)
+        except PeerUnavailable:
+            return False
+        return True
+
+    async def connect(self, peer_id: str, addrs: Sequence[str] = (), *,
+                      timeout: float = 5.0) -> None:
+        """Connected to ``peer_id`` already, or after dialing the first of ``addrs`` that
+        works: at most ``MAX_DIAL_ADDRS`` of them, only those ending in ``/p2p/<peer_id>``.
+        A failure raises ``PeerUnavailable`` saying why (never a raw libp2p exception)."""
         if peer_id in await self.connected_peers():
-            return True
-        for addr in addrs:
+            return
+        suffix = f"/p2p/{peer_id}"
+        usable = [a for a in addrs if isinstance(a, str) and a.endswith(suffix)]
+        errors = []
+        for addr in usable[:MAX_DIAL_ADDRS]:
             try:
                 await self.dial(addr, timeout=timeout)
-                return True
-            except TransportError:
-                continue
-        return False
+                return
+            except TransportError as exc:  # LocalUsageError too: a malformed address
+                errors.append(str(exc))
+        self.counters.add("connect_failures")
+        why = "; ".join(errors[-2:]) if errors else "no usable address for it"
+        raise PeerUnavailable(f"cannot reach {peer_id}: {why}")
 
     async def open_stream(self, peer_id: str, protocol: str, *,
                           timeout: float | None = None) -> Stream:
         timeout = timeout or self.options.dial_timeout_s
-        ns = await self.bridge.call(self._t_new_stream, peer_id, protocol, timeout)
+        ns = await self._call(f"open {protocol} to {peer_id}", self._t_new_stream, peer_id,
+                              protocol, timeout)
         return Stream(self, ns, peer_id, protocol)
+
+    async def _call(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Cross to trio; whatever libp2p raises comes back as a ``TransportError``."""
+        try:
+            return await self.bridge.call(fn, *args)
+        except TransportError:
+            raise
+        except Exception as exc:  # a libp2p exception the trio side did not convert
+            self.counters.add("unconverted_libp2p_errors")
+            raise PeerUnavailable(f"{what} failed: {_cause(exc)}") from None
 
     async def request(self, peer_id: str, protocol: str, message: Message, *,
                       timeout: float | None = None, codec: CodecSpec | None = None
@@ -159,6 +189,8 @@ class Host:
         """
         timeout = timeout or self.options.request_timeout_s
         key = (peer_id, protocol)
+        if not timeout > 0:
+            raise DeadlineExceeded(f"{protocol} with {peer_id}: no time left to send")
         try:
             async with asyncio.timeout(timeout):
                 pooled = self._idle.get(key)
@@ -225,13 +257,13 @@ class Host:
 
     async def ping(self, peer_id: str, *, timeout: float = 5.0) -> float:
         """Round trip of a standard libp2p ping, in seconds (full precision)."""
-        return await self.bridge.call(self._t_ping, peer_id, timeout)
+        return await self._call(f"ping {peer_id}", self._t_ping, peer_id, timeout)
 
     async def connected_peers(self) -> list[str]:
-        return await self.bridge.call(self._t_connected_peers)
+        return await self._call("list connected peers", self._t_connected_peers)
 
     async def disconnect(self, peer_id: str) -> None:
-        await self.bridge.call(self._t_disconnect, peer_id)
+        await self._call(f"disconnect {peer_id}", self._t_disconnect, peer_id)
 
     # ---- publish/subscribe ---------------------------------------------------------------
     async def publish(self, topic: str, data: bytes) -> None:
@@ -288,7 +320,7 @@ class Host:
             log.exception("handler for %s failed on a stream from %s", stream.protocol,
                           stream.peer_id)
             code = exc.code if isinstance(exc, TransportError) else "internal_error"
-            await stream.fail(_WrappedError(code, f"{type(exc).__name__}: {exc}"))
+            await stream.fail(HandlerFailure(code, f"{type(exc).__name__}: {exc}"))
         else:
             try:
                 await stream.close()
@@ -463,14 +495,6 @@ class Host:
         await self._t_host.disconnect(_t_peer_id(peer_id))
 
 
-class _WrappedError(TransportError):
-    """Our own failure, as reported to the peer."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _t_peer_id(peer_id: str) -> Any:
     from libp2p.peer.id import ID
 
@@ -485,14 +509,3 @@ async def _close_quietly(stream: Any) -> None:
         await stream.close()
     except Exception:
         pass
-
-
-def _cause(exc: BaseException) -> str:
-    """The innermost message of a libp2p exception chain, for error messages."""
-    parts = []
-    while exc is not None and len(parts) < 4:
-        text = str(exc) or type(exc).__name__
-        if text not in parts:
-            parts.append(text)
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return ": ".join(parts)

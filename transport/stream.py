@@ -19,6 +19,7 @@ import trio
 from transport import frames
 from transport.codecs import CodecSpec
 from transport.errors import (
+    CodecError,
     DeadlineExceeded,
     MalformedFrame,
     PeerProtocolError,
@@ -146,7 +147,13 @@ class Stream:
             if kinds is not None and header.kind not in kinds:
                 raise UnknownKind(f"message kind {header.kind!r} is not spoken on "
                                   f"{self.protocol} (expected one of {sorted(kinds)})")
-            return await decode_off_loop(header, payload, self._host.options.limits)
+            try:
+                return await decode_off_loop(header, payload, self._host.options.limits)
+            except TransportError:
+                raise
+            except Exception as exc:  # a codec must raise typed errors; the bytes are theirs
+                raise CodecError(f"{self.protocol} from {self.peer_id}: undecodable "
+                                 f"payload: {exc!r}") from None
         except PeerProtocolError as exc:
             await self.fail(exc)
             raise
@@ -232,6 +239,9 @@ class Stream:
         except TransportError:
             self.reset_soon()
             raise
+        except Exception as exc:  # a libp2p exception the trio side did not convert
+            self.reset_soon()
+            raise PeerUnavailable(f"{self.protocol} with {self.peer_id}: {exc!r}") from None
 
     # ---- trio side ---------------------------------------------------------------------
     async def _t_write(self, frame: OutgoingFrame) -> None:

@@ -137,12 +137,11 @@ class Daemon:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def run(self, on_started: Callable[[Started], None] | None = None) -> None:
+        """Own the home lock, the host, membership, the averager and the HTTP API (torn down
+        in reverse) and serve until a stop is requested."""
         from swarmd.api.token import create_token
         from swarmd.node.home import load_identity
-        from swarmd.membership.service import MembershipService
         from swarmd.node.host_options import host_options
-        from swarmd.averaging.allreduce import Averager, protocol_id
-        from swarmd.api.server import HttpApi
         from transport.host import Host
         from transport.memory import keep_freed_memory
 
@@ -152,50 +151,62 @@ class Daemon:
             identity = load_identity(home)
             keep_freed_memory()
             token = create_token(home)
-            http = self.config.http
             async with Host(identity, host_options(self.config, self.options.listen)) as host:
                 self.host = host
-                membership = MembershipService(host, identity, self.config, self._local)
-                averager = Averager(host, protocol_id(self.config.swarm.name),
-                                    addrs_of=self._addrs_of)
-                async with membership, averager, HttpApi(
-                        self, listen=self.options.http_listen or http.listen, token=token,
-                        allow_non_loopback=http.allow_non_loopback) as api:
-                    self.membership = membership
-                    self.averager = averager
-                    write_api_file(home, api.url)
-                    try:
-                        async with asyncio.TaskGroup() as tasks:
-                            tasks.create_task(self._connectivity())
-                            stopping = tasks.create_task(self._stop.wait())
-                            # placed and synced before we say we are up
-                            serving = tasks.create_task(
-                                self._serve_stage() if self.stage is not None
-                                else self._place())
-                            await asyncio.wait((serving, stopping),
-                                               return_when=asyncio.FIRST_COMPLETED)
-                            if not serving.done():  # stopped while still syncing
-                                serving.cancel()
-                            else:
-                                serving.result()  # a failure to load ends the daemon
-                            if not self._stop.is_set():
-                                self.state = "online"
-                                membership.changed()  # announce "online" now
-                                if self.config.balancing.enabled:
-                                    tasks.create_task(self._balance())
-                                if on_started is not None:
-                                    on_started(Started(peer_id=host.peer_id,
-                                                       addrs=tuple(host.addrs),
-                                                       http_url=api.url))
-                            await stopping
-                            self.state = "leaving"
-                            await membership.leave()
-                            raise _Stopping()
-                    except* _Stopping:
-                        pass
-                    finally:
-                        remove_api_file(home, api.url)
-                        await self._stop_serving()
+                await self._run_services(identity, token, on_started)
+
+    async def _run_services(self, identity: Any, token: str,
+                            on_started: Callable[[Started], None] | None) -> None:
+        from swarmd.api.server import HttpApi
+        from swarmd.averaging.allreduce import Averager, protocol_id
+        from swarmd.membership.service import MembershipService
+
+        http, home = self.config.http, self.options.home
+        membership = MembershipService(self.host, identity, self.config, self._local)
+        averager = Averager(self.host, protocol_id(self.config.swarm.name),
+                            addrs_of=self._addrs_of)
+        async with membership, averager, HttpApi(
+                self, listen=self.options.http_listen or http.listen, token=token,
+                allow_non_loopback=http.allow_non_loopback) as api:
+            self.membership, self.averager = membership, averager
+            write_api_file(home, api.url)
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    await self._serve_until_stopped(tasks, api.url, on_started)
+            except* _Stopping:
+                pass
+            finally:
+                remove_api_file(home, api.url)
+                await self._stop_serving()
+
+    async def _serve_until_stopped(self, tasks: asyncio.TaskGroup, http_url: str,
+                                   on_started: Callable[[Started], None] | None) -> None:
+        """Place and sync (before saying we are up), go online, wait for the stop, leave."""
+        tasks.create_task(self._connectivity())
+        stopping = tasks.create_task(self._stop.wait())
+        serving = tasks.create_task(
+            self._serve_stage() if self.stage is not None else self._place())
+        await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():  # stopped while still syncing
+            serving.cancel()
+        else:
+            serving.result()  # a failure to load ends the daemon
+        if not self._stop.is_set():
+            self._go_online(tasks, http_url, on_started)
+        await stopping
+        self.state = "leaving"
+        await self.membership.leave()
+        raise _Stopping()
+
+    def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
+                   on_started: Callable[[Started], None] | None) -> None:
+        self.state = "online"
+        self.membership.changed()  # announce "online" now
+        if self.config.balancing.enabled:
+            tasks.create_task(self._balance())
+        if on_started is not None:
+            on_started(Started(peer_id=self.host.peer_id, addrs=tuple(self.host.addrs),
+                               http_url=http_url))
 
     def _addrs_of(self, peer: str) -> tuple[str, ...]:
         ann = self.membership.view.get(peer) if self.membership is not None else None
@@ -241,12 +252,13 @@ class Daemon:
                               timeout_s=c.averaging.timeout_s),
             on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
             max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
-                c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1)
+                c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1,
+            addrs_of=self._addrs_of)
         keeper = StageKeeper(
             self.host, server, swarm=c.swarm.name, home=self.options.home,
             model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,
             sources=lambda: self.membership.state_sources(stage))
-        server.on_stepped = lambda: self._spawn(keeper.stepped())
+        server.on_step(lambda: self._spawn(keeper.stepped()))
         # a peer that moved keeps its measured speed: announcing 0 would make the others see
         # its new stage as still short of peers and follow it
         server.throughput = self._throughput_hint
@@ -325,12 +337,12 @@ class Daemon:
             threshold=b.threshold, confirmations=b.confirmations,
             check_period_s=b.check_period_s, confirm_period_s=b.confirm_period_s))
         while True:
-            now = time.time()
+            now = time.monotonic()
             await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
             if self.state != "online" or self.stage_server is None:
                 self.balancer.reset()
                 continue
-            target = self.balancer.check(self._swarm_load(), time.time())
+            target = self.balancer.check(self._swarm_load(), time.monotonic())
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
                 await self._migrate(target)
@@ -358,7 +370,7 @@ class Daemon:
         await self._serve_stage()
         self.state = "online"
         self.membership.changed()
-        self.last_migration = {"from": old, "to": target, "at": time.time(),
+        self.last_migration = {"from": old, "to": target, "at": time.monotonic(),
                                "seconds": time.monotonic() - t0}
         log.info("moved from stage %s to stage %d in %.1f s", old, target,
                  self.last_migration["seconds"])

@@ -28,11 +28,13 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from swarmd.errors import BadActivation, StageUnavailable
+from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdError
+from swarmd.pipeline.messages import Backward, Forward, parse_grad, parse_result
+from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
+from swarmd.pipeline.server import protocols
+from swarmd.pipeline.wiring import Wiring
 from swarmd.training.model import wire_tensor
 from swarmd.training.optim import make_optimizer
-from swarmd.pipeline.server import HOP_TIMEOUT_S, hop_seconds, protocols
-from swarmd.pipeline.wiring import Wiring
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 
@@ -41,6 +43,22 @@ log = logging.getLogger("swarmd.pipeline.trainer")
 MAX_RESTARTS = 8
 #: how long to wait for a missing stage before a microbatch counts as lost
 MISSING_STAGE_PATIENCE_S = 300.0
+#: once a send's ok came back, how long its answer (already delivered) may take to show up
+ARRIVAL_GRACE_S = 5.0
+MISSING_POLL_S = 1.0
+#: what a failed microbatch may raise; anything else is a bug and ends the run
+RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
+
+
+@dataclass(slots=True, eq=False)
+class _Expected:
+    """An answer the trainer waits for: its future, its shape, and who may send it."""
+
+    future: asyncio.Future[torch.Tensor]
+    shape: tuple[int, ...]
+    #: result: the stage-0 peers the forward was sent to; grad: the path's stage-0 peer
+    first: set[str] = field(default_factory=set)
+    path: tuple[str, ...] = ()
 
 
 @dataclass
@@ -83,14 +101,20 @@ class Trainer:
         self.optimizer = make_optimizer(optimizer, self.params, lr)
         self.step = 0
         self.stats = TrainStats()
-        self.wiring = Wiring()
-        self._rng = rng or random.Random()
+        #: refused arrivals and other events, by reason
+        self.counters: Counter[str] = Counter()
+        self.router = Router(host, stage=0, protocol=self.proto["forward"], peers_of=peers_of,
+                             codec=codec, rng=rng, counters=self.counters)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
-        self._waiting: dict[tuple[str, str], asyncio.Future[torch.Tensor]] = {}
-        self._paths: dict[str, list[str]] = {}
+        self._waiting: dict[tuple[str, str], _Expected] = {}
         self._counter = 0
         #: sends whose answer already arrived, finishing in the background
         self._late: set[asyncio.Future[Any]] = set()
+
+    @property
+    def wiring(self) -> Wiring:
+        """Stage 0's wiring (the router's)."""
+        return self.router.wiring
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["result"], self._on_arrival)
@@ -103,19 +127,33 @@ class Trainer:
 
     # ---- arrivals from the swarm -----------------------------------------------------------
     async def _on_arrival(self, message: Message, peer: str) -> Message:
-        mb = message.meta.get("mb")
-        future = self._waiting.get((message.kind, mb)) if isinstance(mb, str) else None
-        if future is None or len(message.tensors) != 1:
+        """A ``result`` (from the last stage) or ``grad`` (from stage 0). Accepted only for a
+        microbatch waited for, from the peer it went to last along its path, with the shape
+        expected; anything else is refused with a typed error and changes nothing."""
+        mb = message.meta.get("mb") if isinstance(message.meta, dict) else None
+        expected = self._waiting.get((message.kind, mb)) if isinstance(mb, str) else None
+        if expected is None:
+            self.counters["late_arrivals"] += 1
             return Message(kind="ok", meta={"late": True})  # a restarted microbatch's leftover
-        if message.kind == "result":
-            path = message.meta.get("path")
-            if (not isinstance(path, list) or len(path) != self.num_stages
-                    or not all(isinstance(p, str) for p in path)):
-                raise BadActivation("path", f"a result's path must name {self.num_stages} "
-                                            f"peers, one per stage")
-            self._paths[mb] = path
-        if not future.done():
-            future.set_result(message.tensors[0])
+        try:
+            if message.kind == "result":
+                result = parse_result(message, num_stages=self.num_stages,
+                                      shape=expected.shape)
+                if peer != result.path[-1] or result.path[0] not in expected.first:
+                    raise NotOnPath("sender", f"a result of {mb!r} comes from the last peer of the path "
+                                    f"its forward took, not {peer}")
+                expected.path, tensor = result.path, result.y
+            else:
+                grad = parse_grad(message, shape=expected.shape)
+                if peer not in expected.first:
+                    raise NotOnPath("sender", f"the grad of {mb!r} comes from the stage-0 peer of its "
+                                    f"path, not {peer}")
+                tensor = grad.grad
+        except SwarmdError as exc:
+            self.counters[f"refused.{getattr(exc, 'reason', exc.code)}"] += 1
+            raise
+        if not expected.future.done():
+            expected.future.set_result(tensor)
         return Message(kind="ok")
 
     # ---- one step ---------------------------------------------------------------------------
@@ -147,55 +185,66 @@ class Trainer:
         """Mean loss on ``batches`` (forward only; stage peers keep nothing)."""
         losses = []
         for x, y in batches:
-            h = await self._run(self._embed, x, False)
-            out, _ = await self._forward(h, eval_only=True)
-            losses.append(await self._run(self._eval_loss, out, y))
+            losses.append(await self._with_restarts(lambda x=x, y=y: self._evaluate_one(x, y)))
         return sum(losses) / len(losses)
 
+    async def _evaluate_one(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        h = await self._run(self._embed, x, False)
+        out, _, _ = await self._forward(h, eval_only=True)
+        return await self._run(self._eval_loss, out, y)
+
     async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> float:
+        loss, grads, path = await self._with_restarts(lambda: self._attempt(x, y, scale))
+        for p, g in zip(self.params, grads):  # only now: a restart never counts twice
+            p.grad = g if p.grad is None else p.grad + g
+        self.stats.microbatches += 1
+        self.stats.tokens += x.numel()
+        self._route(path)
+        return loss
+
+    async def _with_restarts(self, attempt: Callable[[], Awaitable[Any]]) -> Any:
+        """``attempt()``, run again from the start when the chain broke (``restarted``); a
+        stage with no peer taking work is waited for (``MISSING_STAGE_PATIENCE_S``)."""
         failures, tries, patience = 0, 0, time.monotonic() + MISSING_STAGE_PATIENCE_S
         while failures < MAX_RESTARTS:
             if tries:
                 self.stats.restarted += 1
             tries += 1
             try:
-                loss, grads, path = await self._attempt(x, y, scale)
-            except (TransportError, StageUnavailable, TimeoutError) as exc:
+                return await attempt()
+            except InternalError:
+                raise
+            except RESTARTABLE as exc:
                 if _stage_unavailable(exc) and time.monotonic() < patience:
                     # a stage has no peer that takes work right now: wait, do not give up
                     log.warning("a stage is unavailable (%s): waiting, then restarting", exc)
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(MISSING_POLL_S)
                     continue
-                log.info("microbatch failed (%s): restarting it", exc)
+                log.info("microbatch failed (%s: %s): restarting it", type(exc).__name__, exc)
                 failures += 1
-                continue
-            for p, g in zip(self.params, grads):  # only now: a restart never counts twice
-                p.grad = g if p.grad is None else p.grad + g
-            self.stats.microbatches += 1
-            self.stats.tokens += x.numel()
-            self._route(path)
-            return loss
+            finally:
+                self.stats.rerouted = self.counters["rerouted"]
         self.stats.lost += 1
         raise StageUnavailable(f"a microbatch failed {MAX_RESTARTS} times in a row")
 
-    def _route(self, path: list[str]) -> None:
+    def _route(self, path: tuple[str, ...]) -> None:
         while len(self.stats.routes) < len(path):
             self.stats.routes.append(Counter())
         for stage, peer in enumerate(path):
             self.stats.routes[stage][peer] += 1
 
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float
-                       ) -> tuple[float, list[torch.Tensor], list[str]]:
+                       ) -> tuple[float, list[torch.Tensor], tuple[str, ...]]:
         h = await self._run(self._embed, x, True)  # (B, T, width), keeps its graph
-        out, mb = await self._forward(h, eval_only=False)
-        path = self._paths.pop(mb)
+        out, mb, path = await self._forward(h, eval_only=False)
         loss, g_out, g_head = await self._run(self._head_backward, out, y, scale)
-        grad_future = self._expect("grad", mb)
+        arrival = self._expect("grad", mb, tuple(h.shape), first={path[0]}, path=path).future
+        backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
+                            trainer=self.host.peer_id, model=self.model_hash, grad=g_out)
         try:
             g_h = await self._sent_then_arrived(self.host.request(
-                path[-1], self.proto["backward"], Message(
-                    kind="backward", meta=self._meta(mb, self.num_stages - 1, path),
-                    tensors=(g_out,)), codec=self.codec, timeout=HOP_TIMEOUT_S), grad_future)
+                path[-1], self.proto["backward"], Message(**backward.wire()), codec=self.codec,
+                timeout=HOP_TIMEOUT_S), arrival)
         finally:
             self._waiting.pop(("grad", mb), None)
         g_emb = await self._run(self._embed_backward, h, g_h)
@@ -229,17 +278,19 @@ class Trainer:
                                         g_h.to(self.device, h.dtype)))
 
     # ---- the network -----------------------------------------------------------------------
-    async def _forward(self, h: torch.Tensor, *, eval_only: bool) -> tuple[torch.Tensor, str]:
+    async def _forward(self, h: torch.Tensor, *, eval_only: bool
+                       ) -> tuple[torch.Tensor, str, tuple[str, ...]]:
+        """Send ``h`` into the swarm; returns the last stage's output, the microbatch id and
+        the path it took."""
         self._counter += 1
         mb = f"{self.host.peer_id[-10:]}/{self._counter}"
-        future = self._expect("result", mb)
-        meta = self._meta(mb, 0, [])
-        if eval_only:
-            meta["eval"] = True
+        expected = self._expect("result", mb, tuple(h.shape))
+        forward = Forward(mb=mb, stage=0, step=self.step, path=(), trainer=self.host.peer_id,
+                          model=self.model_hash, x=wire_tensor(h.detach()), eval=eval_only)
         try:
-            sent = self._send_stage0(Message(kind="forward", meta=meta,
-                                             tensors=(wire_tensor(h.detach()),)))
-            return await self._sent_then_arrived(sent, future), mb
+            out = await self._sent_then_arrived(
+                self._send_stage0(Message(**forward.wire()), expected), expected.future)
+            return out, mb, expected.path
         finally:
             self._waiting.pop(("result", mb), None)
 
@@ -247,13 +298,15 @@ class Trainer:
                                  arrival: asyncio.Future[torch.Tensor]) -> torch.Tensor:
         """Send, and return what arrives in answer. The arrival usually beats the sender's
         ``ok`` (which comes back up the whole chain), so it is not waited for: a send that
-        fails before anything arrived raises; one that fails after is of no consequence."""
+        fails before anything arrived raises; one that fails after is of no consequence. The
+        send is bounded by its own deadline; after its ``ok``, the answer gets
+        ``ARRIVAL_GRACE_S``."""
         sender = asyncio.ensure_future(send)
         try:
-            async with asyncio.timeout(HOP_TIMEOUT_S):
-                await asyncio.wait((sender, arrival), return_when=asyncio.FIRST_COMPLETED)
-                if not arrival.done():
-                    sender.result()  # raises when the send failed
+            await asyncio.wait((sender, arrival), return_when=asyncio.FIRST_COMPLETED)
+            if not arrival.done():
+                sender.result()  # raises when the send failed
+                async with asyncio.timeout(ARRIVAL_GRACE_S):
                     return await arrival
         except BaseException:
             sender.cancel()
@@ -263,55 +316,33 @@ class Trainer:
             sender.add_done_callback(_finish_late(self._late))
         return arrival.result()
 
-    async def _send_stage0(self, message: Message) -> None:
-        waited = 0.0
+    async def _send_stage0(self, message: Message, expected: _Expected) -> None:
+        deadline = time.monotonic() + MISSING_STAGE_PATIENCE_S
+        await self._wait_for_stages(deadline)
+        await self.router.send(message, timeout=max(0.0, deadline - time.monotonic()),
+                               wait=True, on_attempt=expected.first.add)
+
+    async def _wait_for_stages(self, deadline: float) -> None:
+        """Until every stage has a peer in the view (says which is missing meanwhile)."""
+        said = None
         while True:
-            peers = self.peers_of(0)
-            self.wiring.update_peers({p: (v[0], v[1]) for p, v in peers.items()}, time.time())
             missing = [s for s in range(self.num_stages) if not self.peers_of(s)]
-            if missing or not peers:
-                self.stats.missing_stage = missing[0] if missing else 0
-                if waited >= MISSING_STAGE_PATIENCE_S:
-                    raise StageUnavailable(f"stage {self.stats.missing_stage} has no peer")
-                if waited == 0:
-                    log.warning("waiting: stage %s has no live peer", self.stats.missing_stage)
-                await asyncio.sleep(1.0)
-                waited += 1.0
-                continue
-            self.stats.missing_stage = None
-            target = self.wiring.choose("forward", int(x_rows(message)), time.time(), self._rng)
-            if target is None:
-                await asyncio.sleep(min(1.0, max(0.05, (self.wiring.earliest_unban() or 0)
-                                                 - time.time())))
-                continue
-            t0 = time.perf_counter()
-            try:
-                await self.host.ensure_connected(target, peers[target][2])
-                reply = await self.host.request(target, self.proto["forward"], message,
-                                                codec=self.codec, timeout=HOP_TIMEOUT_S)
-            except RemoteError as exc:
-                if exc.code == "stage_unavailable":  # a later stage failed: count, restart
-                    raise
-                self.wiring.error(target, time.time())
-                self.stats.rerouted += 1
-            except TransportError:
-                self.wiring.error(target, time.time())
-                self.stats.rerouted += 1
-            else:
-                self.wiring.success(target, x_rows(message),
-                                    hop_seconds(reply, time.perf_counter() - t0), "forward",
-                                    time.time())
+            self.stats.missing_stage = missing[0] if missing else None
+            if not missing:
                 return
+            if time.monotonic() >= deadline:
+                raise StageUnavailable(f"stage {missing[0]} has no peer")
+            if missing[0] != said:
+                log.warning("waiting: stage %s has no live peer", missing[0])
+                said = missing[0]
+            await asyncio.sleep(MISSING_POLL_S)
 
-    def _expect(self, kind: str, mb: str) -> asyncio.Future[torch.Tensor]:
+    def _expect(self, kind: str, mb: str, shape: tuple[int, ...], *,
+                first: set[str] | None = None, path: tuple[str, ...] = ()) -> _Expected:
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-        self._waiting[(kind, mb)] = future
-        return future
-
-    def _meta(self, mb: str, stage: int, path: list[str]) -> dict[str, Any]:
-        return {"mb": mb, "stage": stage, "step": self.step, "path": path,
-                "trainer": self.host.peer_id, "trainer_addrs": list(self.host.addrs)[:4],
-                "model": self.model_hash}
+        expected = _Expected(future, shape, first if first is not None else set(), path)
+        self._waiting[(kind, mb)] = expected
+        return expected
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
@@ -320,11 +351,6 @@ class Trainer:
 def _stage_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, StageUnavailable) or (
         isinstance(exc, RemoteError) and exc.code == "stage_unavailable")
-
-
-def x_rows(message: Message) -> int:
-    return int(message.tensors[0].shape[0])
-
 
 
 def _finish_late(late: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:

@@ -34,8 +34,12 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   service; errors reported while the peer is banned (tasks sent before the ban) neither
   lengthen the ban nor the streak. A success ends the streak. A fresh announcement lifts a
   ban early once ``ban_base_s`` has been served (SWARM: banned until it re-announces).
+* *Busy* (the peer refused new work: backpressure) is neither slow nor broken: the peer sits
+  out of :meth:`Wiring.choose` for ``busy_base_s`` (doubling while it stays busy, at most
+  ``busy_max_s``), so the caller tries another peer now; no ban, no error streak, its share
+  of work is untouched once the pause is over. A success ends the pause and resets it.
 * :meth:`Wiring.choose` returns None when the stage has no peer in service: the caller waits
-  (until :meth:`Wiring.earliest_unban` or the next announcement) and says which stage it lacks.
+  (until :meth:`Wiring.available_at` or the next announcement) and says which stage it lacks.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,13 +88,17 @@ class WiringConfig:
     ban_max_s: float = 300.0
     #: forward samples of work one task in a peer's announced queue stands for
     queue_weight: float = 16.0
+    #: a peer that answered busy sits out this long; doubling while it stays busy, capped
+    busy_base_s: float = 0.25
+    busy_max_s: float = 2.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
             if not ok:
                 raise ValueError(f"WiringConfig: {what}")
         for name in ("backward_cost", "ema_alpha", "slow_penalty", "slow_half_life_s",
-                     "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight"):
+                     "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight",
+                     "busy_base_s", "busy_max_s"):
             need(_finite(getattr(self, name)), f"{name} must be a finite number")
         need(self.backward_cost > 0, "backward_cost must be > 0 (2.5 in the SWARM paper)")
         need(0 < self.ema_alpha <= 1, "ema_alpha must be in (0, 1]")
@@ -102,6 +110,7 @@ class WiringConfig:
         need(self.slow_max_factor >= self.slow_penalty, "slow_max_factor must be >= slow_penalty")
         need(0 < self.ban_base_s <= self.ban_max_s, "need 0 < ban_base_s <= ban_max_s")
         need(self.queue_weight >= 0, "queue_weight must be >= 0")
+        need(0 < self.busy_base_s <= self.busy_max_s, "need 0 < busy_base_s <= busy_max_s")
 
     def cost(self, kind: Kind) -> float:
         """Cost of one sample of ``kind``, in forward passes."""
@@ -114,6 +123,10 @@ class WiringConfig:
     def ban_s(self, streak: int) -> float:
         """Length of the ban after ``streak`` consecutive errors (>= 1)."""
         return min(self.ban_max_s, self.ban_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+
+    def busy_s(self, streak: int) -> float:
+        """How long a peer sits out after ``streak`` busy answers in a row (>= 1)."""
+        return min(self.busy_max_s, self.busy_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,6 +148,9 @@ class PeerWiringState:
     chosen: int
     timeouts: int
     errors: int
+    #: busy answers; when its pause after the last one ends (None: not paused)
+    busy: int = 0
+    busy_until: float | None = None
 
 
 @dataclass(slots=True)
@@ -151,6 +167,9 @@ class _Peer:
     chosen: int = 0
     timeouts: int = 0
     errors: int = 0
+    busy: int = 0
+    busy_until: float = 0.0
+    busy_streak: int = 0
     #: work (forward samples) and load (seconds) charged before the first measurement
     unmeasured_work: float = 0.0
     unmeasured_load: float = 0.0
@@ -163,6 +182,8 @@ class Wiring:
         self.config = config or WiringConfig()
         self._peers: dict[str, _Peer] = {}
         self._banned: set[str] = set()
+        #: peers sitting out a busy pause (or just back from one)
+        self._paused: set[str] = set()
         #: peers that announced a throughput at least once (the others follow the prior)
         self._announced: set[str] = set()
         #: tasks placed, bans imposed, timeouts reported, choices that found nobody
@@ -170,6 +191,7 @@ class Wiring:
         self.banned = 0
         self.timeouts = 0
         self.unavailable = 0
+        self.busy_answers = 0
 
     # ---- membership ---------------------------------------------------------------------
 
@@ -185,6 +207,7 @@ class Wiring:
         for gone in self._peers.keys() - peers.keys():
             del self._peers[gone]
             self._banned.discard(gone)
+            self._paused.discard(gone)
         self._expire_bans(now)
         floor = self._floor() or 0.0
         new: dict[str, tuple[float, int]] = {}
@@ -242,21 +265,32 @@ class Wiring:
         ends = [self._peers[i].banned_until for i in self._banned]
         return min((e for e in ends if e is not None), default=None)
 
+    def available_at(self, now: float) -> float | None:
+        """When a peer not in service now (banned or paused busy) comes back first; ``now``
+        when one is in service; None when there is nobody to wait for."""
+        ends = [p.busy_until if p.banned_until is None else p.banned_until
+                for p in self._peers.values()]
+        return max(now, min(ends)) if ends else None
+
     # ---- the decision -------------------------------------------------------------------
 
-    def choose(self, kind: Kind, samples: int, now: float, rng: random.Random) -> str | None:
-        """The peer to run ``samples`` of ``kind`` next, or None if no peer is in service."""
+    def choose(self, kind: Kind, samples: int, now: float, rng: random.Random,
+               exclude: Collection[str] = ()) -> str | None:
+        """The peer to run ``samples`` of ``kind`` next, or None if no peer is in service
+        (``exclude``: peers the caller already tried for this task, e.g. one that timed out)."""
         if not (_finite(samples) and samples > 0):
             raise ValueError("samples must be a number > 0")
         work = samples * self.config.cost(kind)
         if self._banned:
             self._expire_bans(now)
+        if self._paused:
+            self._expire_pauses(now)
         qw = self.config.queue_weight
         best = 0.0
         least = math.inf
         ties: list[tuple[str, _Peer, float]] = []
         for peer_id, p in self._peers.items():
-            if p.banned_until is not None:
+            if p.banned_until is not None or p.busy_until > now or peer_id in exclude:
                 continue
             tput = p.estimate
             if p.slow_excess:
@@ -300,6 +334,7 @@ class Wiring:
             return
         p.slow_excess = 0.0
         p.streak = 0
+        p.busy_streak, p.busy_until = 0, 0.0
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
         measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
@@ -324,6 +359,20 @@ class Wiring:
         p.slow_excess, p.slow_since = factor - 1.0, now
         p.timeouts += 1
         self.timeouts += 1
+
+    def busy(self, peer_id: str, now: float) -> None:
+        """``peer_id`` refused a task because it is full: backpressure, not a fault. It sits
+        out for ``busy_s(streak)`` so the caller tries another peer now; no ban."""
+        p = self._peers.get(peer_id)
+        if p is None:
+            return
+        p.busy += 1
+        self.busy_answers += 1
+        if p.busy_until > now:
+            return  # a task sent before the pause: same episode
+        p.busy_streak += 1
+        p.busy_until = now + self.config.busy_s(p.busy_streak)
+        self._paused.add(peer_id)
 
     def error(self, peer_id: str, now: float) -> None:
         """A task on ``peer_id`` failed: ban it for ban_base_s x 2^(streak - 1), capped."""
@@ -352,7 +401,8 @@ class Wiring:
                 peer_id=peer_id, throughput=p.estimate, measured=p.measured, queue=p.queue,
                 load=p.load, banned_until=banned, error_streak=p.streak, slow_factor=factor,
                 slow=factor > 1.0 + _SLOW_EPS, chosen=p.chosen, timeouts=p.timeouts,
-                errors=p.errors))
+                errors=p.errors, busy=p.busy,
+                busy_until=p.busy_until if p.busy_until > now else None))
         return out
 
     def __len__(self) -> int:
@@ -370,6 +420,21 @@ class Wiring:
     def _floor(self) -> float | None:
         """Least load among peers in service (None: none is)."""
         return min((p.load for p in self._peers.values() if p.banned_until is None), default=None)
+
+    def _expire_pauses(self, now: float) -> None:
+        """Peers back from a busy pause re-enter at the least load of those in service (the
+        work they missed is not owed to them as a burst)."""
+        back = [i for i in self._paused if self._peers[i].busy_until <= now]
+        if not back:
+            return
+        self._paused.difference_update(back)
+        floor = min((p.load for i, p in self._peers.items() if i not in self._paused
+                     and i not in back and p.banned_until is None), default=None)
+        for peer_id in back:
+            p = self._peers[peer_id]
+            p.busy_until = 0.0
+            if floor is not None:
+                p.load = max(p.load, floor)
 
     def _expire_bans(self, now: float) -> None:
         """Peers whose ban has ended re-enter at the least load of those in service."""

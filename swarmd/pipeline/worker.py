@@ -64,6 +64,10 @@ class StageWorker:
     def saved(self) -> int:
         return len(self._saved)
 
+    def holds(self, mb_id: str) -> bool:
+        """Whether a forward of ``mb_id`` is kept here for its backward."""
+        return mb_id in self._saved
+
     def forward(self, mb_id: str, x: torch.Tensor, now: float) -> torch.Tensor:
         """Run the stage on ``x`` (B, T, width); keep what backward needs; return the output."""
         return self.forward_many([(mb_id, x)], now)[0]

@@ -10,12 +10,13 @@ swarm; one JSON line per step is appended to ``<home>/train-metrics.jsonl``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from swarmd.errors import StageUnavailable
 
@@ -46,28 +47,45 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     after every step and ends the run early once it returns true. ``microbatches`` overrides
     ``training.microbatches``. With ``bar``, a progress bar goes to stderr when that is a
     terminal; otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
-    import torch
-    from tqdm import tqdm
-
     from swarmd.training.data import load_corpus
-    from swarmd.node.host_options import codec_spec, host_options
-    from swarmd.membership.service import LocalState, MembershipService
-    from swarmd.pipeline.trainer import Trainer
-    from transport import identity
-    from transport.host import Host
     from transport.memory import keep_freed_memory
 
     keep_freed_memory()
-    device, dtype = config.torch_placement()
-    microbatches = microbatches or config.training.microbatches
-    in_flight = config.training.in_flight or microbatches
     model = config.model_config()
-    seq, batch = model.seq_len, config.training.batch_size
     path = data_path if data_path is not None else (Path(config.data.path) if config.data.path
                                                     else None)
-    corpus = load_corpus(path, max_bytes=config.data.max_bytes, seq_len=seq)
+    corpus = load_corpus(path, max_bytes=config.data.max_bytes, seq_len=model.seq_len)
+    plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
+                 batch=config.training.batch_size, seq=model.seq_len,
+                 metrics_file=home / "train-metrics.jsonl" if home is not None else None)
+    async with _joined(config, bootstrap, listen, progress) as (trainer, membership):
+        await _wait_for_stages(membership, config.swarm.stages, progress)
+        return await _run_steps(trainer, corpus, config, plan, _Progress(
+            steps, progress, bar), until)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Plan:
+    steps: int
+    microbatches: int
+    batch: int
+    seq: int
+    metrics_file: Path | None
+
+
+@contextlib.asynccontextmanager
+async def _joined(config: Any, bootstrap: Sequence[str], listen: Sequence[str],
+                  progress: Callable[[str], None]) -> AsyncIterator[tuple[Any, Any]]:
+    """A host with a fresh identity, membership (announced with no stage) and a started
+    ``Trainer``; torn down in reverse."""
+    from swarmd.membership.service import LocalState, MembershipService
+    from swarmd.node.host_options import codec_spec, host_options
+    from swarmd.pipeline.trainer import Trainer
+    from transport import identity
+    from transport.host import Host
+
+    device, dtype = config.torch_placement()
     me = identity.generate()
-    metrics_file = home / "train-metrics.jsonl" if home is not None else None
     async with Host(me, host_options(config, listen)) as host:
         async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
             for addr in bootstrap:
@@ -76,60 +94,87 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 except Exception as exc:  # reported; the next address may work
                     progress(f"bootstrap {addr} failed: {exc}")
             trainer = Trainer(host, swarm=config.swarm.name, num_stages=config.swarm.stages,
-                              model_config=model, model_hash=config.model_hash(),
-                              codec=codec_spec(config), lr=config.training.lr,
-                              seed=config.training.seed, peers_of=m.peers_of, device=device,
-                              dtype=dtype)
+                              model_config=config.model_config(),
+                              model_hash=config.model_hash(), codec=codec_spec(config),
+                              lr=config.training.lr, seed=config.training.seed,
+                              peers_of=m.peers_of, device=device, dtype=dtype)
             trainer.start()
             try:
-                await _wait_for_stages(m, config.swarm.stages, progress)
-                generator = torch.Generator().manual_seed(config.training.seed)
-                val = corpus.val_batches(batch, seq, VAL_BATCHES)
-                initial = await trainer.evaluate(val)
-                progress(f"initial validation loss {initial:.4f}")
-                t0 = time.monotonic()
-                every = max(1, steps // 20)
-                shown = tqdm(total=steps, unit="step", disable=None if bar else True,
-                             file=sys.stderr, dynamic_ncols=True, leave=False)
-                step = 0
-                with shown:
-                    for step in range(1, steps + 1):
-                        batches = [corpus.sample_batch("train", batch, seq, generator)
-                                   for _ in range(microbatches)]
-                        loss = await trainer.train_step(batches, concurrency=in_flight)
-                        elapsed = time.monotonic() - t0
-                        s = trainer.stats
-                        line = {"step": step, "loss": loss, "tokens_per_s": s.tokens / elapsed,
-                                "rerouted": s.rerouted, "restarted": s.restarted,
-                                "lost": s.lost, "peers_used": s.peers_used(),
-                                "time": time.time()}
-                        if metrics_file is not None:
-                            with open(metrics_file, "a") as f:
-                                f.write(json.dumps(line) + "\n")
-                        routes = "/".join(str(n) for n in s.peers_used())
-                        if not shown.disable:
-                            shown.set_postfix_str(
-                                f"loss {loss:.3f}  {s.tokens / elapsed:,.0f} tok/s  peers "
-                                f"{routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
-                                f"lost {s.lost}", refresh=False)
-                            shown.update(1)
-                        elif step % every == 0 or step == steps:
-                            progress(f"step {step:>5}/{steps}  loss {loss:.4f}  "
-                                     f"{s.tokens / elapsed:,.0f} tok/s  peers per stage "
-                                     f"{routes}  rerouted {s.rerouted}  restarted "
-                                     f"{s.restarted}  lost {s.lost}")
-                        if until is not None and until():
-                            break
-                final = await trainer.evaluate(val)
-                progress(f"final validation loss {final:.4f}")
-                s = trainer.stats
-                return TrainResult(steps=step, initial_val_loss=initial, final_val_loss=final,
-                                   tokens_per_s=s.tokens / max(1e-9, time.monotonic() - t0),
-                                   rerouted=s.rerouted, restarted=s.restarted, lost=s.lost,
-                                   seconds=time.monotonic() - t0,
-                                   metrics_file=str(metrics_file) if metrics_file else None)
+                yield trainer, m
             finally:
                 trainer.close()
+
+
+async def _run_steps(trainer: Any, corpus: Any, config: Any, plan: _Plan, shown: _Progress,
+                     until: Callable[[], bool] | None) -> TrainResult:
+    """Validation before, the steps (one metrics line each), validation after."""
+    import torch
+
+    generator = torch.Generator().manual_seed(config.training.seed)
+    in_flight = config.training.in_flight or plan.microbatches
+    val = corpus.val_batches(plan.batch, plan.seq, VAL_BATCHES)
+    initial = await trainer.evaluate(val)
+    shown.say(f"initial validation loss {initial:.4f}")
+    t0 = time.monotonic()
+    step = 0
+    with shown:
+        for step in range(1, plan.steps + 1):
+            batches = [corpus.sample_batch("train", plan.batch, plan.seq, generator)
+                       for _ in range(plan.microbatches)]
+            loss = await trainer.train_step(batches, concurrency=in_flight)
+            s = trainer.stats
+            rate = s.tokens / (time.monotonic() - t0)
+            _write_metrics(plan.metrics_file, {
+                "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
+                "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
+                "time": time.time()})  # a record's timestamp for people, not a timer
+            shown.stepped(step, loss, rate, s)
+            if until is not None and until():
+                break
+    final = await trainer.evaluate(val)
+    shown.say(f"final validation loss {final:.4f}")
+    s = trainer.stats
+    seconds = time.monotonic() - t0
+    return TrainResult(steps=step, initial_val_loss=initial, final_val_loss=final,
+                       tokens_per_s=s.tokens / max(1e-9, seconds), rerouted=s.rerouted,
+                       restarted=s.restarted, lost=s.lost, seconds=seconds,
+                       metrics_file=str(plan.metrics_file) if plan.metrics_file else None)
+
+
+def _write_metrics(path: Path | None, line: dict[str, Any]) -> None:
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+class _Progress:
+    """A progress bar on a terminal's stderr, else a ``progress`` line every 5% of the run."""
+
+    def __init__(self, steps: int, progress: Callable[[str], None], bar: bool) -> None:
+        from tqdm import tqdm
+
+        self.steps, self.say = steps, progress
+        self.every = max(1, steps // 20)
+        self.bar = tqdm(total=steps, unit="step", disable=None if bar else True,
+                        file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
+
+    def stepped(self, step: int, loss: float, rate: float, s: Any) -> None:
+        routes = "/".join(str(n) for n in s.peers_used())
+        if not self.bar.disable:
+            self.bar.set_postfix_str(
+                f"loss {loss:.3f}  {rate:,.0f} tok/s  peers {routes}  rerouted {s.rerouted}  "
+                f"restarted {s.restarted}  lost {s.lost}", refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.steps:
+            self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tok/s  peers "
+                     f"per stage {routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
+                     f"lost {s.lost}")
 
 
 async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None]) -> None:

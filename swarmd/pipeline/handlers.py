@@ -1,0 +1,205 @@
+"""A stage peer's pipeline handlers: ``forward`` and ``backward`` over libp2p.
+
+Each request is built into its typed message once (``swarmd.pipeline.messages``), then judged
+by the authority rules (docs/pipeline.md): a forward comes from the trainer it names (stage 0)
+or from the peer its path ends with; a backward only from the peer this one sent the forward
+to (the trainer, at the last stage), for a microbatch kept here. Anything else is refused with
+a typed error, counted, and changes nothing.
+
+The output goes on through the ``Router`` (stage k+1) or, from the last stage, to the trainer
+as a ``result``; the trainer is dialed only at addresses from its signed announcement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from swarmd.errors import (
+    BadActivation,
+    NotOnPath,
+    OutputRefused,
+    StageBusy,
+    TrainerUnreachable,
+    UnknownMicrobatch,
+)
+from swarmd.pipeline.batching import Batcher, Compute, Throughput
+from swarmd.pipeline.messages import (
+    Expect,
+    Grad,
+    HopReply,
+    Result,
+    parse_backward,
+    parse_forward,
+)
+from swarmd.pipeline.router import HOP_TIMEOUT_S, OUR_OUTPUT_REFUSED, Router
+from swarmd.pipeline.stepping import Gate
+from swarmd.pipeline.worker import StageWorker
+from transport.errors import PeerUnavailable, RemoteError, TransportError
+from transport.frames import Message
+
+#: how long the last stage waits for a trainer's announcement it has not seen yet
+TRAINER_WAIT_S = 10.0
+TRAINER_POLL_S = 0.2
+
+
+@dataclass(slots=True)
+class _Route:
+    """Who may send this microbatch's backward, and where its gradient goes next."""
+
+    trainer: str
+    #: the peer the forward came from (stage 0: the trainer)
+    previous: str
+    #: the peers the forward was sent on to (the last stage: the trainer)
+    next: set[str] = field(default_factory=set)
+
+
+class PipelineHandlers:
+    """``on_forward`` and ``on_backward`` of one stage peer (set as request handlers)."""
+
+    def __init__(self, host: Any, *, proto: dict[str, str], expect: Expect, codec: Any,
+                 worker: StageWorker, compute: Compute, batcher: Batcher, gate: Gate,
+                 throughput: Throughput, router: Router | None,
+                 addrs_of: Callable[[str], tuple[str, ...]],
+                 progressed: Callable[[int], None], counters: Counter[str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.host = host
+        self.me: str = host.peer_id
+        self.proto = proto
+        self.expect = expect
+        self.codec = codec
+        self.worker, self.compute, self.batcher, self.gate = worker, compute, batcher, gate
+        self.throughput = throughput
+        self.router = router
+        self.addrs_of = addrs_of
+        self.progressed = progressed
+        self.counters = counters
+        self._clock = clock
+        self._routes: dict[str, _Route] = {}
+        self.last = expect.stage == expect.num_stages - 1
+
+    # ---- forward ---------------------------------------------------------------------------
+    async def on_forward(self, message: Message, peer: str) -> Message:
+        fwd = self._refused_unless(lambda: parse_forward(message, self.expect))
+        expected = fwd.trainer if fwd.stage == 0 else fwd.path[-1]
+        if peer != expected:
+            self._refuse("forward_sender")
+            raise NotOnPath("sender", f"a forward for stage {fwd.stage} comes from {expected}, not "
+                            f"{peer}")
+        if not fwd.eval:
+            await self.gate.wait_open()  # not while a step waits to change the weights
+            self.worker.expire(self._clock())
+        if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
+            raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")
+        t0 = self._clock()
+        if fwd.eval:
+            y = await self.compute.run(self.worker.infer, fwd.x, admit=True)
+        else:
+            with self.gate.admitted():
+                y, compute_s = await self.batcher.forward(fwd.mb, fwd.x)
+            self.throughput.measured(int(fwd.x.shape[0]), compute_s)  # compute alone
+            self._remember(fwd.mb, _Route(trainer=fwd.trainer, previous=peer))
+        service_s = self._clock() - t0
+        self.counters["forward"] += 1
+        try:
+            await self._pass_on(fwd, y)
+        except BaseException:
+            self.worker.forget(fwd.mb)  # the chain failed below us: nobody will come back
+            self._routes.pop(fwd.mb, None)
+            raise
+        # the sender's wiring judges this peer by its own queue and compute, not by the rest
+        # of the chain the ok waited for
+        return Message(**HopReply(service_s=service_s,
+                                  held_s=self._clock() - t0).wire())
+
+    async def _pass_on(self, fwd: Any, y: Any) -> None:
+        route = self._routes.get(fwd.mb) if not fwd.eval else None
+        if self.last:
+            if route is not None:
+                route.next.add(fwd.trainer)
+            result = Result(mb=fwd.mb, path=(*fwd.path, self.me), y=y)
+            await self.to_trainer(fwd.trainer, "result", Message(**result.wire()))
+            return
+        assert self.router is not None
+        await self.router.send(Message(**fwd.next_hop(self.me, y).wire()),
+                               timeout=HOP_TIMEOUT_S,
+                               on_attempt=route.next.add if route is not None else None)
+
+    # ---- backward --------------------------------------------------------------------------
+    async def on_backward(self, message: Message, peer: str) -> Message:
+        bwd = self._refused_unless(lambda: parse_backward(message, self.expect))
+        stage = bwd.stage
+        if bwd.path[stage] != self.me:
+            self._refuse("path")
+            raise BadActivation("path", "the backward path does not lead through this peer")
+        route = self._routes.get(bwd.mb)
+        if route is None or not self.worker.holds(bwd.mb):
+            raise UnknownMicrobatch(f"no forward of microbatch {bwd.mb!r} is kept here (never "
+                                    f"seen, already done, or expired): restart it")
+        expected = route.trainer if self.last else bwd.path[stage + 1]
+        if peer != expected or peer not in route.next or (
+                stage > 0 and bwd.path[stage - 1] != route.previous):
+            self._refuse("backward_sender")
+            raise NotOnPath("sender", f"the backward of {bwd.mb!r} comes from the peer its forward went "
+                            f"to, not {peer}")
+        gx = await self.batcher.backward(bwd.mb, bwd.grad)
+        self._routes.pop(bwd.mb, None)
+        self.counters["backward"] += 1
+        self.progressed(self.worker.samples_accumulated)
+        if stage == 0:
+            await self.to_trainer(route.trainer, "grad",
+                                  Message(**Grad(mb=bwd.mb, grad=gx).wire()))
+        else:
+            await self.host.request(route.previous, self.proto["backward"],
+                                    Message(**bwd.previous_hop(gx).wire()), codec=self.codec,
+                                    timeout=HOP_TIMEOUT_S)
+        return Message(kind="ok")
+
+    # ---- the trainer -----------------------------------------------------------------------
+    async def to_trainer(self, trainer: str, kind: str, message: Message) -> None:
+        """Send to ``trainer``, dialed only at the addresses of its signed announcement (an
+        existing connection does too); one not announced yet is waited for briefly."""
+        deadline = self._clock() + TRAINER_WAIT_S
+        addrs = self.addrs_of(trainer)
+        while not addrs and trainer not in await self.host.connected_peers():
+            if self._clock() >= deadline:
+                self.counters["trainer_unannounced"] += 1
+                raise TrainerUnreachable(f"trainer {trainer} has not announced itself here "
+                                         f"within {TRAINER_WAIT_S:.0f} s")
+            await asyncio.sleep(TRAINER_POLL_S)
+            addrs = self.addrs_of(trainer)
+        try:
+            await self.host.connect(trainer, addrs)
+            await self.host.request(trainer, self.proto[kind], message, codec=self.codec,
+                                    timeout=HOP_TIMEOUT_S)
+        except RemoteError as exc:
+            if exc.code in OUR_OUTPUT_REFUSED or exc.code == "not_on_path":
+                raise OutputRefused(f"trainer {trainer} refused our {kind} ({exc.code}): "
+                                    f"{exc.remote_message}") from exc
+            raise TrainerUnreachable(f"trainer {trainer} failed our {kind}: {exc}") from exc
+        except (PeerUnavailable, TransportError) as exc:
+            self.counters["trainer_unreachable"] += 1
+            raise TrainerUnreachable(f"trainer {trainer}: {exc}") from exc
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _refused_unless(self, build: Callable[[], Any]) -> Any:
+        try:
+            return build()
+        except Exception as exc:
+            self._refuse(getattr(exc, "reason", None) or getattr(exc, "code", "malformed"))
+            raise
+
+    def _refuse(self, reason: str) -> None:
+        self.counters[f"refused.{reason}"] += 1
+
+    def _remember(self, mb: str, route: _Route) -> None:
+        if len(self._routes) >= 4 * self.worker.max_saved:  # drop what the worker let go
+            for old in [m for m in self._routes if not self.worker.holds(m)]:
+                del self._routes[old]
+        self._routes[mb] = route
+
+    def forget_all(self) -> None:
+        self._routes.clear()

@@ -1,0 +1,296 @@
+"""The pipeline's messages as typed values, built and checked from the wire in one place. Pure.
+
+``forward``, ``backward``, ``result`` and ``grad`` (and the ``ok`` reply of a forward) are
+frozen, slotted, keyword-only dataclasses. ``parse_*`` builds one from what arrived (anything
+with ``kind``, ``meta`` and ``tensors``, e.g. ``transport.frames.Message``): every field's type,
+size and range is checked, the number of tensors and their shape and dtype against what the
+receiver expects, and unknown keys are dropped (a message is re-built for the next hop, never
+copied). ``wire()`` gives the ``Message`` keyword arguments to send one.
+
+What cannot be judged from one message alone is the caller's: who may send it (the path's
+authority rules, docs/pipeline.md) and whether the microbatch is known here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmd.errors import BadActivation, ModelMismatch, WrongStage
+
+__all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "HopReply", "parse_forward",
+           "parse_backward", "parse_result", "parse_grad", "parse_hop_reply", "hop_seconds"]
+
+#: most characters of a microbatch id and of a peer id
+MAX_MB_CHARS = 160
+MAX_PEER_CHARS = 128
+MAX_MODEL_CHARS = 128
+MAX_STEP = 1 << 62
+#: a hop's reported seconds above this are nonsense
+MAX_SECONDS = 1e6
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expect:
+    """What a receiver serves: a forward or backward for anything else is refused."""
+
+    stage: int
+    num_stages: int
+    model: str
+    width: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward:
+    mb: str
+    stage: int
+    step: int
+    #: the peers of stages 0 .. stage-1 it went through
+    path: tuple[str, ...]
+    trainer: str
+    model: str
+    x: torch.Tensor
+    #: validation: forward only, nothing kept, no backward follows
+    eval: bool = False
+
+    def next_hop(self, me: str, y: torch.Tensor) -> Forward:
+        """The forward this peer sends on: its output, one stage further, itself on the path."""
+        return Forward(mb=self.mb, stage=self.stage + 1, step=self.step,
+                       path=(*self.path, me), trainer=self.trainer, model=self.model, x=y,
+                       eval=self.eval)
+
+    def wire(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"mb": self.mb, "stage": self.stage, "step": self.step,
+                                "path": list(self.path), "trainer": self.trainer,
+                                "model": self.model}
+        if self.eval:
+            meta["eval"] = True
+        return {"kind": "forward", "meta": meta, "tensors": (self.x,)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backward:
+    mb: str
+    stage: int
+    step: int
+    #: every stage's peer, 0 .. num_stages-1
+    path: tuple[str, ...]
+    trainer: str
+    model: str
+    grad: torch.Tensor
+
+    def previous_hop(self, g: torch.Tensor) -> Backward:
+        return Backward(mb=self.mb, stage=self.stage - 1, step=self.step, path=self.path,
+                        trainer=self.trainer, model=self.model, grad=g)
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "backward", "tensors": (self.grad,),
+                "meta": {"mb": self.mb, "stage": self.stage, "step": self.step,
+                         "path": list(self.path), "trainer": self.trainer,
+                         "model": self.model}}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """The last stage's output for the trainer."""
+
+    mb: str
+    path: tuple[str, ...]
+    y: torch.Tensor
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "result", "meta": {"mb": self.mb, "path": list(self.path)},
+                "tensors": (self.y,)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grad:
+    """Stage 0's input gradient for the trainer."""
+
+    mb: str
+    grad: torch.Tensor
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "grad", "meta": {"mb": self.mb}, "tensors": (self.grad,)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HopReply:
+    """A forward's ``ok``: the peer's own queue and compute (``service_s``) and how long it
+    held the request, the rest of the chain included (``held_s``); None when not said."""
+
+    service_s: float | None = None
+    held_s: float | None = None
+
+    def wire(self) -> dict[str, Any]:
+        meta = {k: v for k, v in (("service_s", self.service_s), ("held_s", self.held_s))
+                if v is not None}
+        return {"kind": "ok", "meta": meta}
+
+    def seconds(self, round_trip_s: float) -> float:
+        """What the hop cost the peer it went to: its service time plus the transfer (the
+        round trip less the time it held the request). The round trip when the reply says
+        nothing usable."""
+        service, held = self.service_s, self.held_s
+        if service is None or held is None or service > held or held > round_trip_s:
+            return round_trip_s
+        return service + (round_trip_s - held)
+
+
+# ---- building from the wire ----------------------------------------------------------------
+def parse_forward(message: Any, expect: Expect) -> Forward:
+    meta = _meta(message, "forward")
+    model = _text(meta, "model", MAX_MODEL_CHARS, "forward")
+    if model != expect.model:
+        raise ModelMismatch(f"this peer trains model {expect.model}, the request is for "
+                            f"{model}")
+    stage = _int(meta, "stage", 0, MAX_STEP, "forward")
+    if stage != expect.stage:
+        raise WrongStage(f"this peer serves stage {expect.stage}, not {stage}")
+    path = _path(meta, "forward", stage)
+    evaluate = meta.get("eval", False)
+    if not isinstance(evaluate, bool):
+        raise BadActivation("malformed", "forward meta 'eval' must be a boolean")
+    (x,) = _tensors(message, 1, "forward")
+    activation(x, expect.width, expect.max_tokens, "activations")
+    return Forward(mb=_mb(meta, "forward"), stage=stage,
+                   step=_int(meta, "step", 0, MAX_STEP, "forward"), path=path,
+                   trainer=_text(meta, "trainer", MAX_PEER_CHARS, "forward"), model=model,
+                   x=x, eval=evaluate)
+
+
+def parse_backward(message: Any, expect: Expect) -> Backward:
+    meta = _meta(message, "backward")
+    model = _text(meta, "model", MAX_MODEL_CHARS, "backward")
+    if model != expect.model:
+        raise ModelMismatch(f"this peer trains model {expect.model}, the request is for "
+                            f"{model}")
+    stage = _int(meta, "stage", 0, MAX_STEP, "backward")
+    if stage != expect.stage:
+        raise WrongStage(f"this peer serves stage {expect.stage}, not {stage}")
+    path = _path(meta, "backward", expect.num_stages)
+    (grad,) = _tensors(message, 1, "backward")
+    activation(grad, expect.width, expect.max_tokens, "gradient")
+    return Backward(mb=_mb(meta, "backward"), stage=stage,
+                    step=_int(meta, "step", 0, MAX_STEP, "backward"), path=path,
+                    trainer=_text(meta, "trainer", MAX_PEER_CHARS, "backward"), model=model,
+                    grad=grad)
+
+
+def parse_result(message: Any, *, num_stages: int, shape: tuple[int, ...]) -> Result:
+    meta = _meta(message, "result")
+    path = _path(meta, "result", num_stages)
+    (y,) = _tensors(message, 1, "result")
+    _shaped(y, shape, "result")
+    return Result(mb=_mb(meta, "result"), path=path, y=y)
+
+
+def parse_grad(message: Any, *, shape: tuple[int, ...]) -> Grad:
+    meta = _meta(message, "grad")
+    (g,) = _tensors(message, 1, "grad")
+    _shaped(g, shape, "grad")
+    return Grad(mb=_mb(meta, "grad"), grad=g)
+
+
+def parse_hop_reply(message: Any) -> HopReply:
+    """An ``ok`` reply; unusable timings count as not said (the round trip is used)."""
+    if getattr(message, "kind", None) != "ok":
+        raise BadActivation("reply", f"a forward is answered with ok, not "
+                                     f"{getattr(message, 'kind', None)!r}")
+    meta = getattr(message, "meta", None)
+    meta = meta if isinstance(meta, Mapping) else {}
+    service, held = (_seconds(meta.get(k)) for k in ("service_s", "held_s"))
+    return HopReply(service_s=service, held_s=held)
+
+
+def hop_seconds(reply: Any, round_trip_s: float) -> float:
+    """``parse_hop_reply(reply).seconds(round_trip_s)``; the round trip for any other reply."""
+    try:
+        return parse_hop_reply(reply).seconds(round_trip_s)
+    except BadActivation:
+        return round_trip_s
+
+
+def activation(x: Any, width: int, max_tokens: int, what: str) -> None:
+    """A (batch, tokens, width) floating tensor of at most ``max_tokens`` tokens."""
+    if not isinstance(x, torch.Tensor):
+        raise BadActivation("type", f"{what} must be a tensor")
+    if x.dim() != 3 or x.shape[-1] != width or x.shape[0] < 1 or x.shape[1] < 1:
+        raise BadActivation("shape", f"{what} must be (batch, tokens, {width}), got "
+                                     f"{tuple(x.shape)}")
+    if x.shape[0] * x.shape[1] > max_tokens:
+        raise BadActivation("too_large", f"{what} of {x.shape[0]}x{x.shape[1]} tokens, at "
+                                         f"most {max_tokens} here")
+    if not x.is_floating_point():
+        raise BadActivation("dtype", f"{what} must be floating point, got {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise BadActivation("not_finite", f"{what} contain NaN or Inf")
+
+
+# ---- fields ----------------------------------------------------------------------------------
+def _meta(message: Any, kind: str) -> Mapping[str, Any]:
+    if getattr(message, "kind", None) != kind:
+        raise BadActivation("malformed", f"expected a {kind}, got {getattr(message, 'kind', None)!r}")
+    meta = getattr(message, "meta", None)
+    if not isinstance(meta, Mapping):
+        raise BadActivation("malformed", f"{kind} meta must be a map")
+    return meta
+
+
+def _tensors(message: Any, n: int, kind: str) -> tuple[Any, ...]:
+    tensors = getattr(message, "tensors", ())
+    if not isinstance(tensors, tuple) or len(tensors) != n:
+        raise BadActivation("malformed", f"a {kind} carries exactly {n} tensor(s)")
+    return tensors
+
+
+def _shaped(t: Any, shape: tuple[int, ...], kind: str) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise BadActivation("dtype", f"a {kind} carries a floating point tensor")
+    if tuple(t.shape) != tuple(shape):
+        raise BadActivation("shape", f"a {kind} of shape {tuple(t.shape)}, expected "
+                                     f"{tuple(shape)}")
+
+
+def _text(meta: Mapping[str, Any], key: str, limit: int, kind: str) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= limit:
+        raise BadActivation("malformed", f"{kind} meta {key!r} missing or not a string of "
+                                         f"1..{limit} characters")
+    return value
+
+
+def _mb(meta: Mapping[str, Any], kind: str) -> str:
+    return _text(meta, "mb", MAX_MB_CHARS, kind)
+
+
+def _int(meta: Mapping[str, Any], key: str, low: int, high: int, kind: str) -> int:
+    value = meta.get(key)
+    if type(value) is not int or not low <= value < high:
+        raise BadActivation("malformed", f"{kind} meta {key!r} missing or not an integer "
+                                         f"from {low}")
+    return value
+
+
+def _path(meta: Mapping[str, Any], kind: str, length: int) -> tuple[str, ...]:
+    path = meta.get("path")
+    if not isinstance(path, (list, tuple)) or len(path) != length:
+        raise BadActivation("path", f"a {kind}'s path must list {length} peer(s), one per "
+                                    f"stage")
+    if not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_CHARS for p in path):
+        raise BadActivation("path", f"a {kind}'s path entries must be peer ids")
+    if len(set(path)) != len(path):
+        raise BadActivation("path", f"a {kind}'s path names a peer twice")
+    return tuple(path)
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and 0 <= value < MAX_SECONDS else None

@@ -1,0 +1,220 @@
+"""The one hop router: choose a peer of a stage, dial it, send, judge the outcome.
+
+Used by the stage server (a forward to the next stage) and by the trainer (a forward to stage
+0). The judgement (``judge``) is one table, docs/pipeline.md "Faults":
+
+=======================================  ====================================================
+what happened                            what the router does
+=======================================  ====================================================
+reply ``ok``                             ``Wiring.success`` with the peer's own hop time
+refusal of our own output                raise ``OutputRefused``; nobody is banned
+(``bad_activation``, codec, frame,
+size limit)
+``busy``                                 backpressure: ``Wiring.busy`` (a short pause, no
+                                         ban), another peer now
+our deadline for the hop passed          slow: ``Wiring.timeout``, another peer
+dial or transport failure, garbage       ``Wiring.error``: banned with backoff, another peer
+reply, any other error reply
+``stage_unavailable``,                   raised as is: a later stage or the trainer is the
+``trainer_unreachable``                  problem, another peer of this stage would not help
+=======================================  ====================================================
+
+Every attempt is bounded: at most ``MAX_ATTEMPTS`` tries within the caller's deadline, waits
+(every peer paused or banned) never past it. Only addresses from the peer's signed membership
+announcement (``peers_of``) are dialed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+from swarmd.errors import OutputRefused, StageUnavailable, TrainerUnreachable
+from swarmd.pipeline.messages import HopReply, parse_hop_reply
+from swarmd.pipeline.wiring import Kind, Wiring
+from transport.errors import (
+    DeadlineExceeded,
+    LocalUsageError,
+    RemoteError,
+    TransportClosed,
+    TransportError,
+)
+from transport.frames import Message
+
+log = logging.getLogger("swarmd.pipeline.router")
+
+#: one hop's deadline (the chain after it included) when the caller has more time
+HOP_TIMEOUT_S = 60.0
+#: tries of one send, over all peers
+MAX_ATTEMPTS = 16
+#: without ``wait``, how long a send may wait for a paused (busy) peer to come back
+BUSY_WAIT_S = 2.0
+#: with ``wait`` and nobody to wait for (no peer listed): how often to look again
+POLL_S = 0.5
+DIAL_TIMEOUT_S = 5.0
+
+PeersOf = Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]]
+
+
+class Verdict(enum.Enum):
+    OURS = "ours"          # our output or our call is wrong: raise, ban nobody
+    BUSY = "busy"          # backpressure: pause that peer briefly, try another
+    SLOW = "slow"          # it did not answer in time: lower its share, try another
+    BROKEN = "broken"      # unreachable or misbehaving: ban with backoff, try another
+    PASS_UP = "pass_up"    # not this peer's fault, nor fixable by another peer of its stage
+
+
+#: error replies that say the peer refused what we sent as malformed
+OUR_OUTPUT_REFUSED = frozenset({"bad_activation", "malformed_frame", "codec_error",
+                                "limit_exceeded", "unknown_codec", "unknown_kind",
+                                "protocol_violation"})
+PASSED_UP = {"stage_unavailable": StageUnavailable, "trainer_unreachable": TrainerUnreachable}
+
+
+def judge(exc: BaseException) -> Verdict:
+    """Who is at fault for a failed hop, from the exception the send raised."""
+    if isinstance(exc, RemoteError):
+        if exc.code in OUR_OUTPUT_REFUSED:
+            return Verdict.OURS
+        if exc.code == "busy":
+            return Verdict.BUSY
+        if exc.code in PASSED_UP:
+            return Verdict.PASS_UP
+        return Verdict.BROKEN  # output_refused, wrong_stage, internal_error, anything else
+    if isinstance(exc, (LocalUsageError, TransportClosed)):
+        return Verdict.OURS
+    if isinstance(exc, (DeadlineExceeded, TimeoutError)):
+        return Verdict.SLOW
+    if isinstance(exc, TransportError):  # dial failures, resets, garbage replies
+        return Verdict.BROKEN
+    return Verdict.OURS
+
+
+class Router:
+    """Sends to peers of one ``stage`` with its own ``Wiring``; see the module docstring."""
+
+    def __init__(self, host: Any, *, stage: int, protocol: str, peers_of: PeersOf,
+                 codec: Any, rng: random.Random | None = None, wiring: Wiring | None = None,
+                 counters: Counter[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self.host = host
+        self.stage = stage
+        self.protocol = protocol
+        self.peers_of = peers_of
+        self.codec = codec
+        self.wiring = wiring or Wiring()
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self._rng = rng or random.Random()
+        self._clock, self._sleep = clock, sleep
+
+    async def send(self, message: Message, *, timeout: float, kind: Kind = "forward",
+                   wait: bool = False,
+                   on_attempt: Callable[[str], None] | None = None) -> tuple[str, HopReply]:
+        """Send ``message`` to a peer of the stage; returns that peer and its reply.
+
+        ``wait``: when no peer is in service, wait for one (until ``timeout``) instead of
+        raising ``StageUnavailable`` at once (a paused busy peer is waited for either way, at
+        most ``BUSY_WAIT_S``). ``on_attempt(peer)`` is told each peer before it is sent to."""
+        deadline = self._clock() + timeout
+        rows = int(message.tensors[0].shape[0])
+        tried: list[str] = []
+        slow: set[str] = set()  # timed out on this message: not tried again for it
+        for _ in range(MAX_ATTEMPTS):
+            target = await self._choose(kind, rows, deadline, wait, slow)
+            if target is None:
+                break
+            if tried:
+                self.counters["rerouted"] += 1
+            tried.append(target)
+            if on_attempt is not None:
+                on_attempt(target)
+            reply, verdict = await self._attempt(target, kind, message, rows, deadline)
+            if reply is not None:
+                return target, reply
+            if verdict is Verdict.SLOW:
+                slow.add(target)
+        raise StageUnavailable(f"no peer of stage {self.stage} took the {kind} (tried "
+                               f"{len(set(tried))} peer(s) {len(tried)} time(s))")
+
+    async def _choose(self, kind: Kind, rows: int, deadline: float, wait: bool,
+                      slow: set[str]) -> str | None:
+        """A peer in service, waiting for one within the deadline when allowed; None: give up."""
+        while True:
+            now = self._clock()
+            if now >= deadline:
+                return None
+            peers = self.peers_of(self.stage)
+            # every peer, every time: a peer left out of update_peers would lose its ban
+            self.wiring.update_peers({p: (v[0], v[1]) for p, v in peers.items()}, now)
+            if not peers:
+                target = None
+            elif slow:
+                target = self.wiring.choose(kind, rows, now, self._rng, exclude=slow)
+            else:  # (the plain call: tests may stand in for choose)
+                target = self.wiring.choose(kind, rows, now, self._rng)
+            if target is None and slow and not (peers.keys() - slow):
+                return None  # every peer listed timed out on this message
+            if target is not None:
+                return target if target in peers else None  # (a stand-in choose may err)
+            at = self.wiring.available_at(now)
+            limit = deadline if wait else min(deadline, now + BUSY_WAIT_S)
+            if at is None:  # nobody listed
+                if not wait:
+                    return None
+                at = now + POLL_S
+            if at > limit and not wait:
+                return None
+            self.counters["waited"] += 1
+            await self._sleep(max(0.001, min(at, limit, now + POLL_S) - now))
+
+    async def _attempt(self, target: str, kind: Kind, message: Message, rows: int,
+                       deadline: float) -> tuple[HopReply | None, Verdict | None]:
+        """One try: the reply, or None and the verdict once it was recorded (try another)."""
+        t0 = self._clock()
+        try:
+            addrs = self.peers_of(self.stage).get(target, (0.0, 0, ()))[2]
+            await self.host.connect(target, addrs, timeout=min(DIAL_TIMEOUT_S,
+                                                                max(0.001, deadline - t0)))
+            raw = await self.host.request(target, self.protocol, message, codec=self.codec,
+                                          timeout=min(HOP_TIMEOUT_S, deadline - self._clock()))
+            reply = parse_hop_reply(raw)
+        except Exception as exc:
+            return None, self._judged(target, kind, exc)
+        self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
+                            self._clock())
+        return reply, None
+
+    def _judged(self, target: str, kind: Kind, exc: Exception) -> Verdict:
+        verdict = judge(exc) if not _is_bad_reply(exc) else Verdict.BROKEN
+        now = self._clock()
+        self.counters[f"hop_{verdict.value}"] += 1
+        if verdict is Verdict.OURS:
+            if isinstance(exc, RemoteError):
+                raise OutputRefused(f"peer {target} of stage {self.stage} refused our {kind} "
+                                    f"({exc.code}): {exc.remote_message}") from exc
+            raise exc
+        if verdict is Verdict.PASS_UP:
+            assert isinstance(exc, RemoteError)
+            raise PASSED_UP[exc.code](exc.remote_message) from exc
+        if verdict is Verdict.BUSY:
+            self.wiring.busy(target, now)
+        elif verdict is Verdict.SLOW:
+            self.wiring.timeout(target, now)
+        else:
+            self.wiring.error(target, now)
+        log.info("stage %d peer %s: %s %s (%s); trying another", self.stage, target, kind,
+                 verdict.value, exc)
+        return verdict
+
+
+def _is_bad_reply(exc: Exception) -> bool:
+    """A reply that is not an ``ok`` is the peer's misbehaviour, not a refusal of ours."""
+    from swarmd.errors import BadActivation
+
+    return isinstance(exc, BadActivation) and exc.reason == "reply"

@@ -1,0 +1,157 @@
+"""A stage peer's optimizer step: the gradient math (in the compute thread) and the gate that
+keeps forwards out while a step waits for the microbatches in flight here.
+
+Gradients are sums over samples everywhere (docs/pipeline.md, "Stepping"). A peer alone in its
+stage divides by its samples and steps (``step_alone``); otherwise its mean gradient is taken
+(``take_gradient``), averaged with its stage by ``swarmd.averaging.stage_sync`` and applied
+(``apply_gradient``), or given back when the round failed (``give_back``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from swarmd.pipeline.batching import Compute
+from swarmd.pipeline.worker import StageWorker
+
+log = logging.getLogger("swarmd.stage")
+
+#: a step waits at most this long for the microbatches in flight here
+DRAIN_S = 20.0
+DRAIN_POLL_S = 0.002
+
+
+class Stepper:
+    """The optimizer math of one stage; every method runs in the compute thread."""
+
+    def __init__(self, module: torch.nn.Module, worker: StageWorker, optimizer: Any,
+                 counters: Counter[str]) -> None:
+        self.module = module
+        self.worker = worker
+        self.optimizer = optimizer
+        self.counters = counters
+        self._params = [p for p in module.parameters() if p.requires_grad]
+
+    def take_gradient(self) -> tuple[torch.Tensor, int]:
+        """This peer's mean gradient (flat float32) and its samples; the accumulation restarts."""
+        samples = self.worker.samples_accumulated
+        vector = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                            .reshape(-1).to("cpu", torch.float32) for p in self._params])
+        if samples:
+            vector /= samples
+        self.worker.zero_grad()
+        return vector, samples
+
+    def apply_gradient(self, vector: torch.Tensor) -> None:
+        """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside."""
+        kept = [p.grad for p in self._params]
+        for p, g in self._unflatten(vector):
+            p.grad = g
+        self.optimizer.step()
+        for p, g in zip(self._params, kept):
+            p.grad = g
+        self.counters["optimizer_steps"] += 1
+
+    def step_alone(self) -> None:
+        """A peer alone in its stage: its own mean gradient, without flattening it."""
+        samples = self.worker.samples_accumulated
+        for p in self._params:
+            if p.grad is not None and samples:
+                p.grad /= samples
+        self.optimizer.step()
+        self.worker.zero_grad()
+        self.counters["optimizer_steps"] += 1
+
+    def give_back(self, vector: torch.Tensor, samples: int) -> None:
+        """Undo ``take_gradient`` (a round failed): add the snapshot back."""
+        for p, g in self._unflatten(vector):
+            p.grad = g * samples if p.grad is None else p.grad + g * samples
+        self.worker.samples_accumulated += samples
+
+    def fingerprint(self) -> tuple[str, float]:
+        """(blake2b-128 of the parameters' bytes, their L2 norm): equal weights, equal digest."""
+        h = hashlib.blake2b(digest_size=16)
+        total = 0.0
+        with torch.no_grad():
+            for p in self.module.parameters():
+                data = p.detach().to("cpu").clone()  # its own storage, offset 0
+                h.update(bytes(data.untyped_storage()))
+                total += float(data.float().pow(2).sum())
+        return h.hexdigest(), total ** 0.5
+
+    def _unflatten(self, vector: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its slice of the flat ``vector`` shaped like it), in ``take_gradient``
+        order."""
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            yield p, vector[offset:offset + n].view_as(p).to(p.device, p.dtype)
+            offset += n
+
+
+class Gate:
+    """Keeps new forwards out while the weights are about to change, and knows when no
+    microbatch is in flight here (none saved for its backward, none between gate and forward).
+
+    The optimizer changes the weights in place, and a microbatch's backward needs the weights
+    its forward used: ``when_drained`` closes the gate, waits (at most ``DRAIN_S``) for those in
+    flight, drops the rest (their backward gets ``unknown_microbatch``; the trainer restarts
+    them), runs the step, and opens the gate again."""
+
+    def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
+                 stage: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.worker = worker
+        self.compute = compute
+        self.counters = counters
+        self.stage = stage
+        self._clock = clock
+        self._open = asyncio.Event()
+        self._open.set()
+        self._admitted = 0
+        #: set once the peer leaves the stage: new forwards are refused with busy
+        self.retiring = False
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
+
+    @contextmanager
+    def admitted(self) -> Iterator[None]:
+        """A forward past the gate, not saved yet: a step waits for it too."""
+        self._admitted += 1
+        try:
+            yield
+        finally:
+            self._admitted -= 1
+
+    async def drain(self, timeout_s: float) -> None:
+        deadline = self._clock() + timeout_s
+        while (self.worker.saved or self._admitted) and self._clock() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def retire(self, timeout_s: float = DRAIN_S) -> int:
+        """Stop taking new microbatches and let those in flight finish their backward (at
+        most ``timeout_s``); returns how many did not (their senders restart them)."""
+        self.retiring = True
+        await self.drain(timeout_s)
+        return self.worker.saved
+
+    async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._open.clear()
+        try:
+            await self.drain(DRAIN_S)
+            if self.worker.saved:
+                dropped = self.worker.expire(float("inf"))
+                self.counters["dropped_for_step"] += len(dropped)
+                log.warning("stage %d: %d microbatch(es) did not come back within %.0f s; "
+                            "dropped before the step", self.stage, len(dropped), DRAIN_S)
+            return await self.compute.run(fn, *args)
+        finally:
+            self._open.set()
