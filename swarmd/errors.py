@@ -127,3 +127,13 @@ class ModelMismatch(SwarmdError):
     """A request for another model (name or architecture hash) than this peer trains."""
 
     code = "model_hash_mismatch"
+
+
+class ModelError(SwarmdError):
+    """The model cannot be built or loaded: an unsupported architecture, a bad ``config.json``,
+    a weights file with a missing or misshapen tensor, a tokenizer that does not fit the model,
+    or a ``model.factory`` that does not resolve. Names the file, what is wrong and what is
+    supported."""
+
+    code = "model"
+    exit_status = 2
