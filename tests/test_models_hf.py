@@ -44,8 +44,15 @@ def mistral_config():  # type: ignore[no-untyped-def]
                                       sliding_window=8)  # shorter than T: the window matters
 
 
+def qwen3_config():  # type: ignore[no-untyped-def]
+    return transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=64)
+
+
 CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "qwen2": qwen2_config,
-           "mistral": mistral_config}
+           "qwen3": qwen3_config, "mistral": mistral_config}
 
 
 def split(seam: HFCausalLM, num_stages: int, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -187,3 +194,26 @@ def test_pretrained_slices_load_only_their_own_tensors(tmp_path, family: str) ->
         loss = trainer.loss(trainer.head(h), y)
         ref_loss = trainer.loss(ref(input_ids=x).logits, y)
     assert rel_err(loss, ref_loss) <= 1e-4
+
+
+def test_bfloat16_stages_keep_float32_rotary_frequencies() -> None:
+    seam = HFCausalLM(llama_config())
+    stage = seam.build_stage(0, 2, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in stage.parameters())
+    assert stage.rotary_emb.inv_freq.dtype == torch.float32
+    spec = seam.activation(B, T, torch.bfloat16)
+    out = stage(torch.randn(spec.shape, dtype=spec.dtype))
+    assert out.shape == spec.shape and out.dtype == spec.dtype and torch.isfinite(out).all()
+
+
+def test_tokenizer_in_the_model_directory_must_fit_its_vocabulary(tmp_path) -> None:
+    from swarmd.errors import ModelError
+    from swarmd.training.tokens import check_fits, load_tokenizer, train_bpe
+
+    transformers.AutoModelForCausalLM.from_config(llama_config()).config.save_pretrained(tmp_path)
+    train_bpe(["some text to learn from, " * 50, "more words here"], 280, tmp_path)
+    seam = HFCausalLM.from_dir(tmp_path)
+    assert seam.checkpoint() is None  # a config alone: random initialisation
+    with pytest.raises(ModelError, match=rf"tokenizer.json: the tokenizer's vocabulary of 2[0-9][0-9] "
+                                         rf"tokens does not fit the model's {VOCAB}"):
+        check_fits(load_tokenizer(str(tmp_path)), seam.vocab_size, model="the model")
