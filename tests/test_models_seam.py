@@ -174,3 +174,19 @@ def test_damaged_safetensors_file_is_refused_naming_the_file(tmp_path) -> None:
     path.unlink()
     with pytest.raises(ModelError, match=r"no \*.safetensors file here"):
         Checkpoint(tmp_path)
+
+
+def test_seam_from_config_fits_the_builtin_vocabulary_to_the_tokenizer(tmp_path) -> None:
+    from swarmd.config import load_config
+    from swarmd.models.registry import fingerprint_from_config, seam_from_config
+    from swarmd.training.tokens import train_bpe
+
+    seam, tok = seam_from_config(load_config(None, {}, {}))
+    assert isinstance(seam, BuiltinGPT) and seam.vocab_size == tok.vocab_size == 256
+    path = train_bpe(["words and more words, " * 50, "other words"], 270, tmp_path)
+    config = load_config(None, {"SWARMD_DATA_TOKENIZER": str(path),
+                                "SWARMD_TRAINING_OPTIMIZER": "lamb"}, {})
+    seam, tok = seam_from_config(config)
+    assert seam.vocab_size == tok.vocab_size > 256
+    fp = fingerprint_from_config(config, seam)
+    assert fp.fields["optimizer"] == "lamb" and fp.fields["vocab"] == tok.vocab_size

@@ -15,13 +15,20 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
+import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarmd.errors import ModelError
-from swarmd.models.seam import ModelSeam
+from swarmd.models.seam import Fingerprint, ModelSeam
 from swarmd.training.model import ModelConfig
 
-__all__ = ["resolve_factory", "make_seam", "FACTORY_RE"]
+if TYPE_CHECKING:
+    from swarmd.config import Config
+    from swarmd.training.tokens import Tokenizer
+
+__all__ = ["resolve_factory", "make_seam", "seam_from_config", "fingerprint_from_config",
+           "FACTORY_RE"]
 
 #: ``package.module:callable`` (the callable may be dotted: ``module:Class.method``)
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -65,3 +72,20 @@ def make_seam(config: ModelConfig, *, factory: str = "", hf: str = "") -> ModelS
     from swarmd.models.builtin import BuiltinGPT
 
     return BuiltinGPT(config)
+
+
+def seam_from_config(config: Config) -> tuple[ModelSeam, Tokenizer]:
+    """The model and the tokenizer a node of ``config`` uses: the built-in GPT's vocabulary is
+    the tokenizer's; a Hugging Face or user's model must fit the tokenizer (ModelError)."""
+    from swarmd.training.tokens import check_fits, load_tokenizer
+
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    shape = dataclasses.replace(config.model_config(), vocab=tokenizer.vocab_size)
+    seam = make_seam(shape, factory=config.model.factory, hf=config.model.hf)
+    check_fits(tokenizer, seam.vocab_size, model=config.model.hf or seam.factory)
+    return seam, tokenizer
+
+
+def fingerprint_from_config(config: Config, seam: ModelSeam) -> Fingerprint:
+    """The fingerprint peers of ``config`` compare (model, dtype and optimizer)."""
+    return seam.fingerprint(dtype=config.model.dtype, optimizer=config.training.optimizer)
