@@ -101,6 +101,17 @@ def split_loss(trainer, stages, x, y, *, handover=lambda t: t):  # type: ignore[
     return loss.detach()
 
 
+def over_the_wire(t: torch.Tensor) -> torch.Tensor:
+    """What a hop with codec none does: wire_tensor, encode, bytes, decode."""
+    from swarmd.training.model import wire_tensor
+    from transport import codecs
+    from transport.limits import Limits
+
+    encoded = codecs.encode(wire_tensor(t), codecs.CodecSpec(name="none"))
+    payload = memoryview(b"".join(bytes(part) for part in encoded.parts))
+    return codecs.decode(encoded.meta(), payload, Limits())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -111,7 +122,7 @@ def test_stage_split_gradients_equal_the_transformers_model(family: str) -> None
     trainer, stages = split(seam, 2)
     ref = reference(seam, trainer, stages)
     x, y = batch()
-    loss = split_loss(trainer, stages, x, y)
+    loss = split_loss(trainer, stages, x, y, handover=over_the_wire)
     ref_loss = trainer.loss(ref(input_ids=x).logits, y)
     ref_loss.backward()
     assert rel_err(loss, ref_loss.detach()) <= 1e-5
