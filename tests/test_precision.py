@@ -150,3 +150,18 @@ def test_weight_decay_reaches_the_optimizer_and_defaults_are_unchanged() -> None
     p = [torch.nn.Parameter(torch.ones(1))]
     assert make_optimizer("adamw", p, 0.1).param_groups[0]["weight_decay"] == 0.01
     assert make_optimizer("lamb", p, 0.1, weight_decay=0.2).param_groups[0]["weight_decay"] == 0.2
+
+
+def test_master_weights_state_round_trips() -> None:
+    params, loss_of = tiny(torch.bfloat16)
+    opt = MasterWeights(params, lr=1e-2)
+    x, y = next(batches(1))
+    loss_of(x, y).backward()
+    opt.step()
+    other_params, _ = tiny(torch.bfloat16)
+    other = MasterWeights(other_params, lr=1e-2)
+    other.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(opt.masters, other.masters))
+    assert all(torch.equal(a, b) for a, b in zip(params, other_params))
+    with pytest.raises(ValueError, match="holds 1 master tensors"):
+        other.load_state_dict({"masters": [opt.masters[0]], "optimizer": {}})

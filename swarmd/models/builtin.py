@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from swarmd.models.seam import ModelSeam, Setting, TrainerParts
+from swarmd.models.seam import Device, ModelSeam, Setting, TrainerParts
 from swarmd.models.weights import Checkpoint
 from swarmd.training import model as gpt
 
@@ -82,7 +82,7 @@ class BuiltinGPT(ModelSeam):
     def stage_ranges(self, num_stages: int) -> list[range]:
         return gpt.stage_layers(self.config, num_stages)
 
-    def build_stage(self, index: int, num_stages: int, *, seed: int = 0, device=None,  # type: ignore[no-untyped-def]
+    def build_stage(self, index: int, num_stages: int, *, seed: int = 0, device: Device = None,
                     dtype: torch.dtype = torch.float32,
                     weights: Checkpoint | None = None) -> nn.Module:
         stage = gpt.build_stage(self.config, index, num_stages, seed, device="cpu")
@@ -90,7 +90,7 @@ class BuiltinGPT(ModelSeam):
             weights.load_into(stage, checkpoint_names(stage), what=f"stage {index} of {num_stages}")
         return stage.to(device=device or "cpu", dtype=dtype)
 
-    def build_trainer(self, *, seed: int = 0, device=None,  # type: ignore[no-untyped-def]
+    def build_trainer(self, *, seed: int = 0, device: Device = None,
                       dtype: torch.dtype = torch.float32,
                       weights: Checkpoint | None = None) -> TrainerParts:
         trainer = BuiltinTrainer(gpt.build_embedding(self.config, seed, device="cpu"),

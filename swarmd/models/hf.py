@@ -25,13 +25,19 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from swarmd.errors import ModelError
-from swarmd.models.seam import ModelSeam, Setting, TrainerParts
+from swarmd.models.seam import Device, ModelSeam, Setting, TrainerParts
 from swarmd.models.weights import Checkpoint, tensor_names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+else:
+    PreTrainedConfig = Any
 
 __all__ = ["HFCausalLM", "SUPPORTED", "load_hf_config"]
 
@@ -68,7 +74,7 @@ def _supported() -> str:
     return ", ".join(sorted(SUPPORTED))
 
 
-def load_hf_config(directory: Path | str):  # type: ignore[no-untyped-def]
+def load_hf_config(directory: Path | str) -> PreTrainedConfig:
     """The transformers config of ``directory/config.json``; :class:`ModelError` naming the
     file when it is missing, unreadable or of an unsupported architecture."""
     from transformers import AutoConfig
@@ -100,7 +106,8 @@ def load_hf_config(directory: Path | str):  # type: ignore[no-untyped-def]
 class RotaryStage(nn.Module):
     """A slice of a rotary decoder: (B, T, W) -> (B, T, W) through layers ``first..``."""
 
-    def __init__(self, config, layers: dict[int, nn.Module], rotary: nn.Module) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: PreTrainedConfig, layers: dict[int, nn.Module],
+                 rotary: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
@@ -129,7 +136,7 @@ class RotaryStage(nn.Module):
 class GPT2Stage(nn.Module):
     """A slice of GPT-2's blocks: (B, T, W) -> (B, T, W)."""
 
-    def __init__(self, config, layers: dict[int, nn.Module]) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: PreTrainedConfig, layers: dict[int, nn.Module]) -> None:
         super().__init__()
         self.config = config
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
@@ -188,7 +195,7 @@ class GPT2Trainer(TrainerParts):
 class HFCausalLM(ModelSeam):
     """A transformers causal LM config (and optionally its safetensors weights) as a seam."""
 
-    def __init__(self, config, *, source: Path | None = None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: PreTrainedConfig, *, source: Path | None = None) -> None:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             raise ModelError(f"{source or 'model config'}: model_type {model_type!r} is not "
@@ -285,7 +292,7 @@ class HFCausalLM(ModelSeam):
                     p.normal_(0.0, s, generator=generator)
 
     def _finish(self, module: nn.Module, parts: list[tuple[str, nn.Module]], names: dict[str, str],
-                *, seed: int, device, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                *, seed: int, device: Device, dtype: torch.dtype,
                 weights: Checkpoint | None, what: str) -> nn.Module:
         """Initialise each (materialised) part from its generator, or load the module's tensors
         from ``weights``; then move to ``device`` and ``dtype``."""
@@ -301,7 +308,7 @@ class HFCausalLM(ModelSeam):
         """A CPU copy of a skeleton's module, its tensors allocated but not yet filled."""
         return copy.deepcopy(module).to_empty(device="cpu", recurse=True)
 
-    def build_stage(self, index: int, num_stages: int, *, seed: int = 0, device=None,  # type: ignore[no-untyped-def]
+    def build_stage(self, index: int, num_stages: int, *, seed: int = 0, device: Device = None,
                     dtype: torch.dtype = torch.float32,
                     weights: Checkpoint | None = None) -> nn.Module:
         ranges = self.stage_ranges(num_stages)
@@ -322,7 +329,7 @@ class HFCausalLM(ModelSeam):
             stage.rotary_emb = type(decoder.rotary_emb)(config=self.config).to(device or "cpu")
         return stage
 
-    def build_trainer(self, *, seed: int = 0, device=None,  # type: ignore[no-untyped-def]
+    def build_trainer(self, *, seed: int = 0, device: Device = None,
                       dtype: torch.dtype = torch.float32,
                       weights: Checkpoint | None = None) -> TrainerParts:
         full = self._parts()
@@ -339,6 +346,8 @@ class HFCausalLM(ModelSeam):
             trainer = GPT2Trainer(wte, wpe, copy.deepcopy(decoder.drop), ln_f, lm_head, self.tied)
         if self.tied:
             parts = [p for p in parts if p[0] != "lm_head"]  # the embedding's weight
-        return self._finish(trainer, parts, self.checkpoint_names(trainer), seed=seed,  # type: ignore[return-value]
-                            device=device,
-                            dtype=dtype, weights=weights, what="the trainer's embedding and head")
+        built = self._finish(trainer, parts, self.checkpoint_names(trainer), seed=seed,
+                             device=device, dtype=dtype, weights=weights,
+                             what="the trainer's embedding and head")
+        assert isinstance(built, TrainerParts)
+        return built

@@ -33,11 +33,13 @@ import torch.nn as nn
 
 from swarmd.errors import ModelMismatch
 
-__all__ = ["ActivationSpec", "Fingerprint", "TrainerParts", "ModelSeam", "split_evenly",
+__all__ = ["Device", "ActivationSpec", "Fingerprint", "TrainerParts", "ModelSeam", "split_evenly",
            "fingerprint_of", "check_fingerprint"]
 
 #: a JSON-able value in a fingerprint
 Setting = str | int | float | bool | None | tuple | list
+#: where a part is built
+Device = torch.device | str | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,12 +154,12 @@ class ModelSeam(abc.ABC):
 
     @abc.abstractmethod
     def build_stage(self, index: int, num_stages: int, *, seed: int = 0,
-                    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+                    device: Device = None, dtype: torch.dtype = torch.float32,
                     weights: object | None = None) -> nn.Module:
         """Stage ``index`` of ``num_stages``: holds only its own blocks."""
 
     @abc.abstractmethod
-    def build_trainer(self, *, seed: int = 0, device: torch.device | str | None = None,
+    def build_trainer(self, *, seed: int = 0, device: Device = None,
                       dtype: torch.dtype = torch.float32,
                       weights: object | None = None) -> TrainerParts:
         """The trainer's embedding, head and loss."""

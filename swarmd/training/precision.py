@@ -123,7 +123,10 @@ class MasterWeights:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         masters = state["masters"]
-        assert isinstance(masters, list) and len(masters) == len(self.masters)
+        if not isinstance(masters, list) or len(masters) != len(self.masters):
+            held = len(masters) if isinstance(masters, list) else "no"
+            raise ValueError(f"the saved state holds {held} master tensors, this optimizer "
+                             f"{len(self.masters)}")
         with torch.no_grad():
             for p, m, saved in zip(self.params, self.masters, masters):
                 m.copy_(saved)
