@@ -149,3 +149,13 @@ class TrainerUnreachable(SwarmdError):
     announced (or it announced none yet): not this stage's fault; the trainer restarts it."""
 
     code = "trainer_unreachable"
+
+
+class ModelError(SwarmdError):
+    """The model cannot be built or loaded: an unsupported architecture, a bad ``config.json``,
+    a weights file with a missing or misshapen tensor, a tokenizer that does not fit the model,
+    or a ``model.factory`` that does not resolve. Names the file, what is wrong and what is
+    supported."""
+
+    code = "model"
+    exit_status = 2

@@ -40,6 +40,10 @@ def error_of(path=None, env=None, overrides=None) -> str:
 def test_defaults():
     config = load_config(None, {}, {})
     assert config == Config()
+    assert (config.model.factory, config.model.hf) == ("", "")
+    assert (config.data.tokenizer, config.data.text_field) == ("bytes", "text")
+    assert (config.training.lr_schedule, config.training.warmup_steps) == ("constant", 0)
+    assert (config.training.grad_clip, config.training.weight_decay) == (0.0, 0.0)
     assert config.swarm.name == "swarmd-default"
     assert config.network.listen == ("/ip4/0.0.0.0/tcp/31337",)
     assert config.network.bootstrap == ()
@@ -271,6 +275,15 @@ def test_nested_table_is_unknown_key(tmp_path):
     ("swarm.name", '"has space"', None),
     ("swarm.name", '"-leading-dash"', None),
     ("swarm.name", "1979-05-27", "it is a date/time"),
+    ("model.factory", '"no_colon_here"', None),
+    ("model.factory", '"pkg.mod:"', None),
+    ("training.lr_schedule", '"cosin"', 'did you mean "cosine"'),
+    ("training.grad_clip", "-1.0", "must be 0 or more"),
+    ("training.weight_decay", "-0.5", "must be 0 or more"),
+    ("training.warmup_steps", "-1", "out of range"),
+    ("training.decay_steps", "0", "out of range"),
+    ("data.tokenizer", '""', "must not be empty"),
+    ("data.text_field", '""', "must not be empty"),
 ])
 def test_invalid_values_name_file_key_value_and_expectation(tmp_path, key, toml_value, needle):
     section, name = key.split(".")

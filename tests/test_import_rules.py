@@ -36,6 +36,7 @@ CORES = frozenset({
     "swarmd.averaging.aggregation",
     "swarmd.state.transfer",
     "transport.codecs",
+    "swarmd.models.seam",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

@@ -30,6 +30,7 @@ from swarmd.cli.local import (_demo_arguments, _id_arguments, _init_arguments,
                               _join_arguments, _train_arguments, cmd_demo, cmd_id, cmd_init,
                               cmd_join, cmd_train, text_demo, text_id, text_init, text_join,
                               text_train)
+from swarmd.cli.tokenizer import _tokenizer_arguments, cmd_tokenizer, text_tokenizer
 from swarmd.errors import SwarmdError
 from transport.errors import IdentityError
 
@@ -62,6 +63,12 @@ COMMANDS: list[Command] = [
                         "--steps steps through them, shut everything down and print a summary "
                         "(with --json, the last line is one JSON object). Exits non-zero if "
                         "the validation loss did not go down."),
+    Command("tokenizer", "train a BPE tokenizer on local data",
+            _tokenizer_arguments, cmd_tokenizer, text_tokenizer,
+            description="`swarmd tokenizer train --data PATH --vocab N --out DIR` trains a "
+                        "byte-level BPE tokenizer (the tokenizers library) on the text, JSONL "
+                        "or Parquet files at PATH and writes DIR/tokenizer.json, with "
+                        "<|endoftext|> as token 0; point data.tokenizer at it."),
     Command("status", "print the running daemon's state, stage, throughput and counters",
             _daemon_arguments, cmd_status, text_status,
             description="Ask the daemon running for this home (found through <home>/api) for "

@@ -8,6 +8,7 @@ declarations; :mod:`swarmd.config.load` applies the sources and renders the file
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,6 +31,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 #: allowed values of ``model.dtype`` (the names of ``swarmd.training.model.DTYPES``, kept torch-free here)
 DTYPES = ("float32", "bfloat16", "float16")
 
+#: allowed values of ``training.lr_schedule``
+LR_SCHEDULES = ("constant", "cosine")
+#: ``model.factory``: "package.module:callable" (kept equal to swarmd.models.registry.FACTORY_RE)
+_FACTORY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
 _LIMITS = Limits()
 
 
@@ -41,6 +47,21 @@ def _address_filters(values: tuple[str, ...]) -> None:
             parse_filter(text)
         except ValueError as exc:
             raise _Invalid(f"entry {index}: {exc}") from None
+
+
+def _factory(value: str) -> None:
+    if value and not _FACTORY_RE.fullmatch(value):
+        raise _Invalid(None)
+
+
+def _non_negative(value: float) -> None:
+    if not value >= 0:
+        raise _Invalid("must be 0 or more")
+
+
+def _non_empty(value: str) -> None:
+    if not value:
+        raise _Invalid("must not be empty")
 
 
 @dataclass(frozen=True)
@@ -73,8 +94,9 @@ class SwarmConfig(_Section):
 @dataclass(frozen=True)
 class ModelSection(_Section):
     SECTION: ClassVar[str] = "model"
-    DOC: ClassVar[str] = ("The model: a byte-level GPT; every peer of a swarm needs the same shape "
-                          "(width, heads, layers, seq_len, share_layers).")
+    DOC: ClassVar[str] = ("The model: the built-in byte-level GPT, a Hugging Face causal LM "
+                          "(model.hf) or a user's own (model.factory); every peer of a swarm "
+                          "needs the same model (compared by its hash).")
 
     width: int = _opt(
         128, "Width of the residual stream (embedding size); a multiple of model.heads.",
@@ -102,6 +124,17 @@ class ModelSection(_Section):
     device: str = _opt(
         "auto", "Where this node computes: auto (CUDA when available, else CPU), cpu, cuda or "
         "cuda:N.", '"auto", "cpu", "cuda" or "cuda:N"', _device,
+    )
+    factory: str = _opt(
+        "", 'A user\'s own model: "package.module:callable", called with the [model] keys, '
+        "returning a swarmd.models.seam.ModelSeam; empty: model.hf or the built-in GPT.",
+        'empty or "package.module:callable"', _factory,
+    )
+    hf: str = _opt(
+        "", "Directory of a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3 or GPT-2): its "
+        "config.json, optionally *.safetensors weights and tokenizer.json, read offline; "
+        "empty: the built-in GPT (width, heads, layers and share_layers apply to it only).",
+        'a directory path, or ""',
     )
     threads: int = _opt(
         0, "torch CPU threads of this process (0: torch's default, one per core). Set it when "
@@ -138,12 +171,33 @@ class TrainingConfig(_Section):
         0, "Seed of the initial weights (with the model hash) and of batch sampling.",
         "an integer from 0 to 2**63 - 1", _int_range(0, (1 << 63) - 1),
     )
+    lr_schedule: str = _opt(
+        "constant", "Learning rate after warm-up: constant, or cosine (decaying to a tenth of "
+        "training.lr at training.decay_steps).",
+        "one of " + ", ".join(f'"{s}"' for s in LR_SCHEDULES), _one_of(LR_SCHEDULES),
+    )
+    warmup_steps: int = _opt(
+        0, "Optimizer steps over which the learning rate rises linearly from 0 (0: none).",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
+    decay_steps: int = _opt(
+        10000, "Step at which the cosine schedule reaches its lowest learning rate.",
+        "an integer from 1 to 2**31", _int_range(1, 1 << 31),
+    )
+    grad_clip: float = _opt(
+        0.0, "Largest global gradient norm; larger gradients are scaled down to it (0: no "
+        "clipping).", "a number, 0 or more", _non_negative,
+    )
+    weight_decay: float = _opt(
+        0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",
+        "a number, 0 or more", _non_negative,
+    )
 
 
 @dataclass(frozen=True)
 class DataConfig(_Section):
     SECTION: ClassVar[str] = "data"
-    DOC: ClassVar[str] = "What the trainer trains on: bytes of text."
+    DOC: ClassVar[str] = "What the trainer trains on: text, as bytes or tokens."
 
     path: str = _opt(
         "", "Text file or directory of text files (read in sorted order, binary files skipped); "
@@ -152,6 +206,15 @@ class DataConfig(_Section):
     )
     max_bytes: int = _opt(
         32 << 20, "Most bytes of the corpus read (32 MiB).", "a positive integer", _int_range(1),
+    )
+    tokenizer: str = _opt(
+        "bytes", "How text becomes tokens: bytes (one token per byte), or the path of a "
+        "tokenizer.json (see `swarmd tokenizer train`) whose vocabulary fits the model's.",
+        '"bytes" or the path of a tokenizer.json', _non_empty,
+    )
+    text_field: str = _opt(
+        "text", "Field holding a document's text in JSONL lines and the column in Parquet files.",
+        "a non-empty field name", _non_empty,
     )
 
 

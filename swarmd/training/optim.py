@@ -7,9 +7,15 @@ keeps large-batch training stable: the setting SWARM's experiments use.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+
+#: ``training.lr_schedule`` values
+LR_SCHEDULES = ("constant", "cosine")
+#: the cosine schedule ends at this share of the base learning rate
+MIN_LR_RATIO = 0.1
 
 
 class Lamb(torch.optim.Optimizer):
@@ -47,11 +53,35 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float
-                   ) -> torch.optim.Optimizer:
-    """``"adamw"`` or ``"lamb"`` over ``params`` with learning rate ``lr``."""
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *,
+                   weight_decay: float | None = None) -> torch.optim.Optimizer:
+    """``"adamw"`` or ``"lamb"`` over ``params`` with learning rate ``lr``; ``weight_decay``
+    (``training.weight_decay``) when given, else each optimizer's default (0.01)."""
+    extra = {} if weight_decay is None else {"weight_decay": weight_decay}
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, **extra)
     if name == "lamb":
-        return Lamb(params, lr=lr)
+        return Lamb(params, lr=lr, **extra)
     raise ValueError(f'unknown optimizer "{name}": expected "adamw" or "lamb"')
+
+
+def lr_at(step: int, lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
+          decay_steps: int = 1) -> float:
+    """The learning rate of optimizer step ``step`` (from 0): a linear rise over
+    ``warmup_steps``, then ``lr`` (constant) or a cosine from ``lr`` down to
+    ``MIN_LR_RATIO * lr`` at ``decay_steps``, and flat after."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f'unknown lr_schedule "{schedule}": expected one of {LR_SCHEDULES}')
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    span = max(decay_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    return lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group (call before each step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,91 @@
+"""Which model a node builds: ``model.factory``, ``model.hf`` or the built-in GPT.
+
+* ``model.factory = "package.module:callable"``: ``callable(config)`` with the
+  :class:`~swarmd.training.model.ModelConfig` of the ``[model]`` keys returns a
+  :class:`~swarmd.models.seam.ModelSeam` (a user's own model);
+* ``model.hf = DIR``: :class:`~swarmd.models.hf.HFCausalLM` of ``DIR/config.json``;
+* neither: :class:`~swarmd.models.builtin.BuiltinGPT`.
+
+The factory's name is part of the fingerprint peers compare, so two swarms running different
+factories with equal settings are still told apart.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from swarmd.errors import ModelError
+from swarmd.models.seam import Fingerprint, ModelSeam
+from swarmd.training.model import ModelConfig
+
+if TYPE_CHECKING:
+    from swarmd.config import Config
+    from swarmd.training.tokens import Tokenizer
+
+__all__ = ["resolve_factory", "make_seam", "seam_from_config", "fingerprint_from_config",
+           "FACTORY_RE"]
+
+#: ``package.module:callable`` (the callable may be dotted: ``module:Class.method``)
+FACTORY_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def resolve_factory(spec: str) -> Callable[[ModelConfig], ModelSeam]:
+    """The callable ``spec`` names; :class:`ModelError` saying what is wrong otherwise."""
+    if not FACTORY_RE.match(spec):
+        raise ModelError(f'model.factory = "{spec}": expected "package.module:callable"')
+    module_name, _, attr = spec.partition(":")
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f'model.factory = "{spec}": cannot import {module_name} ({exc}); '
+                         f"install the package or put it on PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ModelError(f'model.factory = "{spec}": {module_name} has no attribute {attr}')
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelError(f'model.factory = "{spec}": {attr} is not callable')
+    return target  # type: ignore[return-value]
+
+
+def make_seam(config: ModelConfig, *, factory: str = "", hf: str = "") -> ModelSeam:
+    """The model a node builds from its ``[model]`` keys (see the module's doc)."""
+    if factory and hf:
+        raise ModelError(f'model.factory = "{factory}" and model.hf = "{hf}" are both set; '
+                         f"set one of them (or neither, for the built-in GPT)")
+    if factory:
+        seam = resolve_factory(factory)(config)
+        if not isinstance(seam, ModelSeam):
+            raise ModelError(f'model.factory = "{factory}" returned {type(seam).__name__}, not a '
+                             f"swarmd.models.seam.ModelSeam")
+        seam.factory = factory
+        return seam
+    if hf:
+        from swarmd.models.hf import HFCausalLM
+
+        return HFCausalLM.from_dir(Path(hf))
+    from swarmd.models.builtin import BuiltinGPT
+
+    return BuiltinGPT(config)
+
+
+def seam_from_config(config: Config) -> tuple[ModelSeam, Tokenizer]:
+    """The model and the tokenizer a node of ``config`` uses: the built-in GPT's vocabulary is
+    the tokenizer's; a Hugging Face or user's model must fit the tokenizer (ModelError)."""
+    from swarmd.training.tokens import check_fits, load_tokenizer
+
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    shape = dataclasses.replace(config.model_config(), vocab=tokenizer.vocab_size)
+    seam = make_seam(shape, factory=config.model.factory, hf=config.model.hf)
+    check_fits(tokenizer, seam.vocab_size, model=config.model.hf or seam.factory)
+    return seam, tokenizer
+
+
+def fingerprint_from_config(config: Config, seam: ModelSeam) -> Fingerprint:
+    """The fingerprint peers of ``config`` compare (model, dtype and optimizer)."""
+    return seam.fingerprint(dtype=config.model.dtype, optimizer=config.training.optimizer)
