@@ -50,13 +50,15 @@ class DelayLine(Generic[P]):
     ``offer(now, src, dst, packet)`` says ``"drop"``, ``"pass"`` (nothing to wait for) or
     ``"held"``; ``due(now)`` hands back the held packets whose time has come, in due order;
     ``next_due()`` says when the next one is due. Packets of one path leave in the order they
-    came, also when its delay shrinks while some are held."""
+    came, also when its delay shrinks while some are held (a packet that could pass waits
+    while an earlier one of its path is held)."""
 
     rng: random.Random
     max_held: int = MAX_HELD
     hosts: dict[bytes, _HostState] = field(default_factory=dict)
-    held: list[tuple[float, int, P]] = field(default_factory=list)
+    held: list[tuple[float, int, tuple[bytes, bytes], P]] = field(default_factory=list)
     last_due: dict[tuple[bytes, bytes], float] = field(default_factory=dict)
+    held_per_path: dict[tuple[bytes, bytes], int] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: {
         "passed": 0, "held": 0, "released": 0, "lost": 0, "blocked": 0, "overflow": 0})
     _seq: int = 0
@@ -83,22 +85,30 @@ class DelayLine(Generic[P]):
             delay += h.delay_s
         path = (src, dst)
         due = max(now + delay, self.last_due.get(path, 0.0))
-        if due <= now:
+        waiting = self.held_per_path.get(path, 0)
+        if due <= now and not waiting:
             self.counters["passed"] += 1
             return "pass"
         if len(self.held) >= self.max_held:
             self.counters["overflow"] += 1
             return "drop"
         self.last_due[path] = due
+        self.held_per_path[path] = waiting + 1
         self._seq += 1
-        heapq.heappush(self.held, (due, self._seq, packet))
+        heapq.heappush(self.held, (due, self._seq, path, packet))
         self.counters["held"] += 1
         return "held"
 
     def due(self, now: float) -> list[P]:
         out = []
         while self.held and self.held[0][0] <= now:
-            out.append(heapq.heappop(self.held)[2])
+            _, _, path, packet = heapq.heappop(self.held)
+            left = self.held_per_path[path] - 1
+            if left:
+                self.held_per_path[path] = left
+            else:
+                del self.held_per_path[path]
+            out.append(packet)
         self.counters["released"] += len(out)
         return out
 

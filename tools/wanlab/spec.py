@@ -162,7 +162,7 @@ def decode_control(line: bytes) -> tuple[int, list[LinkState], bool]:
         return seq, links, bool(body.get("stats", False))
     except LabError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise LabError(f"bad control line {line[:200]!r}: {exc}") from None
 
 
