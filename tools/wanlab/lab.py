@@ -147,6 +147,8 @@ class WanLab:
         for name, i in self.index.items():
             h = self.ns[name]
             netns.add_namespace(h)
+            # each connection starts afresh: no ssthresh remembered from an earlier one
+            netns.in_ns(h, ["sysctl", "-qw", "net.ipv4.tcp_no_metrics_save=1"])
             netns.sh(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(LAB_MTU), "type", "veth",
                       "peer", "name", "eth0", "netns", h, "mtu", str(LAB_MTU)])
             netns.sh(["ip", "-n", r, "addr", "add", f"{router_addr(i)}/24", "dev", f"v{i}"])
