@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 from tools.wanlab import netns, probe  # noqa: E402
 from tools.wanlab.delayer import DelayLine  # noqa: E402
 from tools.wanlab.spec import (LAB_NET, HostSpec, LabError, Link, LinkState,  # noqa: E402
-                               decode_control, encode_control, host_addr, namespace_names,
-                               parse_namespace, router_addr, tbf_args)
+                               decode_control, encode_control, gateway_inside_addr, host_addr,
+                               namespace_names, parse_namespace, private_addr, router_addr,
+                               tbf_args)
 
 A, B = b"\xc6\x12\x01\x02", b"\xc6\x12\x02\x02"  # 198.18.1.2, 198.18.2.2
 
@@ -43,14 +44,16 @@ def test_spec_module_is_pure():
 
 
 def test_addresses_are_lab_addresses_and_distinct():
-    addrs = [host_addr(i) for i in range(250)] + [router_addr(i) for i in range(250)]
+    addrs = [f(i) for f in (host_addr, router_addr, private_addr, gateway_inside_addr)
+             for i in range(250)]
     assert all(ipaddress.ip_address(a) in LAB_NET for a in addrs)
     assert len(set(addrs)) == len(addrs)
 
 
 def test_namespace_names_parse_back_and_differ_per_lab():
-    hosts = [HostSpec(name="s0"), HostSpec(name="t1")]
+    hosts = [HostSpec(name="s0"), HostSpec(name="t1", nat=True)]
     one, two = namespace_names(123, 1, hosts), namespace_names(123, 2, hosts)
+    assert set(one) == {"r", "s0", "t1", "t1-gw"}
     assert set(one.values()).isdisjoint(two.values())
     assert {parse_namespace(n) for n in one.values()} == {(123, 1)}
     assert parse_namespace("swl-x-1-r") is None and parse_namespace("other") is None
@@ -199,6 +202,28 @@ def test_loss_stall_and_partition(wanlab):
     lab.heal("a")
     assert probe.can_connect(lab, "a", "b", timeout=2.0)
     assert lab.counters()["counters"]["blocked"] > 0
+
+
+def test_a_host_behind_nat_reaches_out_and_cannot_be_reached(wanlab):
+    import socket
+
+    lab = wanlab(HostSpec(name="home", nat=True, link=Link(delay_ms=5, up_mbit=50)),
+                 HostSpec(name="dc"))
+    assert lab.addr("home") != lab.public_addr("home")
+    with lab.inside("dc"):
+        ls = socket.create_server((lab.addr("dc"), 0))
+    with lab.inside("home"):
+        c = socket.socket()
+    with ls, c:
+        ls.settimeout(10)
+        c.settimeout(10)
+        c.connect((lab.addr("dc"), ls.getsockname()[1]))
+        peer, _ = ls.accept()
+        assert peer.getpeername()[0] == lab.public_addr("home")  # masqueraded
+        peer.close()
+    rtt = statistics.median(probe.connect_rtt_ms(lab, "home", "dc"))
+    assert 10 * 0.95 <= rtt <= 10 + 25, rtt  # the gateway's link carries the delay
+    assert not probe.can_connect(lab, "dc", "home", timeout=0.5)
 
 
 def test_teardown_leaves_nothing_also_after_an_error(wanlab):

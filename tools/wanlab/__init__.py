@@ -22,6 +22,10 @@ the router, never on the sender's own egress (TCP small queues collapse the send
 a Python delayer handles about 17,000 packets/s, hence MTU 9000 on lab links; one TCP
 connection's send buffer is capped at 4 MiB, about 25-40 MB/s at 100 ms RTT.
 
+``HostSpec(name=..., nat=True)`` puts a host behind its own NAT gateway (a namespace that
+masquerades): ``lab.addr(h)`` is then its private 198.19.<i+1>.2, which no other host can
+reach, and ``lab.public_addr(h)`` the gateway's 198.18.<i+1>.2 that others see.
+
 Addresses: host i is 198.18.<i+1>.2 (198.18.0.0/15, benchmarking space); hosts have a route to
 198.18.0.0/15 through the router and no other route; nothing leaves the lab. Namespaces are
 named ``swl-<pid>-<serial>-<host>`` (``-r``: the router), so labs never collide.

@@ -35,8 +35,8 @@ from typing import Any, Iterator, Sequence
 
 from tools.wanlab import netns
 from tools.wanlab.spec import (LAB_MTU, HostSpec, LabError, Link, LinkState, encode_control,
-                               host_addr, namespace_names, needs_queue, router_addr, tbf_args,
-                               validate_hosts)
+                               gateway_inside_addr, host_addr, namespace_names, needs_queue,
+                               private_addr, router_addr, tbf_args, validate_hosts)
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = 0
@@ -149,13 +149,18 @@ class WanLab:
             netns.add_namespace(h)
             # each connection starts afresh: no ssthresh remembered from an earlier one
             netns.in_ns(h, ["sysctl", "-qw", "net.ipv4.tcp_no_metrics_save=1"])
-            netns.sh(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(LAB_MTU), "type", "veth",
-                      "peer", "name", "eth0", "netns", h, "mtu", str(LAB_MTU)])
-            netns.sh(["ip", "-n", r, "addr", "add", f"{router_addr(i)}/24", "dev", f"v{i}"])
-            netns.sh(["ip", "-n", r, "link", "set", f"v{i}", "up"])
-            netns.sh(["ip", "-n", h, "addr", "add", f"{host_addr(i)}/24", "dev", "eth0"])
-            netns.sh(["ip", "-n", h, "link", "set", "eth0", "up"])
-            netns.sh(["ip", "-n", h, "route", "add", "198.18.0.0/15", "via", router_addr(i)])
+            edge = self.ns.get(f"{name}-gw", h)  # the namespace on the router's link
+            if edge != h:
+                netns.add_namespace(edge)
+            _veth(r, f"v{i}", router_addr(i), edge, "eth0", host_addr(i))
+            netns.sh(["ip", "-n", edge, "route", "add", "198.18.0.0/15", "via", router_addr(i)])
+            if edge != h:  # the host behind its NAT gateway
+                _veth(edge, "lan0", gateway_inside_addr(i), h, "eth0", private_addr(i))
+                netns.sh(["ip", "-n", h, "route", "add", "198.18.0.0/15", "via",
+                          gateway_inside_addr(i)])
+                netns.in_ns(edge, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+                netns.in_ns(edge, [netns.IPTABLES, "-w", "-t", "nat", "-A", "POSTROUTING",
+                                   "-o", "eth0", "-j", "MASQUERADE"])
         self._start_delayer()
         for name in self.hosts:
             self._apply(name, self.links[name], rates=True)
@@ -163,13 +168,19 @@ class WanLab:
     # ---- using it --------------------------------------------------------------------------
 
     def addr(self, host: str) -> str:
-        """The host's lab address (198.18.x.2)."""
+        """The host's own lab address (198.18.x.2; behind NAT: its private 198.19.x.2)."""
+        i = self._index(host)
+        return private_addr(i) if self.hosts[host].nat else host_addr(i)
+
+    def public_addr(self, host: str) -> str:
+        """The address others see the host's packets come from (its NAT gateway's, if any)."""
         return host_addr(self._index(host))
 
     def namespace(self, host: str) -> str:
-        """The host's network namespace name (``"r"``: the router's)."""
-        if host != "r":
-            self._index(host)
+        """The host's network namespace name (``"r"``: the router's, ``"<host>-gw"``: a NAT
+        gateway's)."""
+        if host not in self.ns:
+            raise LabError(f"no host {host!r} in this lab (namespaces: {sorted(self.ns)})")
         return self.ns[host]
 
     def run(self, host: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
@@ -233,13 +244,14 @@ class WanLab:
 
     def _state(self, host: str, **extra: Any) -> LinkState:
         link = self.links[host]
-        return LinkState(host=self.addr(host), delay_ms=link.delay_ms, loss=link.loss, **extra)
+        return LinkState(host=self.public_addr(host), delay_ms=link.delay_ms, loss=link.loss,
+                         **extra)
 
     def _apply(self, host: str, link: Link, *, rates: bool) -> None:
         i = self._index(host)
         if rates:
             _shape(self.ns["r"], f"v{i}", link.down_mbit)
-            _shape(self.ns[host], "eth0", link.up_mbit)
+            _shape(self.ns.get(f"{host}-gw", self.ns[host]), "eth0", link.up_mbit)
         self._control([self._state(host)])
         self._sync_queue(host)
 
@@ -319,6 +331,15 @@ class WanLab:
             proc.wait(5)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def _veth(ns_a: str, dev_a: str, addr_a: str, ns_b: str, dev_b: str, addr_b: str) -> None:
+    """A veth pair between two namespaces, MTU 9000, each end with its /24 address, up."""
+    netns.sh(["ip", "-n", ns_a, "link", "add", dev_a, "mtu", str(LAB_MTU), "type", "veth",
+              "peer", "name", dev_b, "netns", ns_b, "mtu", str(LAB_MTU)])
+    for ns, dev, addr in ((ns_a, dev_a, addr_a), (ns_b, dev_b, addr_b)):
+        netns.sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+        netns.sh(["ip", "-n", ns, "link", "set", dev, "up"])
 
 
 def _shape(ns: str, dev: str, mbit: float | None) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 __all__ = ["LAB_NET", "Link", "HostSpec", "LabUnavailable", "LabError", "host_addr", "router_addr",
+           "private_addr", "gateway_inside_addr",
            "namespace_names", "parse_namespace", "tbf_args", "LinkState", "encode_control",
            "decode_control", "needs_queue"]
 
@@ -24,7 +25,7 @@ MAX_HOSTS = 250
 NS_PREFIX = "swl"
 LAB_MTU = 9000
 _HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
-_NS_NAME = re.compile(rf"^{NS_PREFIX}-(\d+)-(\d+)-([a-z][a-z0-9]*)$")
+_NS_NAME = re.compile(rf"^{NS_PREFIX}-(\d+)-(\d+)-([a-z][a-z0-9]*(?:-gw)?)$")
 
 
 class LabError(Exception):
@@ -61,10 +62,14 @@ class Link:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostSpec:
-    """A lab host: a network namespace with one link to the router."""
+    """A lab host: a network namespace with one link to the router. With ``nat``, the host
+    sits behind its own NAT gateway (a namespace of its own that masquerades): the host has a
+    private address (198.19.<i+1>.2) no other host can reach; its packets leave with the
+    gateway's public one (198.18.<i+1>.2), and the link (rates, delay, loss) is the gateway's."""
 
     name: str
     link: Link = dataclasses.field(default_factory=Link)
+    nat: bool = False
 
     def __post_init__(self) -> None:
         if not _HOST_NAME.match(self.name):
@@ -94,10 +99,23 @@ def router_addr(index: int) -> str:
     return str(LAB_NET.network_address + ((index + 1) << 8) + 1)
 
 
+def private_addr(index: int) -> str:
+    """A NAT'd host ``index``'s own address, behind its gateway (198.19.<index+1>.2)."""
+    return str(LAB_NET.network_address + (1 << 16) + ((index + 1) << 8) + 2)
+
+
+def gateway_inside_addr(index: int) -> str:
+    """A NAT gateway's address on its host's side: the host's route."""
+    return str(LAB_NET.network_address + (1 << 16) + ((index + 1) << 8) + 1)
+
+
 def namespace_names(pid: int, serial: int, hosts: Sequence[HostSpec]) -> dict[str, str]:
-    """``{"r": router namespace, host name: host namespace}``, unique per process and lab."""
+    """``{"r": router namespace, host name: host namespace, "<host>-gw": its NAT gateway's}``,
+    unique per process and lab."""
     base = f"{NS_PREFIX}-{pid}-{serial}"
-    return {"r": f"{base}-r", **{h.name: f"{base}-{h.name}" for h in hosts}}
+    names = {"r": f"{base}-r", **{h.name: f"{base}-{h.name}" for h in hosts}}
+    names.update({f"{h.name}-gw": f"{base}-{h.name}-gw" for h in hosts if h.nat})
+    return names
 
 
 def parse_namespace(name: str) -> tuple[int, int] | None:
