@@ -18,9 +18,10 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
   rate over the second half of its steps; ``pipeline_ratio_vs_unshaped``
 - ``join_to_online_s``: from starting ``swarmd join --stage 1`` in ``nx`` until its status
   says online (state sync from the stage-1 peer included)
+- ``membership_convergence_6_daemons_s``: 6 daemons of a separate swarm on hosts m0..m5, from
+  the last one's start line until every view lists all 6 (``--no-membership`` skips it)
 
-Not measured yet (listed under ``not_measured``): stage all-reduce bus bandwidth, membership
-convergence of 6 daemons. MB = 10**6 bytes. Everything stays inside the lab's namespaces
+Not measured yet (listed under ``not_measured``): stage all-reduce bus bandwidth. MB = 10**6 bytes. Everything stays inside the lab's namespaces
 (198.18.0.0/15); every loop is bounded in count and time. The machine's cores are shared:
 absolute numbers vary, ratios within one run are what to compare.
 """
@@ -55,8 +56,8 @@ PROFILES: dict[str, tuple[float, float, float] | None] = {
     "home": (15.0, 50.0, 10.0),
 }
 HOSTS = ("s0", "s1", "tr", "nx")
-NOT_MEASURED = ["allreduce_bus_bandwidth_vs_link_rate (3 peers)",
-                "membership_convergence_6_daemons_s"]
+MEMBERS = tuple(f"m{i}" for i in range(6))
+NOT_MEASURED = ["allreduce_bus_bandwidth_vs_link_rate (3 peers)"]
 
 
 def say(line: str) -> None:
@@ -116,11 +117,44 @@ def join_to_online(lab: WanLab, root: Path, bootstrap: str, env: dict[str, str],
         d.stop()
 
 
+def _view(d: daemons.LabDaemon) -> set[str]:
+    info = d.get("/api/v0/swarm")
+    return {p["peer_id"] for s in info["stages"] for p in s["peers"]} | {
+        p["peer_id"] for p in info["excluded"]}
+
+
+def membership_convergence(lab: WanLab, root: Path, env: dict[str, str], tag: str) -> float:
+    """6 daemons of a swarm of their own, one per host m0..m5 (the first starts it, the others
+    join through it with --stage auto): seconds from the last one's start line until every
+    daemon's view lists all 6, as tools/bench_membership.py measures on 127.0.0.1."""
+    from swarmd.local.swarm import wait_until
+
+    env = {**env, "SWARMD_SWARM_NAME": f"bench-wan-m-{secrets.token_hex(4)}"}
+    started: list[daemons.LabDaemon] = []
+    try:
+        first = daemons.LabDaemon(lab, MEMBERS[0], root / f"{MEMBERS[0]}-{tag}", "--stage", "0",
+                                  env=env)
+        started.append(first)
+        first.wait_started()
+        for h in MEMBERS[1:]:
+            started.append(daemons.LabDaemon(lab, h, root / f"{h}-{tag}", "--bootstrap",
+                                             first.addr, env=env))
+        for d in started[1:]:
+            d.wait_started()
+        t0 = time.monotonic()
+        everyone = {d.started["peer_id"] for d in started}
+        wait_until(lambda: all(_view(d) == everyone for d in started), 180,
+                   f"6 daemons converged ({tag})", interval=0.1)
+        return time.monotonic() - t0
+    finally:
+        daemons.stop_all(started)
+
+
 def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any],
                     bootstrap: str, env: dict[str, str], steps: int, tokens_per_step: int,
-                    stream_s: float) -> dict[str, Any]:
+                    stream_s: float, membership: bool) -> dict[str, Any]:
     link = link_of(name)
-    for h in HOSTS:
+    for h in lab.hosts:
         lab.set_link(h, rate_down=link.down_mbit, rate_up=link.up_mbit, delay_ms=link.delay_ms,
                      loss=0.0)
     say(f"{name}: {link}")
@@ -148,10 +182,13 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     say(f"{name}: pipeline {out['pipeline_tokens_per_s']:,.0f} tokens/s")
     out["join_to_online_s"] = join_to_online(lab, root, bootstrap, env, name)
     say(f"{name}: join to online {out['join_to_online_s']:.1f} s")
+    if membership:
+        out["membership_convergence_6_daemons_s"] = membership_convergence(lab, root, env, name)
+        say(f"{name}: 6 daemons converged in {out['membership_convergence_6_daemons_s']:.1f} s")
     return out
 
 
-def measure(quick: bool, profiles: list[str]) -> dict[str, Any]:
+def measure(quick: bool, profiles: list[str], membership: bool = True) -> dict[str, Any]:
     from bench_pipeline import bench_env
 
     from swarmd.config import load_config
@@ -163,10 +200,11 @@ def measure(quick: bool, profiles: list[str]) -> dict[str, Any]:
     config = load_config(None, {**os.environ, **env})
     mc = config.model_config()
     tokens_per_step = config.training.microbatches * config.training.batch_size * mc.seq_len
-    steps, stream_s = (10, 2.0) if quick else (30, 6.0)
+    steps, stream_s = (10, 2.0) if quick else (40, 6.0)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-wan-") as tmp, \
-            WanLab(hosts=[HostSpec(name=h) for h in HOSTS]) as lab:
+            WanLab(hosts=[HostSpec(name=h) for h in HOSTS + (MEMBERS if membership else ())]
+                   ) as lab:
         root = Path(tmp)
         started: list[daemons.LabDaemon] = []
         server_proc = None
@@ -182,7 +220,8 @@ def measure(quick: bool, profiles: list[str]) -> dict[str, Any]:
             for name in profiles:
                 results[name] = measure_profile(
                     lab, name, root=root, server=server, bootstrap=s0.addr, env=env,
-                    steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s)
+                    steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
+                    membership=membership)
             counters = lab.counters()
         finally:
             if server_proc is not None and server_proc.stdin:
@@ -198,7 +237,8 @@ def measure(quick: bool, profiles: list[str]) -> dict[str, Any]:
                   "tokens_per_step": tokens_per_step, "trainer_steps": steps},
         "profiles": results,
         "delayer_counters": counters.get("counters"),
-        "not_measured": NOT_MEASURED,
+        "not_measured": NOT_MEASURED + ([] if membership else [
+            "membership_convergence_6_daemons_s (--no-membership)"]),
         "targets": {
             **{f"rtt_within_20pct_{n}": abs(r["rtt_ms"] - 2 * PROFILES[n][0]) <= 0.2 * 2 *
                PROFILES[n][0] + 2.0 for n, r in results.items() if PROFILES[n]},
@@ -220,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default=",".join(PROFILES),
                         help=f"comma-separated, from {','.join(PROFILES)} (unshaped is always "
                              f"measured first: the ratios need it)")
+    parser.add_argument("--no-membership", action="store_true",
+                        help="skip the 6-daemon membership convergence (the slowest part)")
     args = parser.parse_args(argv)
     wanted = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in wanted if p not in PROFILES]
@@ -231,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     except LabUnavailable as exc:
         print(json.dumps({"unavailable": str(exc)}))
         return 2
-    result = measure(args.quick, profiles)
+    result = measure(args.quick, profiles, membership=not args.no_membership)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
