@@ -199,6 +199,8 @@ def test_loss_stall_and_partition(wanlab):
                "b reachable again after its stall")
     lab.partition("a")
     assert not probe.can_connect(lab, "a", "b", timeout=0.5)
+    lab.set_link("a", delay_ms=1)  # a link change keeps the partition
+    assert not probe.can_connect(lab, "a", "b", timeout=0.5)
     lab.heal("a")
     assert probe.can_connect(lab, "a", "b", timeout=2.0)
     assert lab.counters()["counters"]["blocked"] > 0

@@ -46,6 +46,7 @@ STOP_GRACE_S = 5.0
 _UNSET: Any = object()
 
 _live: list["WanLab"] = []
+_checked: set[str] = set()
 _live_lock = threading.Lock()
 _serial = 0
 _hooks_installed = False
@@ -74,6 +75,7 @@ class WanLab:
         self._procs: list[subprocess.Popen[Any]] = []
         self._queued: dict[str, bool] = {name: False for name in self.hosts}
         self._faulted: dict[str, bool] = {name: False for name in self.hosts}
+        self._blocked: dict[str, bool] = {name: False for name in self.hosts}
         self._delayer: subprocess.Popen[bytes] | None = None
         self._delayer_lock = threading.Lock()
         self._control_seq = 0
@@ -88,7 +90,9 @@ class WanLab:
         netns.check_host(python)
 
     def __enter__(self) -> "WanLab":
-        self.check(self.python)
+        if self.python not in _checked:  # once per process and interpreter
+            self.check(self.python)
+            _checked.add(self.python)
         _install_hooks()
         with _live_lock:
             _live.append(self)
@@ -219,13 +223,17 @@ class WanLab:
         self._control([self._state(host, stall_s=seconds)])
 
     def partition(self, host: str) -> None:
-        """Cut ``host`` off (every packet to or from it dropped) until :meth:`heal`."""
+        """Cut ``host`` off (every packet to or from it dropped) until :meth:`heal`; link
+        changes meanwhile keep it cut off."""
         self._faulted[host] = True
+        self._blocked[host] = True
         self._sync_queue(host)
-        self._control([self._state(host, blocked=True)])
+        self._control([self._state(host)])
 
     def heal(self, host: str) -> None:
-        self._control([self._state(host, blocked=False)])
+        """End a partition of ``host`` (a stall still running runs to its end)."""
+        self._blocked[host] = False
+        self._control([self._state(host)])
 
     def counters(self) -> dict[str, Any]:
         """The delayer's counters: passed, held, released, lost, blocked, overflow."""
@@ -245,7 +253,7 @@ class WanLab:
     def _state(self, host: str, **extra: Any) -> LinkState:
         link = self.links[host]
         return LinkState(host=self.public_addr(host), delay_ms=link.delay_ms, loss=link.loss,
-                         **extra)
+                         blocked=self._blocked[host], **extra)
 
     def _apply(self, host: str, link: Link, *, rates: bool) -> None:
         i = self._index(host)
