@@ -21,3 +21,43 @@ def daemons(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
 
     yield start
     stop_all(started)
+
+
+_WANLAB_REASON: list[str | None] = []
+
+
+def wanlab_unavailable() -> str | None:
+    """Why the WAN lab (tools/wanlab) cannot run on this machine, None when it can; asked once."""
+    if not _WANLAB_REASON:
+        sys.path.insert(0, str(Path(__file__).parent.parent))
+        from tools.wanlab import LabUnavailable, WanLab
+
+        try:
+            WanLab.check()
+            _WANLAB_REASON.append(None)
+        except LabUnavailable as exc:
+            _WANLAB_REASON.append(f"WAN lab unavailable: {exc}")
+    return _WANLAB_REASON[0]
+
+
+@pytest.fixture
+def wanlab() -> Any:
+    """``wanlab(HostSpec(...), ...)`` builds a WAN lab (tools/wanlab) that is torn down after
+    the test; the test is skipped, with the reason, where the lab cannot run (not root, no
+    namespaces, iptables-legacy or netfilterqueue missing: tools/setup.sh as root installs
+    them, as on CI)."""
+    reason = wanlab_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    from tools.wanlab import WanLab
+
+    labs: list[Any] = []
+
+    def build(*hosts: Any, **kwargs: Any) -> Any:
+        lab = WanLab(hosts=list(hosts), **kwargs)
+        labs.append(lab)
+        return lab.__enter__()
+
+    yield build
+    for lab in reversed(labs):
+        lab.close()

@@ -19,3 +19,19 @@ if { [ -n "${CI:-}" ] || [ "${SWARMD_BROWSER_TESTS:-}" = 1 ]; } && ! [ -x /usr/b
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null
   else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi
 fi
+# The WAN lab (tools/wanlab, tests/test_wanlab.py, tools/bench_wan.py) needs root: iproute2,
+# iptables-legacy and NFQUEUE (libnetfilter-queue-dev, the netfilterqueue package). Installed
+# when run as root or on CI (elsewhere the lab's tests are skipped, saying why).
+if [ "$(id -u)" = 0 ] || [ -n "${CI:-}" ]; then
+  if ! command -v iptables-legacy >/dev/null || ! command -v tc >/dev/null \
+     || ! [ -f /usr/include/libnetfilter_queue/libnetfilter_queue.h ]; then
+    if [ "$(id -u)" = 0 ]; then
+      apt-get update -qq && apt-get install -y -qq iptables iproute2 libnetfilter-queue-dev >/dev/null
+    else
+      sudo apt-get update -qq && sudo apt-get install -y -qq iptables iproute2 \
+        libnetfilter-queue-dev >/dev/null
+    fi
+  fi
+  .venv/bin/python -c 'import netfilterqueue' 2>/dev/null \
+    || .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[lab]'
+fi
