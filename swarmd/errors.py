@@ -127,3 +127,11 @@ class ModelMismatch(SwarmdError):
     """A request for another model (name or architecture hash) than this peer trains."""
 
     code = "model_hash_mismatch"
+
+
+class BadRoundMessage(BadPeerMessage):
+    """A message of a stage's round protocol (progress, prepare, start) that is malformed or
+    not the sender's to send (a ``start`` from a peer that does not lead the stage, a group
+    of peers that are not the stage's, a claimed sample count beyond what a peer can do)."""
+
+    code = "bad_round_message"

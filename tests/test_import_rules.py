@@ -30,6 +30,7 @@ CORES = frozenset({
     "swarmd.averaging.trigger",
     "swarmd.averaging.plan",
     "swarmd.averaging.aggregation",
+    "swarmd.averaging.messages",
     "swarmd.state.transfer",
     "transport.codecs",
 })
