@@ -32,6 +32,7 @@ CORES = frozenset({
     "swarmd.averaging.aggregation",
     "swarmd.averaging.messages",
     "swarmd.state.transfer",
+    "swarmd.state.messages",
     "transport.codecs",
 })
 #: what a core may import from swarmd/transport besides other cores
