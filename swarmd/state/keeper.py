@@ -41,7 +41,7 @@ MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
 #: how long a peer that expects mates waits for its view to name one, and how often it looks
-MATES_WAIT_S = 10.0
+MATES_WAIT_S = 5.0
 MATES_POLL_S = 0.2
 
 
