@@ -236,3 +236,41 @@ def test_a_chunk_pushed_unasked_is_refused_and_the_server_keeps_serving() -> Non
             assert ss.encode(got) == ss.encode(state)
 
     run(scenario)
+
+
+# ---- the keeper waits (bounded) for mates it expects ----------------------------------------
+
+class _Server:
+    stage = 1
+    module = torch.nn.Linear(4, 4)
+
+
+class _Host:
+    peer_id = "me"
+
+
+def test_a_keeper_that_expects_mates_waits_for_its_view_to_name_one_but_not_forever() -> None:
+    from swarmd.state.keeper import StageKeeper
+
+    def keeper(sources: Any, **kw: Any) -> StageKeeper:
+        return StageKeeper(_Host(), _Server(), swarm="t", home=None, model_hash=HASH,
+                           every_steps=0, sources=sources, **kw)
+
+    calls = {"n": 0}
+
+    def filling() -> list[tuple[str, tuple[str, ...]]]:  # the view names a mate at the 3rd look
+        calls["n"] += 1
+        return [("mate", ())] if calls["n"] >= 3 else []
+
+    async def scenario() -> None:
+        assert await keeper(filling)._wait_for_sources(expected=True) == [("mate", ())]
+        calls["n"] = 0
+        assert await keeper(filling)._wait_for_sources(expected=False) == []  # a new stage
+        calls["n"] = 0
+        hinted = keeper(filling, mates_expected=lambda: True)
+        assert await hinted._wait_for_sources(expected=False) == [("mate", ())]
+        alone = keeper(lambda: [], mates_wait_s=0.3)
+        assert await alone._wait_for_sources(expected=True) == []
+        assert alone.counters["waited_for_mates"] == 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

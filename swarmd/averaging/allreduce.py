@@ -34,6 +34,13 @@ Unlike hivemind, whose peers fall back to their local values for a part whose re
 (survivors then disagree), a lost part is re-aggregated once and the same bits go to every
 survivor. A peer whose own vector holds NaN/Inf takes part with weight 0 (it still gets the
 average). A peer that failed to connect once is not dialed again in that round.
+
+Authority: requests are parsed into typed messages (``swarmd.averaging.messages``) in
+``_serve``; a contribution is taken only from a member of the plan's group, for a unit this
+peer owns, of the unit's length and with at most ``max_weight`` samples; a probe only from the
+unit's repairer of that epoch (a probe raises the floor, so an outsider's would make this peer
+refuse the owner's value); a repair request only from a member. Buffered messages for a round
+not joined yet are held to the same rules when it is. Times are ``time.monotonic()``.
 """
 
 from __future__ import annotations
@@ -85,7 +92,9 @@ class Averager:
         self.addrs_of = addrs_of
         #: rounds, rounds_failed, contributions_received, contributions_refused, peers_missing,
         #: repaired_parts, late_contributions, local_non_finite, plan_mismatch, buffer_full,
-        #: bad_requests.<reason>, open_retries, pooled_stream_stale
+        #: bad_requests.<reason> (malformed, or not the sender's to send: wrong_part,
+        #: bad_weight, not_repairer, not_a_member), refused.<code> (busy, not_joined, ...),
+        #: open_retries, pooled_stream_stale
         self.counters = Counters()
         self._rounds = RoundTable(self.options, self.counters)
         self._pool = StreamPool(host, protocol, self.counters,

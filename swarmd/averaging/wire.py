@@ -147,6 +147,7 @@ class StreamPool:
                 code = getattr(exc, "code", None)
                 if not isinstance(code, str):
                     raise
+                self.counters.add(f"refused.{code}")
                 await stream.send_error(code, str(exc))
                 return
             await stream.send_frame(frame, timeout=idle_s)
