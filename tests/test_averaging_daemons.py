@@ -39,7 +39,14 @@ def _agree(peers: list[DaemonProcess], what: str) -> dict[str, Any]:
         steps = {i["step"] for i in infos}
         digests = {i["params_digest"] for i in infos}
         return infos[0] if len(steps) == 1 and len(digests) == 1 else None
-    return wait_until(same, 30, what)
+    try:
+        return wait_until(same, 30, what)
+    except AssertionError as exc:  # say where each peer is and what its rounds did
+        seen = [(d.get("/api/v0/stage")["step"], {
+            k: v for k, v in d.get("/api/v0/status")["counters"].items()
+            if k.startswith(("sync.", "state.", "allreduce.bad", "allreduce.refused"))})
+            for d in peers]
+        raise AssertionError(f"{exc}; peers: {seen}") from None
 
 
 def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(daemons: Any) -> None:

@@ -286,10 +286,10 @@ class StageSync:
         if isinstance(request, Progress) and request.samples > self.max_samples:
             raise BadRoundMessage("bad_samples", f"{request.samples} samples at one step; "
                                                  f"at most {self.max_samples} are possible")
+        if request.step > self.trigger.step:  # a mate ahead of us: catch up, whatever else
+            self._on_behind(peer, request.step)
         if isinstance(request, Start):
             self._check_start(request, peer, mates)
-        if request.step > self.trigger.step:
-            self._on_behind(peer, request.step)
         if isinstance(request, Progress):
             self.trigger.report(peer, request.step, request.samples)
             self._consider()
