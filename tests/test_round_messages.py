@@ -251,3 +251,33 @@ def test_progress_only_from_mates_and_within_what_a_peer_can_hold() -> None:
     assert asyncio.run(scenario()) == ["ok", "bad_samples", "not_a_mate", "round_refused"]
     assert sync.trigger.reports == {"z": (0, 3)}
     assert behind == []  # an outsider's claim of a later step makes nobody catch up
+
+
+def test_a_refused_or_failed_report_is_sent_once_per_backward_and_a_dead_leader_suspected() -> None:
+    from transport.errors import PeerUnavailable, RemoteError
+
+    class Refusing(FakeHost):
+        def __init__(self, error: Exception) -> None:
+            self.error, self.asked = error, 0
+
+        async def ensure_connected(self, *a: Any, **k: Any) -> bool:
+            return True
+
+        async def request(self, *a: Any, **k: Any) -> Message:
+            self.asked += 1
+            raise self.error
+
+    async def scenario(error: Exception) -> tuple[int, StageSync]:
+        sync, _ = make_sync({"a": ()}, me="m")  # "a" leads
+        sync.host = host = Refusing(error)
+        sync.progressed(1)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        await sync.close()
+        return host.asked, sync
+
+    asked, sync = asyncio.run(scenario(RemoteError("bad_round_message", "not a mate")))
+    assert asked == 1 and sync.counters["refused.bad_round_message"] == 1
+    asked, sync = asyncio.run(scenario(PeerUnavailable("gone")))
+    assert asked == 1 and sync.counters["mates_unreachable"] == 1
+    assert "a" in sync.trigger.suspects  # and this peer leads now (alone: it steps locally)
