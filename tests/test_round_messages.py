@@ -166,6 +166,14 @@ def test_arbitrary_well_framed_metadata_raises_only_the_typed_error(
 
 class FakeHost:
     peer_id = "m"
+    #: the peers that answer a ping
+    alive: set[str] = {"a", "b", "z"}
+
+    async def ensure_connected(self, peer: str, *a: Any, **k: Any) -> bool:
+        return peer in self.alive
+
+    async def ping(self, peer: str, **k: Any) -> float:
+        return 0.001
 
     def set_request_handler(self, *a: Any, **k: Any) -> None:
         pass
@@ -225,6 +233,19 @@ def test_a_start_is_taken_only_from_the_leader_with_a_group_of_mates(
     assert asyncio.run(scenario()) == expected
     refused = sum(v for k, v in sync.counters.items() if k.startswith("bad_requests."))
     assert refused == (0 if expected == "ok" else 1)
+
+
+def test_a_start_from_the_next_mate_is_taken_once_the_smaller_ones_do_not_answer() -> None:
+    sync, _ = make_sync({"a": (), "b": ()})
+    sync.host.alive = {"b"}  # "a" just died: this peer does not suspect it yet
+
+    async def scenario() -> str:
+        got = await _serve(sync, "start", start_meta(["b", "m"]), "b")
+        await sync.close()
+        return got
+
+    assert asyncio.run(scenario()) == "ok"
+    assert "a" in sync.trigger.suspects and sync.counters["mates_unreachable"] == 1
 
 
 def test_a_suspected_leader_still_may_start_and_a_follower_becomes_one() -> None:

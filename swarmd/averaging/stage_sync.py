@@ -48,6 +48,10 @@ log = logging.getLogger("swarmd.sync")
 
 #: how long the leader waits for a mate's answer to ``prepare`` / ``start``
 ASK_TIMEOUT_S = 3.0
+#: a start from a mate that leads only if smaller mates are gone: at most this many of them
+#: are checked (a ping each, concurrently, within ``ALIVE_TIMEOUT_S``) before answering
+MAX_ALIVE_CHECKS = 4
+ALIVE_TIMEOUT_S = 1.0
 
 
 class RoundRefused(SwarmdError):
@@ -269,13 +273,14 @@ class StageSync:
 
     async def _serve(self, message: Message, peer: str) -> Message:
         try:
-            return self._answer(parse_round(message.kind, message.meta, message.tensors), peer)
+            return await self._answer(parse_round(message.kind, message.meta, message.tensors),
+                                      peer)
         except BadPeerMessage as exc:
             self.counters[f"bad_requests.{exc.reason}"] += 1
             log.info("stage %d: refused a round message from %s: %s", self.stage, peer, exc)
             raise
 
-    def _answer(self, request: Progress | Prepare | Start, peer: str) -> Message:
+    async def _answer(self, request: Progress | Prepare | Start, peer: str) -> Message:
         """Who may say what: mates of this stage only; ``start`` only from its leader."""
         if request.stage != self.stage:
             raise RoundRefused(f"this peer serves stage {self.stage}, not {request.stage}")
@@ -289,7 +294,7 @@ class StageSync:
         if request.step > self.trigger.step:  # a mate ahead of us: catch up, whatever else
             self._on_behind(peer, request.step)
         if isinstance(request, Start):
-            self._check_start(request, peer, mates)
+            await self._check_start(request, peer, mates)
         if isinstance(request, Progress):
             self.trigger.report(peer, request.step, request.samples)
             self._consider()
@@ -305,17 +310,41 @@ class StageSync:
                                                 list(request.bandwidths)))
         return Message(kind="ok")
 
-    def _check_start(self, start: Start, peer: str, mates: dict[str, Any]) -> None:
+    async def _check_start(self, start: Start, peer: str,
+                           mates: dict[str, tuple[str, ...]]) -> None:
+        """A start is taken from the stage's leader only: the smallest live mate. When the
+        sender would lead but for smaller mates this peer does not suspect yet (one just
+        died: the sender found out first), those are pinged before answering."""
         me = self.trigger.me
-        if not self.trigger.may_lead(peer, mates, time.monotonic()):
-            raise BadRoundMessage("not_leader", f"{peer} does not lead stage {self.stage} "
-                                                f"here: refused its start")
         if me not in start.group or peer not in start.group:
             raise BadRoundMessage("bad_group", "a start's group holds its leader and this peer")
         strangers = [p for p in start.group if p != me and p not in mates]
         if strangers:
             raise BadRoundMessage("group_not_mates", f"{len(strangers)} of the group are not "
                                                      f"peers of stage {self.stage} here")
+        now = time.monotonic()
+        if self.trigger.may_lead(peer, mates, now):
+            return
+        ahead = [p for p in mates if p < peer and self.trigger.suspects.get(p, 0.0) <= now]
+        if peer < me and len(ahead) <= MAX_ALIVE_CHECKS:
+            alive = await asyncio.gather(*(self._alive(p, mates[p]) for p in ahead))
+            if not any(alive):
+                return
+        raise BadRoundMessage("not_leader", f"{peer} does not lead stage {self.stage} here: "
+                                            f"refused its start")
+
+    async def _alive(self, peer: str, addrs: tuple[str, ...]) -> bool:
+        """Whether ``peer`` answers a ping within ``ALIVE_TIMEOUT_S``; suspected if not."""
+        try:
+            async with asyncio.timeout(ALIVE_TIMEOUT_S):
+                if await self.host.ensure_connected(peer, addrs, timeout=ALIVE_TIMEOUT_S):
+                    await self.host.ping(peer, timeout=ALIVE_TIMEOUT_S)
+                    return True
+        except (TransportError, TimeoutError):
+            pass
+        self.trigger.suspect(peer, time.monotonic())
+        self.counters["mates_unreachable"] += 1
+        return False
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
