@@ -86,7 +86,9 @@ def test_a_peer_killed_mid_training_leaves_the_others_equal(daemons: Any) -> Non
     watcher.start()
     result = _train(d0, 18)
     watcher.join(5)
-    assert killed.is_set()
+    assert killed.is_set(), [{k: v for k, v in d.get("/api/v0/status")["counters"].items()
+                              if k.startswith(("sync.", "allreduce.bad", "allreduce.refused",
+                                               "allreduce.rounds"))} for d in stage1]
     assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
     info = _agree(stage1[:2], "the surviving stage-1 peers at one step with equal weights")
     counters = [d.get("/api/v0/status")["counters"] for d in stage1[:2]]
