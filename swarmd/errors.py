@@ -159,3 +159,11 @@ class ModelError(SwarmdError):
 
     code = "model"
     exit_status = 2
+
+
+class BadRoundMessage(BadPeerMessage):
+    """A message of a stage's round protocol (progress, prepare, start) that is malformed or
+    not the sender's to send (a ``start`` from a peer that does not lead the stage, a group
+    of peers that are not the stage's, a claimed sample count beyond what a peer can do)."""
+
+    code = "bad_round_message"

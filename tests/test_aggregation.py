@@ -240,15 +240,23 @@ def test_messages_for_unknown_rounds_are_buffered_within_bounds() -> None:
 
 
 def test_joining_takes_over_what_was_buffered_and_round_ids_are_never_reused() -> None:
-    plan = RoundPlan.build("r", ["a", "b"], 8, parts=[4, 4])
+    plan = RoundPlan.build("r", ["a", "b", "c"], 12, parts=[4, 4, 4])
     table = _table(retain_s=1.0)
     pending = table.lookup("r", plan.digest, "contribute", 16, now=0.0)
     pending.pending[(0, "b")] = (torch.ones(4), 2.0)  # b's slice of a's unit
     pending.pending[(1, "b")] = (torch.ones(4), 2.0)  # not for a: dropped
-    pending.pending_floors[1] = 1
-    rnd = table.join(plan, 0, now=1.0, deadline_s=10.0)
+    pending.pending[(0, "c")] = (torch.ones(4), 99.0)  # more samples than possible: dropped
+    pending.pending[(0, "zz")] = (torch.ones(4), 1.0)  # not a member: dropped
+    pending.pending_floors[(1, "c")] = 1  # c repairs b's unit at epoch 1
+    pending.pending_floors[(2, "c")] = 2  # but not unit 2 (its own) at epoch 2: dropped
+    pending.pending_floors[(1, "zz")] = 2  # an outsider's probe: dropped
+    rnd = table.join(plan, 0, now=1.0, deadline_s=10.0, max_weight=10.0)
     assert rnd is pending and list(rnd.units[0].contributions) == ["b"]
     assert not rnd.units[1].contributions and rnd.units[1].state.floor == 1
+    assert rnd.units[2].state.floor == 0
+    assert table.counters.get("bad_requests.not_repairer") == 2
+    assert table.counters.get("bad_requests.bad_weight") == 1
+    assert table.counters.get("bad_requests.wrong_part") == 2
     assert rnd.gather_at == 6.0 and rnd.reply_at == 8.0 and rnd.deadline == 11.0
     with pytest.raises(ValueError):
         table.join(plan, 0, now=2.0, deadline_s=10.0)

@@ -39,7 +39,14 @@ def _agree(peers: list[DaemonProcess], what: str) -> dict[str, Any]:
         steps = {i["step"] for i in infos}
         digests = {i["params_digest"] for i in infos}
         return infos[0] if len(steps) == 1 and len(digests) == 1 else None
-    return wait_until(same, 30, what)
+    try:
+        return wait_until(same, 30, what)
+    except AssertionError as exc:  # say where each peer is and what its rounds did
+        seen = [(d.get("/api/v0/stage")["step"], {
+            k: v for k, v in d.get("/api/v0/status")["counters"].items()
+            if k.startswith(("sync.", "state.", "allreduce.bad", "allreduce.refused"))})
+            for d in peers]
+        raise AssertionError(f"{exc}; peers: {seen}") from None
 
 
 def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(daemons: Any) -> None:
@@ -79,7 +86,9 @@ def test_a_peer_killed_mid_training_leaves_the_others_equal(daemons: Any) -> Non
     watcher.start()
     result = _train(d0, 18)
     watcher.join(5)
-    assert killed.is_set()
+    assert killed.is_set(), [{k: v for k, v in d.get("/api/v0/status")["counters"].items()
+                              if k.startswith(("sync.", "allreduce.bad", "allreduce.refused",
+                                               "allreduce.rounds"))} for d in stage1]
     assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
     info = _agree(stage1[:2], "the surviving stage-1 peers at one step with equal weights")
     counters = [d.get("/api/v0/status")["counters"] for d in stage1[:2]]

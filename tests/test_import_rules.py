@@ -34,7 +34,9 @@ CORES = frozenset({
     "swarmd.averaging.trigger",
     "swarmd.averaging.plan",
     "swarmd.averaging.aggregation",
+    "swarmd.averaging.messages",
     "swarmd.state.transfer",
+    "swarmd.state.messages",
     "transport.codecs",
     "swarmd.models.seam",
 })

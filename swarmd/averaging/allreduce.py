@@ -34,6 +34,13 @@ Unlike hivemind, whose peers fall back to their local values for a part whose re
 (survivors then disagree), a lost part is re-aggregated once and the same bits go to every
 survivor. A peer whose own vector holds NaN/Inf takes part with weight 0 (it still gets the
 average). A peer that failed to connect once is not dialed again in that round.
+
+Authority: requests are parsed into typed messages (``swarmd.averaging.messages``) in
+``_serve``; a contribution is taken only from a member of the plan's group, for a unit this
+peer owns, of the unit's length and with at most ``max_weight`` samples; a probe only from the
+unit's repairer of that epoch (a probe raises the floor, so an outsider's would make this peer
+refuse the owner's value); a repair request only from a member. Buffered messages for a round
+not joined yet are held to the same rules when it is. Times are ``time.monotonic()``.
 """
 
 from __future__ import annotations
@@ -47,19 +54,20 @@ from typing import Any, Callable, Sequence
 import torch
 
 from swarmd.averaging.aggregation import AggregateFn, Aggregator, BadGradient, check_finite
+from swarmd.averaging.messages import (Contribute, Probe, Repair, parse_contribution,
+                                       parse_request)
 from swarmd.averaging.plan import (DEFAULT_CHUNK, BadAllReduceMessage, PartValue, RoundPlan,
                                    fits, parse_part, pick_relayed)
 from swarmd.averaging.rounds import (RAW, AllReduceFailed, AllReduceResult, AveragerOptions,
-                                     Refusal, RoundState, RoundTable, summarize)
-from swarmd.averaging.wire import StreamPool
+                                     Refusal, RoundState, RoundTable, aggregate_unit, summarize)
+from swarmd.averaging.wire import StreamPool, decode_own
 from swarmd.errors import BadPeerMessage
-from transport import frames
 from transport.codecs import CodecSpec
 from transport.counters import Counters
 from transport.errors import PeerUnavailable, TransportError
 from transport.frames import Message, OutgoingFrame
 from transport.host import Host
-from transport.stream import OFFLOAD_BYTES, Stream, decode_off_loop, encode_off_loop
+from transport.stream import OFFLOAD_BYTES, Stream, encode_off_loop
 from swarmd.protocols import Protocols
 
 log = logging.getLogger("swarmd.averaging.allreduce")
@@ -84,7 +92,9 @@ class Averager:
         self.addrs_of = addrs_of
         #: rounds, rounds_failed, contributions_received, contributions_refused, peers_missing,
         #: repaired_parts, late_contributions, local_non_finite, plan_mismatch, buffer_full,
-        #: bad_requests.<reason>, open_retries, pooled_stream_stale
+        #: bad_requests.<reason> (malformed, or not the sender's to send: wrong_part,
+        #: bad_weight, not_repairer, not_a_member), refused.<code> (busy, not_joined, ...),
+        #: open_retries, pooled_stream_stale
         self.counters = Counters()
         self._rounds = RoundTable(self.options, self.counters)
         self._pool = StreamPool(host, protocol, self.counters,
@@ -111,37 +121,38 @@ class Averager:
                          deadline_s: float = 30.0, parts: Sequence[int] | None = None,
                          bandwidths: Sequence[float | None] | None = None,
                          chunk: int = DEFAULT_CHUNK,
-                         addrs_of: Callable[[str], Sequence[str]] | None = None
-                         ) -> AllReduceResult:
+                         addrs_of: Callable[[str], Sequence[str]] | None = None,
+                         max_weight: float = math.inf) -> AllReduceResult:
         """Average ``vector`` (flat float32, this peer's mean gradient over ``weight``
         samples) with the other peers of ``group``; see the module doc. ``parts`` (in sorted
-        group order), ``bandwidths`` (in ``group``'s order) and ``chunk`` must be the same on
-        every peer; ``addrs_of(peer_id)`` gives multiaddrs to dial a peer not connected."""
+        group order), ``bandwidths`` (in ``group``'s order), ``chunk`` and ``max_weight``
+        must be the same on every peer; ``addrs_of(peer_id)`` gives multiaddrs to dial a peer
+        not connected. A contribution claiming more than ``max_weight`` samples is refused."""
         if vector.dtype != torch.float32 or vector.dim() != 1:
             raise ValueError(f"vector must be flat float32, got {vector.dtype} "
                              f"{tuple(vector.shape)}")
-        if not (math.isfinite(weight) and weight >= 0) or not deadline_s > 0:
-            raise ValueError(f"weight must be finite and non-negative ({weight!r}) and "
+        if not (math.isfinite(weight) and 0 <= weight <= max_weight) or not deadline_s > 0:
+            raise ValueError(f"weight must be finite and in [0, {max_weight}] ({weight!r}) and "
                              f"deadline_s positive ({deadline_s!r})")
         plan = RoundPlan.build(round_id, group, vector.numel(), parts=parts,
                                bandwidths=bandwidths, chunk=chunk)
-        try:
-            check_finite(vector, who="this peer")
+        try:  # a whole gradient: checked in a thread, not on the event loop
+            await asyncio.to_thread(check_finite, vector, who="this peer")
         except BadGradient as exc:  # left out of every unit, not only where the NaN lies
             log.warning("round %s: %s; left out of the average", round_id, exc)
             self.counters.add("local_non_finite")
             vector, weight = torch.zeros_like(vector), 0.0
-        rnd = self._rounds.join(plan, plan.index(self.host.peer_id),
-                                asyncio.get_running_loop().time(), deadline_s)
+        rnd = self._rounds.join(plan, plan.index(self.host.peer_id), time.monotonic(),
+                                deadline_s, max_weight=max_weight)
         rnd.vector, rnd.weight = vector.detach().cpu().contiguous(), float(weight)
         rnd.codec = CodecSpec.parse(codec) if isinstance(codec, str) else codec
         rnd.aggregate = Aggregator.parse(aggregator) if isinstance(aggregator, str) else aggregator
         rnd.addrs_of = addrs_of or self.addrs_of
         rnd.out = torch.empty(plan.total, dtype=torch.float32)
         rnd.joined.set()
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
-            async with asyncio.timeout_at(rnd.deadline):
+            async with asyncio.timeout(rnd.deadline - start):
                 async with asyncio.TaskGroup() as tg:
                     for u, unit in enumerate(plan.units):
                         mine = unit.owner == rnd.me
@@ -157,7 +168,7 @@ class Averager:
             owners = sorted({plan.group[plan.units[u].owner] for u in missing})
             raise AllReduceFailed(f"round {round_id}: {len(missing)} units of {owners} missing "
                                   f"at the {deadline_s:.3g} s deadline")
-        result = await asyncio.to_thread(summarize, rnd, out, time.perf_counter() - start)
+        result = await asyncio.to_thread(summarize, rnd, out, time.monotonic() - start)
         self.counters.add("rounds")
         self.counters.add("peers_missing", len(result.missing))
         self.counters.add("repaired_parts", len(result.repaired_parts))
@@ -168,13 +179,12 @@ class Averager:
         plan, unit = rnd.plan, rnd.units[u]
         assert plan is not None
         others = {i for i in range(plan.n) if i != rnd.me}
-        loop = asyncio.get_running_loop()
-        while unit.state.floor == 0 and loop.time() < rnd.gather_at:
+        while unit.state.floor == 0 and (left := rnd.gather_at - time.monotonic()) > 0:
             if others <= {plan.index(s) for s in unit.contributions} | rnd.unreachable:
                 break
             unit.changed.clear()
             try:
-                async with asyncio.timeout_at(rnd.gather_at):
+                async with asyncio.timeout(left):
                     await unit.changed.wait()
             except TimeoutError:
                 break
@@ -182,51 +192,22 @@ class Averager:
             inputs = [(plan.index(s), t, w) for s, (t, w) in unit.contributions.items()]
             assert rnd.vector is not None
             inputs.append((rnd.me, rnd.vector[plan.units[u].span], rnd.weight))
-            tensor, weight, who = await asyncio.to_thread(self._aggregate, rnd, inputs)
+            tensor, weight, who = await asyncio.to_thread(aggregate_unit, rnd, inputs,
+                                                          self.counters)
             message = Message(kind="part", meta={"e": 0, "W": weight, "c": who},
                               tensors=(tensor,))
             frame = await encode_off_loop(message, rnd.codec)
             if unit.state.floor == 0:  # no repairer asked meanwhile: publish, then decode
                 unit.frame = frame
                 unit.done.set()
-                own = await self._decode_own(frame)
+                own = await decode_own(frame, self.host.options.limits)
                 unit.state.offer(PartValue(own, 0, weight, tuple(who)))
-        log.debug("round %s: own unit %d at %.3f", rnd.round_id, u, loop.time() - rnd.start)
+        log.debug("round %s: own unit %d at %.3f", rnd.round_id, u,
+                  time.monotonic() - rnd.start)
         unit.done.set()
         if unit.state.value is None:
             await self._walk_chain(rnd, u)
         await self._place(rnd, u)
-
-    def _aggregate(self, rnd: RoundState, inputs: list[tuple[int, torch.Tensor, float]]
-                   ) -> tuple[torch.Tensor, float, list[int]]:
-        """Refuse non-finite contributions, aggregate the rest (thread)."""
-        plan = rnd.plan
-        assert plan is not None and rnd.aggregate is not None
-        kept = []
-        for i, tensor, w in sorted(inputs, key=lambda x: x[0]):
-            try:
-                check_finite(tensor, who=plan.group[i])
-            except BadGradient as exc:
-                self.counters.add("contributions_refused")
-                log.info("round %s: refused %s", rnd.round_id, exc)
-                continue
-            if w > 0:
-                kept.append((i, tensor, w))
-        if not kept:
-            return torch.zeros(inputs[0][1].numel()), 0.0, []
-        out = rnd.aggregate([t for _, t, _ in kept], [w for _, _, w in kept])
-        return out, float(sum(w for _, _, w in kept)), [i for i, _, _ in kept]
-
-    async def _decode_own(self, frame: OutgoingFrame) -> torch.Tensor:
-        """The bits receivers get: the frame decoded, exactly as a receiver decodes it."""
-        limits = self.host.options.limits
-        header = frames.parse_header(frame.head[frames.PREFIX_BYTES:], limits)
-        payload, at = bytearray(frame.payload_bytes), 0
-        for part in frame.parts:
-            payload[at:at + part.nbytes] = part
-            at += part.nbytes
-        message = await decode_off_loop(header, payload, limits)
-        return message.tensors[0]
 
     async def _place(self, rnd: RoundState, u: int) -> None:
         """Copy unit ``u``'s value into the result now, while other units still travel."""
@@ -247,12 +228,10 @@ class Averager:
         owner = plan.units[u].owner
         request = Message(kind="contribute", meta=self._meta(rnd, u, w=rnd.weight),
                           tensors=(rnd.vector[plan.units[u].span],))
-        loop = asyncio.get_running_loop()
         try:
-            reply = await self._ask(rnd, owner, request, rnd.codec, rnd.reply_at - loop.time(),
-                                    slot=rnd.send_slots[owner])
-            value = parse_part(plan, u, reply.kind, reply.meta, reply.tensors)
-            check_finite(value.tensor, who=f"owner {plan.group[owner]}")
+            reply = await self._ask(rnd, owner, request, rnd.codec,
+                                    rnd.reply_at - time.monotonic(), slot=rnd.send_slots[owner])
+            value = await self._checked_part(rnd, u, reply, f"owner {plan.group[owner]}")
             accepted = unit.state.offer(value)
         except (*_FAILURES, BadGradient) as exc:
             log.info("round %s: no unit %d from its owner %s: %s", rnd.round_id, u,
@@ -265,7 +244,6 @@ class Averager:
     async def _walk_chain(self, rnd: RoundState, u: int) -> None:
         plan, state = rnd.plan, rnd.units[u].state
         assert plan is not None
-        loop = asyncio.get_running_loop()
         for epoch, c in plan.chain(u):
             if state.value is not None:
                 return
@@ -276,16 +254,25 @@ class Averager:
                     pass
                 return
             request = Message(kind="repair", meta=self._meta(rnd, u, e=epoch))
-            timeout = min(self.options.repair_timeout_s, rnd.deadline - loop.time())
+            timeout = min(self.options.repair_timeout_s, rnd.deadline - time.monotonic())
             try:
                 reply = await self._ask(rnd, c, request, RAW, timeout)
-                value = parse_part(plan, u, reply.kind, reply.meta, reply.tensors)
-                check_finite(value.tensor, who=f"repairer {plan.group[c]}")
+                value = await self._checked_part(rnd, u, reply, f"repairer {plan.group[c]}")
                 if state.offer(value):
                     return
             except (*_FAILURES, BadGradient) as exc:
                 log.info("round %s: repair of unit %d by %s failed: %s", rnd.round_id, u,
                          plan.group[c], exc)
+
+    async def _checked_part(self, rnd: RoundState, u: int, reply: Message,
+                            who: str) -> PartValue:
+        """A unit's value from a peer: well formed, a sane weight, finite (checked in a
+        thread: a unit is up to 16 MB)."""
+        assert rnd.plan is not None
+        value = parse_part(rnd.plan, u, reply.kind, reply.meta, reply.tensors,
+                           max_weight=rnd.max_weight)
+        await asyncio.to_thread(check_finite, value.tensor, who=who)
+        return value
 
     def _repair(self, rnd: RoundState, u: int, epoch: int) -> asyncio.Task[PartValue]:
         unit = rnd.units[u]
@@ -303,11 +290,11 @@ class Averager:
         state.raise_floor(epoch)
         inputs = [(rnd.me, rnd.vector[plan.units[u].span].clone(), rnd.weight)]
         # a peer that has not joined yet holds the probe until it does, by our gather time
-        loop = asyncio.get_running_loop()
-        hold = max(0.0, rnd.gather_at - loop.time())
+        hold = max(0.0, rnd.gather_at - time.monotonic())
         probe = Message(kind="probe", meta=self._meta(rnd, u, e=epoch, g=hold))
         # a hung peer must not take the round down: keep half the time left for the rest
-        timeout = min(hold + self.options.probe_timeout_s, (rnd.deadline - loop.time()) / 2)
+        timeout = min(hold + self.options.probe_timeout_s,
+                      (rnd.deadline - time.monotonic()) / 2)
 
         async def ask(k: int) -> Message | None:
             try:
@@ -324,11 +311,10 @@ class Averager:
                 if reply is not None and reply.kind == "part":
                     found.append(parse_part(plan, u, reply.kind, reply.meta, reply.tensors))
                 elif reply is not None and reply.kind == "contribution":
-                    w = reply.meta.get("w")
-                    if not (fits(plan, u, reply.tensors[0] if reply.tensors else None)
-                            and isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-                        raise BadAllReduceMessage("bad_contribution", repr(w))
-                    inputs.append((k, reply.tensors[0], float(w)))
+                    got = parse_contribution(reply.kind, reply.meta, reply.tensors,
+                                             length=plan.units[u].length,
+                                             max_weight=rnd.max_weight)
+                    inputs.append((k, got.tensor, got.weight))
             except BadPeerMessage as exc:
                 log.info("round %s: bad probe reply from %s: %s", rnd.round_id,
                          plan.group[k], exc)
@@ -338,7 +324,8 @@ class Averager:
         if relayed is not None:
             value = PartValue(relayed.tensor, epoch, relayed.weight, relayed.contributors)
         else:
-            tensor, weight, who = await asyncio.to_thread(self._aggregate, rnd, inputs)
+            tensor, weight, who = await asyncio.to_thread(aggregate_unit, rnd, inputs,
+                                                          self.counters)
             value = PartValue(tensor, epoch, weight, tuple(who))
         if state.value is None:
             state.value = value
@@ -346,7 +333,7 @@ class Averager:
 
     # ---- requests ------------------------------------------------------------------------
     def _meta(self, rnd: RoundState, u: int, **extra: Any) -> dict[str, Any]:
-        wait = max(0.0, rnd.deadline - asyncio.get_running_loop().time())
+        wait = max(0.0, rnd.deadline - time.monotonic())
         return {"r": rnd.round_id, "d": rnd.digest, "u": u, "t": wait, **extra}
 
     async def _ask(self, rnd: RoundState, k: int, message: Message, codec: CodecSpec,
@@ -388,55 +375,44 @@ class Averager:
         await self._pool.serve(stream, self._serve, self.options.idle_stream_s)
 
     async def _serve(self, message: Message, peer: str, nbytes: int) -> OutgoingFrame:
-        m = message.meta
-        r, d, u, wait = m.get("r"), m.get("d"), m.get("u"), m.get("t")
-        if not (isinstance(r, str) and 0 < len(r) <= 128 and isinstance(d, str)
-                and isinstance(u, int) and u >= 0 and isinstance(wait, (int, float))
-                and wait >= 0):
-            raise BadAllReduceMessage("bad_meta", f"{message.kind} {dict(m)!r}"[:200])
-        wait = min(float(wait), self.options.max_wait_s)
-        rnd = self._rounds.lookup(r, d, message.kind, nbytes, asyncio.get_running_loop().time())
-        if message.kind == "contribute":
-            return await self._serve_contribute(rnd, message, peer, u, wait, nbytes)
-        epoch, hold = m.get("e"), m.get("g", 0.0)
-        if not (isinstance(epoch, int) and epoch >= 1 and isinstance(hold, (int, float))
-                and hold >= 0):
-            raise BadAllReduceMessage("bad_epoch", f"{epoch!r} {hold!r}")
-        if message.kind == "probe":
-            return await self._serve_probe(rnd, u, epoch, min(float(hold), wait))
-        if message.kind == "repair":
-            return await self._serve_repair(rnd, u, epoch, wait)
-        raise BadAllReduceMessage("unknown_kind", message.kind[:64])
+        request = parse_request(message.kind, message.meta, message.tensors,
+                                max_wait=self.options.max_wait_s)
+        rnd = self._rounds.lookup(request.round_id, request.digest, message.kind, nbytes,
+                                  time.monotonic())
+        if isinstance(request, Contribute):
+            return await self._serve_contribute(rnd, request, peer, nbytes)
+        if isinstance(request, Probe):
+            return await self._serve_probe(rnd, request, peer)
+        return await self._serve_repair(rnd, request, peer)
 
-    async def _serve_contribute(self, rnd: RoundState, message: Message, peer: str, u: int,
-                                wait: float, nbytes: int) -> OutgoingFrame:
-        w = message.meta.get("w")
-        tensor = message.tensors[0] if len(message.tensors) == 1 else None
-        if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0
-                and isinstance(tensor, torch.Tensor)):
-            raise BadAllReduceMessage("bad_contribution", f"weight {w!r}")
+    async def _serve_contribute(self, rnd: RoundState, request: Contribute, peer: str,
+                                nbytes: int) -> OutgoingFrame:
+        u, tensor, w = request.unit, request.tensor, float(request.weight)
         self.counters.add("contributions_received")
         if rnd.plan is None:  # buffered until the local peer joins (checked then)
-            rnd.pending[(u, peer)] = (tensor, float(w))
+            rnd.pending[(u, peer)] = (tensor, w)
             rnd.pending_bytes += nbytes
-            await self._rounds.wait_joined(rnd, wait)
+            await self._rounds.wait_joined(rnd, request.wait)
             if u >= len(rnd.units) or (peer not in rnd.units[u].contributions
                                        and not rnd.units[u].done.is_set()):
                 raise BadAllReduceMessage("wrong_part", f"unit {u} from {peer}")
         else:
             plan = rnd.plan
             if not fits(plan, u, tensor) or plan.units[u].owner != rnd.me or (
-                    peer not in plan.group):
+                    peer not in plan.group) or peer == plan.group[rnd.me]:
                 raise BadAllReduceMessage("wrong_part", f"unit {u} from {peer}")
+            if w > rnd.max_weight:
+                raise BadAllReduceMessage("bad_weight", f"{peer} claims {w} samples, at "
+                                                        f"most {rnd.max_weight} are possible")
             unit = rnd.units[u]
             if not unit.done.is_set() and not rnd.finished:
-                unit.contributions[peer] = (tensor, float(w))
+                unit.contributions[peer] = (tensor, w)
                 unit.changed.set()
             else:
                 self.counters.add("late_contributions")
         unit = rnd.units[u]
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(request.wait):
                 await unit.done.wait()
         except TimeoutError:
             raise Refusal("not_ready", f"unit {u} of {rnd.round_id} is not decided") from None
@@ -445,18 +421,22 @@ class Averager:
                                             f"ask the repair chain")
         return unit.frame
 
-    async def _serve_probe(self, rnd: RoundState, u: int, epoch: int,
-                           hold: float) -> OutgoingFrame:
+    async def _serve_probe(self, rnd: RoundState, request: Probe, peer: str) -> OutgoingFrame:
+        """Only the unit's repairer of ``epoch`` may probe it (a probe raises the floor)."""
+        u, epoch = request.unit, request.epoch
         if rnd.plan is None:
-            rnd.pending_floors[u] = max(rnd.pending_floors.get(u, 0), epoch)
+            key = (u, peer)
+            rnd.pending_floors[key] = max(rnd.pending_floors.get(key, 0), epoch)
             try:
-                await self._rounds.wait_joined(rnd, hold)
+                await self._rounds.wait_joined(rnd, request.hold)
             except Refusal:
                 return await encode_off_loop(Message(kind="absent"), RAW)
         plan = rnd.plan
         assert plan is not None
-        if not 0 <= u < len(plan.units) or epoch >= plan.n:
-            raise BadAllReduceMessage("bad_part_index", f"{u}, epoch {epoch}")
+        if not 0 <= u < len(plan.units) or peer not in plan.group or (
+                (epoch, plan.group.index(peer)) not in plan.chain(u)):
+            raise BadAllReduceMessage("not_repairer", f"{peer} probed unit {u} at epoch "
+                                                      f"{epoch}")
         unit = rnd.units[u]
         if unit.frame is not None:  # this peer owns it and has answered with this frame
             return unit.frame
@@ -472,14 +452,16 @@ class Averager:
         return await encode_off_loop(
             Message(kind="contribution", meta={"w": rnd.weight}, tensors=(mine,)), rnd.codec)
 
-    async def _serve_repair(self, rnd: RoundState, u: int, epoch: int,
-                            wait: float) -> OutgoingFrame:
-        plan = rnd.plan
+    async def _serve_repair(self, rnd: RoundState, request: Repair,
+                            peer: str) -> OutgoingFrame:
+        plan, u, epoch = rnd.plan, request.unit, request.epoch
         assert plan is not None
+        if peer not in plan.group:
+            raise BadAllReduceMessage("not_a_member", f"{peer} is not in round {rnd.round_id}")
         if not 0 <= u < len(plan.units) or (epoch, rnd.me) not in plan.chain(u):
             raise BadAllReduceMessage("not_repairer", f"unit {u}, epoch {epoch}")
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(request.wait):
                 value = await asyncio.shield(self._repair(rnd, u, epoch))
         except TimeoutError:
             raise Refusal("not_ready", f"repair of unit {u} not done in time") from None

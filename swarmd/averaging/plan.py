@@ -253,14 +253,19 @@ def fits(plan: RoundPlan, u: int, tensor: object) -> bool:
 
 
 def parse_part(plan: RoundPlan, u: int, kind: str, meta: Mapping[str, Any],
-               tensors: Sequence[Any]) -> PartValue:
-    """A ``part`` reply (a unit's decided value) from an untrusted peer, validated."""
+               tensors: Sequence[Any], *, max_weight: float = math.inf) -> PartValue:
+    """A ``part`` reply (a unit's decided value) from an untrusted peer, validated; its total
+    weight is at most ``max_weight`` (a peer's bound) per member of the group."""
+    if not isinstance(meta, Mapping):
+        raise BadAllReduceMessage("bad_part", f"{kind[:40]} without a meta map")
     e, weight, who = meta.get("e"), meta.get("W"), meta.get("c")
     ok = (kind == "part" and len(tensors) == 1 and fits(plan, u, tensors[0])
-          and isinstance(e, int) and 0 <= e < plan.n
-          and isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0
+          and isinstance(e, int) and not isinstance(e, bool) and 0 <= e < plan.n
+          and isinstance(weight, (int, float)) and not isinstance(weight, bool)
+          and math.isfinite(weight) and 0 <= weight <= max_weight * plan.n
           and isinstance(who, list) and len(set(who)) == len(who)
-          and all(isinstance(i, int) and 0 <= i < plan.n for i in who))
+          and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < plan.n
+                  for i in who))
     if not ok:
         raise BadAllReduceMessage("bad_part", f"{kind} {dict(meta)!r}"[:200])
     return PartValue(tensors[0], e, float(weight), tuple(sorted(who)))

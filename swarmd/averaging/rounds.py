@@ -12,6 +12,7 @@ are kept; messages beyond that get a typed refusal (``busy``). No I/O here: time
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from swarmd.averaging.aggregation import AggregateFn
+from swarmd.averaging.aggregation import AggregateFn, BadGradient, check_finite
 from swarmd.averaging.plan import PartState, PartValue, RoundPlan, fits
 from swarmd.errors import SwarmdError
 from transport.codecs import CodecSpec
@@ -27,7 +28,9 @@ from transport.counters import Counters
 from transport.frames import OutgoingFrame
 
 __all__ = ["AllReduceFailed", "AllReduceResult", "AveragerOptions", "Refusal", "RoundState",
-           "RoundTable", "UnitState"]
+           "RoundTable", "UnitState", "aggregate_unit"]
+
+log = logging.getLogger("swarmd.averaging.allreduce")
 
 RAW = CodecSpec(name="none")
 
@@ -115,6 +118,8 @@ class RoundState:
     me: int = -1
     vector: torch.Tensor | None = None
     weight: float = 0.0
+    #: the most samples any one contribution may claim
+    max_weight: float = math.inf
     codec: CodecSpec = RAW
     aggregate: AggregateFn | None = None
     addrs_of: Callable[[str], Sequence[str]] | None = None
@@ -127,9 +132,9 @@ class RoundState:
     unreachable: set[int] = field(default_factory=set)
     #: one contribution at a time on the wire to each owner
     send_slots: dict[int, asyncio.Semaphore] = field(default_factory=dict)
-    #: before joining: contributions by (unit, sender), and probes' floors by unit
+    #: before joining: contributions and probes' floors by (unit, sender)
     pending: dict[tuple[int, str], tuple[torch.Tensor, float]] = field(default_factory=dict)
-    pending_floors: dict[int, int] = field(default_factory=dict)
+    pending_floors: dict[tuple[int, str], int] = field(default_factory=dict)
     pending_bytes: int = 0
     joined: asyncio.Event = field(default_factory=asyncio.Event)
     mismatch: bool = False
@@ -158,8 +163,11 @@ class RoundTable:
     def clear(self) -> None:
         self._rounds.clear()
 
-    def join(self, plan: RoundPlan, me: int, now: float, deadline_s: float) -> RoundState:
-        """The local peer starts ``plan``: take over what was buffered for it."""
+    def join(self, plan: RoundPlan, me: int, now: float, deadline_s: float, *,
+             max_weight: float = math.inf) -> RoundState:
+        """The local peer starts ``plan``: take over what was buffered for it, from the
+        group's members only (a probe's floor only from the unit's repairer of that epoch,
+        a contribution only of the right size and a sane weight)."""
         self.expire(now)
         rnd = self._rounds.get(plan.round_id)
         if (rnd is not None and rnd.plan is not None) or plan.round_id in self._gone:
@@ -171,22 +179,28 @@ class RoundTable:
                 rnd.joined.set()
             rnd = self._rounds[plan.round_id] = RoundState(plan.round_id, plan.digest, now)
         o = self.options
-        rnd.plan, rnd.me = plan, me
+        rnd.plan, rnd.me, rnd.max_weight = plan, me, max_weight
         rnd.start, rnd.deadline = now, now + deadline_s
         rnd.gather_at = now + o.gather_fraction * deadline_s
         rnd.reply_at = now + o.reply_fraction * deadline_s
         rnd.units = [UnitState() for _ in plan.units]
         rnd.send_slots = {j: asyncio.Semaphore(1) for j in range(plan.n)}
-        for u, floor in rnd.pending_floors.items():
-            if 0 <= u < len(plan.units):
+        for (u, sender), floor in rnd.pending_floors.items():
+            if 0 <= u < len(plan.units) and sender in plan.group and (
+                    (floor, plan.group.index(sender)) in plan.chain(u)):
                 rnd.units[u].state.raise_floor(floor)
-        for (u, sender), (tensor, w) in rnd.pending.items():
-            if fits(plan, u, tensor) and plan.units[u].owner == me and sender in plan.group \
-                    and sender != plan.group[me]:
-                rnd.units[u].contributions[sender] = (tensor, w)
             else:
+                self.counters.add("bad_requests.not_repairer")
+        for (u, sender), (tensor, w) in rnd.pending.items():
+            if not (fits(plan, u, tensor) and plan.units[u].owner == me
+                    and sender in plan.group and sender != plan.group[me]):
                 self.counters.add("bad_requests.wrong_part")
+            elif not w <= max_weight:
+                self.counters.add("bad_requests.bad_weight")
+            else:
+                rnd.units[u].contributions[sender] = (tensor, w)
         rnd.pending.clear()
+        rnd.pending_floors.clear()
         rnd.pending_bytes = 0
         return rnd
 
@@ -269,3 +283,26 @@ def summarize(rnd: RoundState, out: torch.Tensor, seconds: float) -> AllReduceRe
         missing=tuple(plan.group[i] for i in range(plan.n) if i not in both),
         part_weights=weights, repaired_parts=tuple(u for u, v in enumerate(values) if v.epoch),
         seconds=seconds, bytes_sent=rnd.bytes_sent, bytes_received=rnd.bytes_received)
+
+
+def aggregate_unit(rnd: RoundState, inputs: list[tuple[int, torch.Tensor, float]],
+                   counters: Counters) -> tuple[torch.Tensor, float, list[int]]:
+    """Refuse non-finite contributions, aggregate the rest (run in a thread: it touches
+    megabytes). ``inputs`` are (group index, tensor, weight); returns the value, its total
+    weight and the indices of the contributions kept."""
+    plan = rnd.plan
+    assert plan is not None and rnd.aggregate is not None
+    kept = []
+    for i, tensor, w in sorted(inputs, key=lambda x: x[0]):
+        try:
+            check_finite(tensor, who=plan.group[i])
+        except BadGradient as exc:
+            counters.add("contributions_refused")
+            log.info("round %s: refused %s", rnd.round_id, exc)
+            continue
+        if w > 0:
+            kept.append((i, tensor, w))
+    if not kept:
+        return torch.zeros(inputs[0][1].numel()), 0.0, []
+    out = rnd.aggregate([t for _, t, _ in kept], [w for _, _, w in kept])
+    return out, float(sum(w for _, _, w in kept)), [i for i, _, _ in kept]

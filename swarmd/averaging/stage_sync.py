@@ -12,6 +12,12 @@ over ``/swarmd/<swarm>/1/round`` (request/reply, small meta only) and runs the r
   too) takes its gradient snapshot and enters ``Averager.all_reduce`` with the same round id and
   group, then applies the same averaged gradient and moves to the next step.
 
+Authority: each request is parsed into a typed message (``swarmd.averaging.messages``) and
+taken only from a live mate of the stage; a ``start`` only from the stage's leader (the
+trigger's rule) and with a group of the stage's peers; reported samples and the weights in the
+all-reduce are bounded by ``max_samples_factor`` times the stage's target. Anything else gets a
+typed ``bad_round_message`` reply, a counter (``bad_requests.<reason>``), and changes nothing.
+
 A peer alone in its stage steps locally when its own samples reach the target. A round that
 fails (``AllReduceFailed`` at its deadline) puts the snapshot back into the accumulated
 gradients and does not step: the peers that did step are ahead, and this one catches up.
@@ -30,7 +36,9 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from swarmd.averaging.allreduce import AllReduceFailed, Averager
-from swarmd.errors import SwarmdError
+from swarmd.averaging.messages import (Prepare, PrepareReply, Progress, Start,
+                                       parse_prepare_reply, parse_round)
+from swarmd.errors import BadPeerMessage, BadRoundMessage, SwarmdError
 from swarmd.averaging.trigger import RoundTrigger
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
@@ -40,6 +48,10 @@ log = logging.getLogger("swarmd.sync")
 
 #: how long the leader waits for a mate's answer to ``prepare`` / ``start``
 ASK_TIMEOUT_S = 3.0
+#: a start from a mate that leads only if smaller mates are gone: at most this many of them
+#: are checked (a ping each, concurrently, within ``ALIVE_TIMEOUT_S``) before answering
+MAX_ALIVE_CHECKS = 4
+ALIVE_TIMEOUT_S = 1.0
 
 
 class RoundRefused(SwarmdError):
@@ -51,6 +63,8 @@ class SyncSettings:
     compression: str = "fp16"
     aggregator: str = "centered_clip"
     timeout_s: float = 30.0
+    #: a peer's samples (reported, or weighed in a round) are at most this times the target
+    max_samples_factor: float = 4.0
 
 
 class StageSync:
@@ -93,6 +107,11 @@ class StageSync:
         return self.trigger.step
 
     @property
+    def max_samples(self) -> int:
+        """The most samples one peer may hold at one step (honest peers stay far below)."""
+        return max(1, int(self.trigger.target * self.settings.max_samples_factor))
+
+    @property
     def busy(self) -> bool:
         return self._round is not None and not self._round.done()
 
@@ -118,7 +137,7 @@ class StageSync:
             return
         mates = self.mates()
         self.trigger.forget(mates)
-        now = time.time()
+        now = time.monotonic()
         if not mates:
             if self.trigger.samples >= self.trigger.target:
                 self._round = self._spawn(self._local_step())
@@ -142,29 +161,30 @@ class StageSync:
 
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
-        now = time.time()  # a mate that just failed us is not waited for again
+        now = time.monotonic()  # a mate that just failed us is not waited for again
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
-        answers = await asyncio.gather(*(self._ask(p, addrs, "prepare", {"step": step})
+        ask = Prepare(stage=self.stage, step=step)
+        answers = await asyncio.gather(*(self._ask(p, addrs, "prepare", ask.to_meta())
                                          for p, addrs in mates.items()))
         group, bandwidths = [self.trigger.me], [self.bandwidth]
         for peer, reply in zip(mates, answers):
-            if reply is None:
+            their = self._prepared(peer, reply)
+            if their is None:
                 continue
-            their = reply.meta.get("step")
-            if their == step and reply.meta.get("free") is True:
+            if their.step == step and their.free:
                 group.append(peer)
-                bandwidths.append(_bandwidth(reply.meta.get("bandwidth")))
-            elif isinstance(their, int) and their > step:
-                self._on_behind(peer, their)
+                bandwidths.append(their.bandwidth)
+            elif their.step > step:
+                self._on_behind(peer, their.step)
                 return  # we are behind: no round until we caught up
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
         if len(group) > 1:
             # everyone told must run the very group it was told: a member that refuses now is
             # missing from the round, whose parts are repaired around it (swarmd.averaging.allreduce)
-            started = await asyncio.gather(*(self._ask(
-                p, mates[p], "start", {"step": step, "round": round_id, "group": group,
-                                      "bandwidths": bandwidths})
-                for p in group[1:]))
+            start = Start(stage=self.stage, step=step, round_id=round_id, group=tuple(group),
+                          bandwidths=tuple(bandwidths))
+            started = await asyncio.gather(*(self._ask(p, mates[p], "start", start.to_meta())
+                                             for p in group[1:]))
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths)
@@ -180,10 +200,14 @@ class StageSync:
             self._stepped()
             return
         s = self.settings
+        # every member bounds the weights alike: a peer that (after failed rounds) holds
+        # more samples than that claims the bound
+        weight = float(min(samples, self.max_samples))
         try:
             result = await self.averager.all_reduce(
-                round_id, group, vector, float(samples), codec=s.compression,
-                aggregator=s.aggregator, deadline_s=s.timeout_s, bandwidths=bandwidths)
+                round_id, group, vector, weight, codec=s.compression,
+                aggregator=s.aggregator, deadline_s=s.timeout_s, bandwidths=bandwidths,
+                max_weight=float(self.max_samples))
         except AllReduceFailed as exc:
             log.warning("stage %d round %s failed (%s): not stepping; catching up later",
                         self.stage, round_id, exc)
@@ -212,10 +236,10 @@ class StageSync:
     # ---- messages ----------------------------------------------------------------------------
     async def _report(self, leader: str, addrs: tuple[str, ...]) -> None:
         sent = None
-        while sent != (self.trigger.step, self.trigger.samples):
-            sent = (self.trigger.step, self.trigger.samples)
-            reply = await self._ask(leader, addrs, "progress",
-                                    {"step": sent[0], "samples": sent[1]})
+        while sent != (self.trigger.step, min(self.trigger.samples, self.max_samples)):
+            sent = (self.trigger.step, min(self.trigger.samples, self.max_samples))
+            report = Progress(stage=self.stage, step=sent[0], samples=sent[1])
+            reply = await self._ask(leader, addrs, "progress", report.to_meta())
             if reply is None:
                 self._consider()  # the leader was suspected: maybe we lead now
                 return
@@ -225,52 +249,102 @@ class StageSync:
                    meta: dict[str, Any]) -> Message | None:
         try:
             await self.host.ensure_connected(peer, addrs)
-            return await self.host.request(peer, self.protocol, Message(
-                kind=kind, meta={"stage": self.stage, **meta}), timeout=ASK_TIMEOUT_S)
+            return await self.host.request(peer, self.protocol, Message(kind=kind, meta=meta),
+                                           timeout=ASK_TIMEOUT_S)
         except RemoteError as exc:
             self.counters[f"refused.{exc.code}"] += 1
             return None
         except TransportError as exc:
             log.info("stage %d: %s to %s failed (%s)", self.stage, kind, peer, exc)
-            self.trigger.suspect(peer, time.time())
+            self.trigger.suspect(peer, time.monotonic())
             self.counters["mates_unreachable"] += 1
             return None
 
+    def _prepared(self, peer: str, reply: Message | None) -> PrepareReply | None:
+        """A mate's answer to ``prepare``, or None (no answer, or a malformed one)."""
+        if reply is None:
+            return None
+        try:
+            return parse_prepare_reply(reply.kind, reply.meta)
+        except BadPeerMessage as exc:
+            log.info("stage %d: bad prepare reply from %s: %s", self.stage, peer, exc)
+            self.counters[f"bad_replies.{exc.reason}"] += 1
+            return None
+
     async def _serve(self, message: Message, peer: str) -> Message:
-        meta = message.meta
-        if meta.get("stage") != self.stage:
-            raise RoundRefused(f"this peer serves stage {self.stage}, not {meta.get('stage')}")
-        step = meta.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise RoundRefused("a round message needs a non-negative integer step")
-        if step > self.trigger.step:
-            self._on_behind(peer, step)
-        if message.kind == "progress":
-            samples = meta.get("samples")
-            if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
-                raise RoundRefused("progress needs a non-negative integer samples")
-            self.trigger.report(peer, step, samples)
+        try:
+            return await self._answer(parse_round(message.kind, message.meta, message.tensors),
+                                      peer)
+        except BadPeerMessage as exc:
+            self.counters[f"bad_requests.{exc.reason}"] += 1
+            log.info("stage %d: refused a round message from %s: %s", self.stage, peer, exc)
+            raise
+
+    async def _answer(self, request: Progress | Prepare | Start, peer: str) -> Message:
+        """Who may say what: mates of this stage only; ``start`` only from its leader."""
+        if request.stage != self.stage:
+            raise RoundRefused(f"this peer serves stage {self.stage}, not {request.stage}")
+        mates = self.mates()
+        if peer not in mates:
+            raise BadRoundMessage("not_a_mate", f"{peer} is not a live peer of stage "
+                                                f"{self.stage} here")
+        if isinstance(request, Progress) and request.samples > self.max_samples:
+            raise BadRoundMessage("bad_samples", f"{request.samples} samples at one step; "
+                                                 f"at most {self.max_samples} are possible")
+        if request.step > self.trigger.step:  # a mate ahead of us: catch up, whatever else
+            self._on_behind(peer, request.step)
+        if isinstance(request, Start):
+            await self._check_start(request, peer, mates)
+        if isinstance(request, Progress):
+            self.trigger.report(peer, request.step, request.samples)
             self._consider()
             return Message(kind="ok")
-        if message.kind == "prepare":
-            return Message(kind="ok", meta={"step": self.trigger.step, "free": not self.busy,
-                                            "bandwidth": self.bandwidth})
-        if message.kind == "start":
-            group, round_id = meta.get("group"), meta.get("round")
-            if (not isinstance(group, list) or not isinstance(round_id, str)
-                    or self.host.peer_id not in group or len(group) > 1024
-                    or not all(isinstance(p, str) for p in group)):
-                raise RoundRefused("start needs a round id and a group that includes this peer")
-            bandwidths = meta.get("bandwidths")
-            if not isinstance(bandwidths, list) or len(bandwidths) != len(group):
-                raise RoundRefused("start needs one bandwidth (or null) per group member")
-            if step != self.trigger.step or self.busy:
-                raise RoundRefused(f"this peer is at step {self.trigger.step}"
-                                   f"{' in another round' if self.busy else ''}")
-            self._round = self._spawn(self._average(round_id, list(group),
-                                                    [_bandwidth(b) for b in bandwidths]))
-            return Message(kind="ok")
-        raise RoundRefused(f"unknown round message kind {message.kind!r}")
+        if isinstance(request, Prepare):
+            reply = PrepareReply(step=self.trigger.step, free=not self.busy,
+                                 bandwidth=self.bandwidth)
+            return Message(kind="ok", meta=reply.to_meta())
+        if request.step != self.trigger.step or self.busy:
+            raise RoundRefused(f"this peer is at step {self.trigger.step}"
+                               f"{' in another round' if self.busy else ''}")
+        self._round = self._spawn(self._average(request.round_id, list(request.group),
+                                                list(request.bandwidths)))
+        return Message(kind="ok")
+
+    async def _check_start(self, start: Start, peer: str,
+                           mates: dict[str, tuple[str, ...]]) -> None:
+        """A start is taken from the stage's leader only: the smallest live mate. When the
+        sender would lead but for smaller mates this peer does not suspect yet (one just
+        died: the sender found out first), those are pinged before answering."""
+        me = self.trigger.me
+        if me not in start.group or peer not in start.group:
+            raise BadRoundMessage("bad_group", "a start's group holds its leader and this peer")
+        strangers = [p for p in start.group if p != me and p not in mates]
+        if strangers:
+            raise BadRoundMessage("group_not_mates", f"{len(strangers)} of the group are not "
+                                                     f"peers of stage {self.stage} here")
+        now = time.monotonic()
+        if self.trigger.may_lead(peer, mates, now):
+            return
+        ahead = [p for p in mates if p < peer and self.trigger.suspects.get(p, 0.0) <= now]
+        if peer < me and len(ahead) <= MAX_ALIVE_CHECKS:
+            alive = await asyncio.gather(*(self._alive(p, mates[p]) for p in ahead))
+            if not any(alive):
+                return
+        raise BadRoundMessage("not_leader", f"{peer} does not lead stage {self.stage} here: "
+                                            f"refused its start")
+
+    async def _alive(self, peer: str, addrs: tuple[str, ...]) -> bool:
+        """Whether ``peer`` answers a ping within ``ALIVE_TIMEOUT_S``; suspected if not."""
+        try:
+            async with asyncio.timeout(ALIVE_TIMEOUT_S):
+                if await self.host.ensure_connected(peer, addrs, timeout=ALIVE_TIMEOUT_S):
+                    await self.host.ping(peer, timeout=ALIVE_TIMEOUT_S)
+                    return True
+        except (TransportError, TimeoutError):
+            pass
+        self.trigger.suspect(peer, time.monotonic())
+        self.counters["mates_unreachable"] += 1
+        return False
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -283,10 +357,3 @@ class StageSync:
         if not task.cancelled() and task.exception() is not None:
             self.counters["round_errors"] += 1
             log.error("stage %d: round task failed: %r", self.stage, task.exception())
-
-
-def _bandwidth(value: Any) -> float | None:
-    """A peer's reported bandwidth, or None when it is not a usable number."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e15:
-        return float(value)
-    return None

@@ -43,6 +43,15 @@ class RoundTrigger:
         live = [p for p in mates if self.suspects.get(p, 0.0) <= now]
         return min([self.me, *live])
 
+    def may_lead(self, peer: str, mates: Iterable[str], now: float) -> bool:
+        """Whether this peer takes a round ``start`` from ``peer``: only from a mate that
+        leads by this peer's view, with or without the suspicions held here (a leader this
+        peer suspects after one failed message is still the leader of the others)."""
+        mates = list(mates)
+        if peer == self.me or peer not in mates:
+            return False
+        return peer == self.leader(mates, now) or peer == min([self.me, *mates])
+
     def suspect(self, peer: str, now: float) -> None:
         self.suspects[peer] = now + SUSPECT_S
 

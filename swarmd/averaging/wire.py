@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Sequence
 
+import torch
+
 from swarmd.errors import BadPeerMessage
 from transport import frames
 from transport.codecs import CodecSpec
@@ -24,9 +26,10 @@ from transport.counters import Counters
 from transport.errors import PeerProtocolError, PeerUnavailable, RemoteError
 from transport.frames import Message, OutgoingFrame
 from transport.host import Host
+from transport.limits import Limits
 from transport.stream import Stream, decode_off_loop, encode_off_loop
 
-__all__ = ["Serve", "StreamPool"]
+__all__ = ["Serve", "StreamPool", "decode_own"]
 
 #: ``serve(message, peer_id, frame_bytes)`` returns the reply frame, or raises an exception
 #: with a string ``code`` (sent back as an error reply)
@@ -144,6 +147,18 @@ class StreamPool:
                 code = getattr(exc, "code", None)
                 if not isinstance(code, str):
                     raise
+                self.counters.add(f"refused.{code}")
                 await stream.send_error(code, str(exc))
                 return
             await stream.send_frame(frame, timeout=idle_s)
+
+
+async def decode_own(frame: OutgoingFrame, limits: Limits) -> torch.Tensor:
+    """The bits receivers get: ``frame`` decoded, exactly as a receiver decodes it."""
+    header = frames.parse_header(frame.head[frames.PREFIX_BYTES:], limits)
+    payload, at = bytearray(frame.payload_bytes), 0
+    for part in frame.parts:
+        payload[at:at + part.nbytes] = part
+        at += part.nbytes
+    message = await decode_off_loop(header, payload, limits)
+    return message.tensors[0]

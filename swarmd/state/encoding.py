@@ -36,8 +36,9 @@ from torch import nn
 
 from swarmd.errors import SwarmdError
 
-__all__ = ["StageState", "BadStageState", "StateMismatch", "capture", "restore", "encode",
-           "decode", "digest", "MAX_STATE_BYTES"]
+__all__ = ["StageState", "BadStageState", "NonFiniteState", "StateMismatch", "capture",
+           "restore", "encode", "decode", "digest", "check_finite_state", "state_bytes_bound",
+           "MAX_STATE_BYTES"]
 
 MAGIC = b"SWST"
 VERSION = 1
@@ -67,6 +68,12 @@ class BadStageState(SwarmdError):
     When they came from a peer, that peer is at fault: fetch the state from another one."""
 
     code = "bad_stage_state"
+
+
+class NonFiniteState(BadStageState):
+    """A well-formed stage state whose weights or optimizer state hold NaN/Inf."""
+
+    code = "non_finite_state"
 
 
 class StateMismatch(SwarmdError):
@@ -275,6 +282,27 @@ class _Ref:
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_STATE_BYTES
            ) -> StageState:
     """Parse bytes from :func:`encode`; ``BadStageState`` for anything else."""
+    view, start, header = _read_header(data, max_bytes)
+    stage, step, model_hash = header.get("stage"), header.get("step"), header.get("model_hash")
+    if not _is_int(stage) or stage < 0 or not _is_int(step) or step < 0:
+        raise BadStageState(f"stage state has invalid stage {stage!r} or step {step!r}")
+    if not isinstance(model_hash, str) or not 0 < len(model_hash) <= MAX_MODEL_HASH_CHARS:
+        raise BadStageState("stage state has an invalid model hash")
+    meta = header.get("meta")
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise BadStageState("stage state meta must be a map with string keys")
+    _check_tree(meta, 0, allow_refs=False)
+    specs = _tensor_specs(header.get("tensors"), len(view) - start)
+    param_refs, optimizer = _references(header, len(specs))
+    tensors = _materialize(view, start, specs)
+    params = {name: tensors[i] for name, i in param_refs.items()}
+    return StageState(stage=stage, step=step, model_hash=model_hash, params=params,
+                      optimizer=_resolve(optimizer, tensors), meta=meta)
+
+
+def _read_header(data: bytes | bytearray | memoryview, max_bytes: int
+                 ) -> tuple[memoryview, int, dict[Any, Any]]:
+    """The bytes as a view, where the tensor data starts, and the header map."""
     _require_little_endian()
     view = memoryview(data).cast("B")
     if len(view) > max_bytes:
@@ -294,21 +322,16 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_STATE_B
     header = _unpack(view[PREFIX.size:start], 0)
     if not isinstance(header, dict):
         raise BadStageState("stage state header is not a map")
-    stage, step, model_hash = header.get("stage"), header.get("step"), header.get("model_hash")
-    if not _is_int(stage) or stage < 0 or not _is_int(step) or step < 0:
-        raise BadStageState(f"stage state has invalid stage {stage!r} or step {step!r}")
-    if not isinstance(model_hash, str) or not 0 < len(model_hash) <= MAX_MODEL_HASH_CHARS:
-        raise BadStageState("stage state has an invalid model hash")
-    meta = header.get("meta")
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
-        raise BadStageState("stage state meta must be a map with string keys")
-    _check_tree(meta, 0, allow_refs=False)
+    return view, start, header
 
-    specs = _tensor_specs(header.get("tensors"), len(view) - start)
-    used = [False] * len(specs)
+
+def _references(header: dict[Any, Any], count: int) -> tuple[dict[str, int], dict[Any, Any]]:
+    """The parameters' tensor indices by name, and the optimizer tree; every one of the
+    ``count`` tensors is referenced exactly once."""
+    used = [False] * count
 
     def take(ref: Any) -> int:
-        if not isinstance(ref, _Ref) or ref.index >= len(specs) or used[ref.index]:
+        if not isinstance(ref, _Ref) or ref.index >= count or used[ref.index]:
             raise BadStageState("stage state references a tensor that is missing or reused")
         used[ref.index] = True
         return ref.index
@@ -329,11 +352,19 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_STATE_B
     _check_tree(optimizer, 0, allow_refs=True, take=take)
     if not all(used):
         raise BadStageState("stage state carries tensors that nothing references")
+    return param_refs, optimizer
 
-    tensors = _materialize(view, start, specs)
-    params = {name: tensors[i] for name, i in param_refs.items()}
-    return StageState(stage=stage, step=step, model_hash=model_hash, params=params,
-                      optimizer=_resolve(optimizer, tensors), meta=meta)
+
+def check_finite_state(state: StageState) -> None:
+    """Raise :class:`NonFiniteState` if a floating-point tensor of ``state`` (parameters,
+    buffers, optimizer state) holds NaN or Inf: such a state is never restored or served.
+    Touches every byte: call it off the event loop."""
+    named = [(f"parameter {n!r}", t) for n, t in state.params.items()]
+    named += [("optimizer state", t) for t in _tensors(state.optimizer)]
+    for what, t in named:
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteState(f"stage {state.stage} state at step {state.step}: {what} "
+                                 f"holds NaN/Inf values")
 
 
 def _unpack(data: memoryview | bytes, depth: int) -> Any:
@@ -443,3 +474,11 @@ def _resolve(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def state_bytes_bound(module: nn.Module, *, optimizer_copies: int = 3) -> tuple[int, int]:
+    """(fewest, most) bytes an encoded state of ``module`` can take: at least its own tensors'
+    bytes, at most those times (1 + ``optimizer_copies``: AdamW and LAMB keep two, slack for
+    one more) plus a full header. No copy is made (only sizes are read)."""
+    own = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    return own, own * (1 + optimizer_copies) + PREFIX.size + MAX_HEADER_BYTES + (1 << 20)

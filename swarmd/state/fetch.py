@@ -7,7 +7,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from swarmd.state.encoding import BadStageState, StageState, decode, digest
+from swarmd.state.encoding import (BadStageState, NonFiniteState, StageState, check_finite_state,
+                                   decode, digest)
+from swarmd.state.messages import SizeBound, check_offer, parse_chunk, parse_info
 from transport.errors import (
     LocalUsageError,
     PeerProtocolError,
@@ -18,8 +20,8 @@ from transport.errors import (
 )
 from transport.frames import Message
 from swarmd.state.transfer import (
-    MAX_REQUERIES, MAX_SOURCES, _HEX32, _NONE, BadStateRequest, Plan, StateInfo,
-    StateTransferFailed, UnknownSnapshot, chunk_checksum,
+    MAX_REQUERIES, MAX_SOURCES, _NONE, BadStateRequest, Plan, StateInfo, StateTransferFailed,
+    UnknownSnapshot, chunk_checksum,
 )
 
 log = logging.getLogger("swarmd.state.transfer")
@@ -38,13 +40,20 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
                       on_progress: Callable[[int, int], None] | None = None,
                       parallel: int = 4, request_timeout_s: float = 15.0,
                       newer_than: int | None = None,
-                      counters: dict[str, int] | None = None) -> StageState | None:
+                      counters: dict[str, int] | None = None,
+                      size_bound: SizeBound | None = None) -> StageState | None:
     """Download the state of ``stage`` from the best of ``sources`` ((peer id, multiaddrs)).
 
     ``on_progress(done_bytes, total_bytes)`` is called after every chunk (and with 0 when a
     download starts or starts over). ``counters`` (if given) is updated: chunks, bytes, resumed,
-    restarted, requeried, sources_failed. Raises ``StateTransferFailed`` when no source works
-    within ``timeout_s``; ``TransportClosed`` if our own host closes meanwhile.
+    restarted, requeried, sources_failed, bad_replies, non_finite_states. Raises
+    ``StateTransferFailed`` when no source works within ``timeout_s``; ``TransportClosed`` if
+    our own host closes meanwhile.
+
+    An offer over ``max_bytes`` or outside ``size_bound`` (what the stage's model implies) is
+    refused before a byte is taken; memory is then taken chunk by chunk as chunks arrive, and
+    each chunk is accepted only as the reply of the source it was asked of. A state that
+    decodes but holds NaN/Inf is refused like a corrupt one (``non_finite_states``).
 
     With ``newer_than`` (the step of a local checkpoint), offers at or below that step are
     ignored, and None is returned when no source answers with a newer one: keep the local state.
@@ -53,7 +62,7 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
     fetch = _Fetch(host, protocol, stage=stage, model_hash=model_hash, max_bytes=max_bytes,
                    on_progress=on_progress, parallel=max(1, parallel),
                    request_timeout_s=request_timeout_s, newer_than=newer_than,
-                   counters=counters if counters is not None else {})
+                   counters=counters if counters is not None else {}, size_bound=size_bound)
     peers = [peer for peer, _ in sources[:MAX_SOURCES]]
     try:
         async with asyncio.timeout(timeout_s):
@@ -76,7 +85,7 @@ class _Fetch:
     def __init__(self, host: Any, protocol: str, *, stage: int, model_hash: str,
                  max_bytes: int, on_progress: Callable[[int, int], None] | None,
                  parallel: int, request_timeout_s: float, newer_than: int | None,
-                 counters: dict[str, int]) -> None:
+                 counters: dict[str, int], size_bound: SizeBound | None) -> None:
         self.host = host
         self.protocol = protocol
         self.stage = stage
@@ -87,10 +96,14 @@ class _Fetch:
         self.request_timeout_s = request_timeout_s
         self.newer_than = newer_than
         self.counters = counters
-        for name in ("chunks", "bytes", "resumed", "restarted", "requeried", "sources_failed"):
+        self.size_bound = size_bound
+        for name in ("chunks", "bytes", "resumed", "restarted", "requeried", "sources_failed",
+                     "bad_replies", "non_finite_states"):
             counters.setdefault(name, 0)
         self.plan: Plan | None = None
-        self.buffer = bytearray()
+        #: the verified chunks of the snapshot being downloaded, by index: memory is taken
+        #: as bytes arrive, never on what a source claims
+        self.chunks: dict[int, bytearray] = {}
         self.done_bytes = 0
 
     async def run(self, sources: list[tuple[str, Sequence[str]]]) -> StageState | None:
@@ -112,8 +125,8 @@ class _Fetch:
         requeries: dict[str, int] = {}
         while (choice := plan.next()) is not None:
             info, how = choice
-            if how != "resume" or len(self.buffer) != info.total_bytes:
-                self.buffer = bytearray(info.total_bytes)
+            if how != "resume":
+                self.chunks = {}
                 self.done_bytes = 0
             if how in ("resume", "restart"):
                 self.counters[{"resume": "resumed", "restart": "restarted"}[how]] += 1
@@ -151,21 +164,23 @@ class _Fetch:
             reply = await self.host.request(
                 peer, self.protocol, Message(kind="state_info", meta=self._meta()),
                 timeout=self.request_timeout_s, codec=_NONE)
-            if reply.kind != "state_info":
-                return f"answered state_info with {reply.kind[:40]!r}"
-            info = StateInfo.from_meta(peer, reply.meta)
+            info = parse_info(peer, reply.kind, reply.meta)
         except (TransportClosed, LocalUsageError):
             raise
         except RemoteError as exc:
             return f"refused: {exc.code}: {exc.remote_message[:200]}"
-        except (TransportError, BadStateRequest) as exc:
+        except BadStateRequest as exc:
+            self.counters["bad_replies"] += 1
             return f"{type(exc).__name__}: {exc}"
-        if info.stage != self.stage or info.model_hash != self.model_hash:
-            return f"offers stage {info.stage} of model {info.model_hash[:16]}"
-        if self.newer_than is not None and info.step <= self.newer_than:
-            return f"offers step {info.step}, not newer than our {self.newer_than}"
-        if info.total_bytes > self.max_bytes:
-            return f"offers {info.total_bytes} bytes, more than the limit of {self.max_bytes}"
+        except TransportError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        why = check_offer(info, stage=self.stage, model_hash=self.model_hash,
+                          max_bytes=self.max_bytes, bound=self.size_bound,
+                          newer_than=self.newer_than)
+        if why is not None:
+            if not why.startswith("offers step"):
+                self.counters["bad_replies"] += 1
+            return why
         limit = self.host.options.limits.max_message_bytes
         if info.chunk_bytes > limit:
             return f"chunks of {info.chunk_bytes} bytes exceed our message limit {limit}"
@@ -208,12 +223,19 @@ class _Fetch:
             except (PeerUnavailable, PeerProtocolError) as exc:
                 raise _SourceFailed(info.peer, f"{type(exc).__name__}: {exc}") from None
             start, end = info.chunk_range(index)
-            payload, checksum = self._chunk_of(reply, info, index, end - start)
-            ok = await asyncio.to_thread(self._store, self.buffer, start, payload, checksum)
-            if not ok:
+            try:
+                chunk = parse_chunk(reply.kind, reply.meta, reply.tensors, info=info,
+                                    index=index)
+            except BadStateRequest:
+                self.counters["bad_replies"] += 1
+                raise _SourceFailed(info.peer, f"malformed reply to chunk {index}") from None
+            data = await asyncio.to_thread(self._verified, chunk.payload, chunk.checksum)
+            if data is None:
+                self.counters["bad_replies"] += 1
                 raise _SourceFailed(info.peer, f"chunk {index} does not match its checksum")
             if plan.current is not info or index in plan.have:
                 continue  # superseded meanwhile (cannot happen while this task group runs)
+            self.chunks[index] = data
             plan.have.add(index)
             self.done_bytes += end - start
             self.counters["chunks"] += 1
@@ -221,39 +243,51 @@ class _Fetch:
             self._progress(info)
 
     @staticmethod
-    def _chunk_of(reply: Message, info: StateInfo, index: int,
-                  size: int) -> tuple[torch.Tensor, str]:
-        meta = reply.meta
-        ok = (reply.kind == "state_chunk" and meta.get("digest") == info.digest
-              and meta.get("index") == index and len(reply.tensors) == 1
-              and isinstance(meta.get("checksum"), str) and _HEX32.fullmatch(meta["checksum"]))
-        tensor = reply.tensors[0] if ok else None
-        if tensor is None or tensor.dtype != torch.uint8 or tuple(tensor.shape) != (size,):
-            raise _SourceFailed(info.peer, f"malformed reply to chunk {index}")
-        return tensor, meta["checksum"]
+    def _verified(payload: torch.Tensor, checksum: str) -> bytearray | None:
+        """A chunk's bytes, copied out of the reply, or None if they do not match their
+        checksum (in a worker thread: both touch megabytes)."""
+        data = bytearray(payload.numel())
+        torch.frombuffer(data, dtype=torch.uint8).copy_(payload)
+        return data if chunk_checksum(data) == checksum else None
 
     @staticmethod
-    def _store(buffer: bytearray, start: int, payload: torch.Tensor, checksum: str) -> bool:
-        """Copy a chunk into place and check it (in a worker thread: both touch megabytes)."""
-        end = start + payload.numel()
-        torch.frombuffer(buffer, dtype=torch.uint8)[start:end].copy_(payload)
-        return chunk_checksum(memoryview(buffer)[start:end]) == checksum
+    def _assemble(chunks: dict[int, bytearray], count: int) -> bytearray:
+        """The chunks in order as one buffer, each freed once copied (thread)."""
+        data = bytearray()
+        for i in range(count):
+            data += chunks.pop(i)
+        return data
+
+    def _decoded(self, data: bytearray) -> StageState:
+        """In a thread: decode and check a downloaded state (BadStageState if unusable)."""
+        state = decode(data, max_bytes=self.max_bytes)
+        check_finite_state(state)
+        return state
 
     async def _finish(self, info: StateInfo, plan: Plan) -> StageState | None:
         """Verify and decode the whole download; None (and the snapshot dropped) if bad."""
-        data = self.buffer
-        if await asyncio.to_thread(digest, data) != info.digest:
+        if sorted(self.chunks) != list(range(info.chunks)):
+            plan.bad_snapshot(info.digest, "chunks are missing")
+            return None
+        data = await asyncio.to_thread(self._assemble, self.chunks, info.chunks)
+        self.chunks = {}
+        if len(data) != info.total_bytes or await asyncio.to_thread(digest, data) != info.digest:
             plan.bad_snapshot(info.digest, "its chunks do not add up to its digest")
             return None
         try:
-            state = await asyncio.to_thread(decode, data, max_bytes=self.max_bytes)
+            state = await asyncio.to_thread(self._decoded, data)
+        except NonFiniteState as exc:
+            self.counters["non_finite_states"] += 1
+            log.warning("stage %d state: refused the snapshot of %s: %s", self.stage,
+                        info.peer, exc)
+            plan.bad_snapshot(info.digest, f"its snapshot is not finite: {exc}")
+            return None
         except BadStageState as exc:
             plan.bad_snapshot(info.digest, f"its snapshot is invalid: {exc}")
             return None
         if state.stage != self.stage or state.model_hash != self.model_hash:
             plan.bad_snapshot(info.digest, "its snapshot is of another stage or model")
             return None
-        self.buffer = bytearray()
         log.info("stage %d state: step %d, %d bytes from %s", self.stage, state.step,
                  info.total_bytes, info.peer)
         return state

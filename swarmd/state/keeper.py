@@ -2,8 +2,13 @@
 
 - **Before serving** (``load``): the newer of this home's checkpoint and the stage's live
   peers (``swarmd.state.transfer.fetch_state`` with ``newer_than`` the checkpoint's step). A
-  corrupt checkpoint is reported, set aside (``quarantine``) and replaced from peers. Only a
-  peer with neither a checkpoint nor a live peer of its stage starts from the initial weights.
+  corrupt checkpoint (or one holding NaN/Inf) is reported, set aside (``quarantine``) and
+  replaced from peers. The checkpoint is read, hashed and checked in a thread. A peer that had
+  a checkpoint (it served the stage before), or whose ``mates_expected()`` says the swarm shows
+  the stage served, waits (at most ``MATES_WAIT_S``) for its view to name a mate before it
+  decides. Only a peer with neither a checkpoint nor a live peer of its stage starts from the
+  initial weights. Offers are bounded by what the stage's module implies
+  (``state_bytes_bound``), and a downloaded state must be finite.
 - **While serving**: a ``StateServer`` hands this stage's state to joiners, captured in the
   compute thread between two steps; a peer that learns a mate is ahead (``behind``) downloads
   the newer state and takes it over between two steps; every ``every_steps`` steps and on
@@ -18,9 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from swarmd.state.checkpoint import (CorruptCheckpoint, checkpoint_dir, load_checkpoint, quarantine,
-                               save_checkpoint)
-from swarmd.state.encoding import StageState, StateMismatch, capture, restore
+from swarmd.state.checkpoint import (CorruptCheckpoint, checkpoint_dir, checkpoint_path,
+                                     load_checkpoint, quarantine, save_checkpoint)
+from swarmd.state.encoding import (NonFiniteState, StageState, StateMismatch, capture,
+                                   check_finite_state, restore, state_bytes_bound)
+from swarmd.state.messages import SizeBound
 from swarmd.state.fetch import fetch_state
 from swarmd.state.serve import StateServer
 from swarmd.state.transfer import StateTransferFailed
@@ -33,6 +40,9 @@ FETCH_TIMEOUT_S = 120.0
 MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
+#: how long a peer that expects mates waits for its view to name one, and how often it looks
+MATES_WAIT_S = 5.0
+MATES_POLL_S = 0.2
 
 
 def state_protocol(swarm: str) -> str:
@@ -41,11 +51,15 @@ def state_protocol(swarm: str) -> str:
 
 class StageKeeper:
     """One per served stage. ``sources()`` returns [(peer id, addrs)] of the stage's other
-    live peers; ``server`` is the ``StageServer`` whose module, optimizer and step it keeps."""
+    live peers; ``server`` is the ``StageServer`` whose module, optimizer and step it keeps.
+    ``mates_expected()`` (optional) says whether the swarm shows other peers serving this
+    stage, so that ``load`` waits for them to appear in ``sources()``."""
 
     def __init__(self, host: Any, server: Any, *, swarm: str, home: Path | None,
                  model_hash: str, every_steps: int,
-                 sources: Callable[[], list[tuple[str, tuple[str, ...]]]]) -> None:
+                 sources: Callable[[], list[tuple[str, tuple[str, ...]]]],
+                 mates_expected: Callable[[], bool] | None = None,
+                 mates_wait_s: float = MATES_WAIT_S) -> None:
         self.host = host
         self.server = server
         self.stage = server.stage
@@ -53,24 +67,36 @@ class StageKeeper:
         self.dir = checkpoint_dir(home) if home is not None else None
         self.every_steps = every_steps
         self.sources = sources
+        self.mates_expected = mates_expected
+        self.mates_wait_s = mates_wait_s
         self.protocol = state_protocol(swarm)
-        self.counters: dict[str, int] = {}
+        self._counts: dict[str, int] = {}
+        self._served: dict[str, int] = {}
         #: (done, total) bytes of a download in progress, for status
         self.syncing: tuple[int, int] | None = None
         self.source_of_state = "initial"
         self._serving = StateServer(host, self.protocol, self._snapshot, stage=self.stage,
-                                    model_hash=model_hash)
+                                    model_hash=model_hash, counters=self._served)
         self._catching_up: asyncio.Task[None] | None = None
         self._last_catch_up = 0.0
         self._saving = asyncio.Lock()
         self._saved_step = -1
         self._ready = False
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """What this keeper counted (downloads, checkpoints), and as ``served.<name>`` what its
+        state server did (infos, chunks, refused requests by reason)."""
+        return {**self._counts, **{f"served.{k}": v for k, v in self._served.items()}}
+
+    def _count(self, name: str) -> None:
+        self._counts[name] = self._counts.get(name, 0) + 1
+
     # ---- before serving ------------------------------------------------------------------
     async def load(self) -> str:
         """Take the newest state available; returns where it came from."""
-        local = self._read_checkpoint()
-        peers = self.sources()
+        local = await asyncio.to_thread(self._read_checkpoint)  # reads and hashes the file
+        peers = await self._wait_for_sources(expected=local is not None)
         log.info("stage %d: checkpoint %s, %d live peer(s) of the stage to ask", self.stage,
                  f"at step {local.step}" if local else "none", len(peers))
         fetched: StageState | None = None
@@ -83,8 +109,7 @@ class StageKeeper:
                 log.warning("stage %d: could not download the state from peers (%s); "
                             "starting from %s", self.stage, exc,
                             "the checkpoint" if local else "the initial weights")
-                self.counters["state_downloads_failed"] = (
-                    self.counters.get("state_downloads_failed", 0) + 1)
+                self._count("state_downloads_failed")
         state, origin = (fetched, "peers") if fetched is not None else (
             (local, "checkpoint") if local is not None else (None, "initial"))
         if state is not None:
@@ -97,15 +122,35 @@ class StageKeeper:
         self._serving.start()
         return origin
 
+    async def _wait_for_sources(self, *, expected: bool) -> list[tuple[str, tuple[str, ...]]]:
+        """``sources()``; when mates are expected (a checkpoint says this peer served the
+        stage before, or the swarm shows it served) but none is known yet, ask again until
+        one appears or ``mates_wait_s`` passed: a view still filling must not make a
+        restarted peer start from stale or initial weights."""
+        peers = self.sources()
+        if peers or not (expected or (self.mates_expected is not None
+                                      and self.mates_expected())):
+            return peers
+        deadline = time.monotonic() + self.mates_wait_s
+        while not peers and time.monotonic() < deadline:
+            await asyncio.sleep(MATES_POLL_S)
+            peers = self.sources()
+        self._count("waited_for_mates")
+        return peers
+
     def _read_checkpoint(self) -> StageState | None:
+        """In a thread: this home's checkpoint of the stage, if usable (finite, this model)."""
         if self.dir is None:
             return None
         try:
             state = load_checkpoint(self.dir, self.stage)
-        except CorruptCheckpoint as exc:
+            if state is not None:
+                check_finite_state(state)
+        except (CorruptCheckpoint, NonFiniteState) as exc:
             log.error("%s", exc)
-            quarantine(exc.path)
-            self.counters["corrupt_checkpoints"] = self.counters.get("corrupt_checkpoints", 0) + 1
+            path = getattr(exc, "path", None) or checkpoint_path(self.dir, self.stage)
+            quarantine(path)
+            self._count("corrupt_checkpoints")
             return None
         if state is not None and state.model_hash != self.model_hash:
             log.warning("stage %d: the checkpoint is of model %s, this swarm trains %s: "
@@ -119,11 +164,13 @@ class StageKeeper:
             self.syncing = (done, total)
 
         self.syncing = (0, 0)
+        low, high = state_bytes_bound(self.server.module)
         try:
             return await fetch_state(self.host, self.protocol, peers, stage=self.stage,
                                      model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
                                      max_bytes=MAX_STATE_BYTES, on_progress=progress,
-                                     newer_than=newer_than, counters=self.counters)
+                                     newer_than=newer_than, counters=self._counts,
+                                     size_bound=SizeBound(low, high))
         finally:
             self.syncing = None
 
@@ -169,7 +216,7 @@ class StageKeeper:
             log.error("stage %d: the downloaded state does not fit: %s", self.stage, exc)
             return
         self.server.took_state(state.step)
-        self.counters["caught_up"] = self.counters.get("caught_up", 0) + 1
+        self._count("caught_up")
         log.info("stage %d: caught up to step %d", self.stage, state.step)
 
     async def stepped(self) -> None:
@@ -184,10 +231,21 @@ class StageKeeper:
             if self.server.step == self._saved_step:
                 return None
             state = await self.server.run_exclusive(self._capture)
-            path = await asyncio.to_thread(save_checkpoint, self.dir, state)
+            try:
+                path = await asyncio.to_thread(self._save_finite, state)
+            except NonFiniteState as exc:  # the last good checkpoint stays
+                log.error("stage %d: not saving a checkpoint: %s", self.stage, exc)
+                self._count("non_finite_not_saved")
+                return None
             self._saved_step = state.step
-            self.counters["checkpoints_saved"] = self.counters.get("checkpoints_saved", 0) + 1
+            self._count("checkpoints_saved")
             return path
+
+    def _save_finite(self, state: StageState) -> Path:
+        """In a thread: check the state is finite, then write it atomically."""
+        assert self.dir is not None
+        check_finite_state(state)
+        return save_checkpoint(self.dir, state)
 
     async def close(self) -> None:
         self._serving.close()

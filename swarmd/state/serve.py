@@ -5,12 +5,13 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
 import torch
 
-from swarmd.errors import ModelMismatch, SwarmdError, WrongStage
-from swarmd.state.encoding import StageState, digest, encode
+from swarmd.errors import BadPeerMessage, ModelMismatch, SwarmdError, WrongStage
+from swarmd.state.encoding import NonFiniteState, StageState, check_finite_state, digest, encode
+from swarmd.state.messages import ChunkRequest, InfoRequest, parse_request
 from transport.frames import Message
 from swarmd.state.transfer import (
     DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, _NONE, BadStateRequest, NoState,
@@ -36,14 +37,17 @@ class StateServer:
     ``snapshot()`` captures the live state (between optimizer steps: the daemon's business) or
     returns None while this peer has none to give. A snapshot younger than ``fresh_s`` is reused
     for new ``state_info`` requests; at most ``keep`` snapshots are kept, each until unused for
-    ``keep_s``. ``clock`` is a parameter for tests.
+    ``keep_s``. ``clock`` is a parameter for tests. A state holding NaN/Inf is never served
+    (``no_state`` to the requester, counted as ``non_finite_snapshots``). ``counters`` (a dict
+    to update, e.g. the keeper's) defaults to a new one.
     """
 
     def __init__(self, host: Any, protocol: str,
                  snapshot: Callable[[], Awaitable[StageState | None]], *, stage: int,
                  model_hash: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 2,
                  keep_s: float = 60.0, fresh_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 counters: dict[str, int] | None = None) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or keep < 1 or keep_s <= 0:
             raise ValueError(f"StateServer needs chunk_bytes in {MIN_CHUNK_BYTES}.."
                              f"{MAX_CHUNK_BYTES}, keep >= 1 and keep_s > 0")
@@ -55,8 +59,9 @@ class StateServer:
         self.keep = keep
         self.keep_s = keep_s
         self.fresh_s = fresh_s
-        self.counters: dict[str, int] = {"infos": 0, "chunks": 0, "bytes": 0, "snapshots": 0,
-                                         "errors": 0}
+        self.counters: dict[str, int] = counters if counters is not None else {}
+        for name in ("infos", "chunks", "bytes", "snapshots", "errors"):
+            self.counters.setdefault(name, 0)
         self._snapshot = snapshot
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
@@ -81,27 +86,29 @@ class StateServer:
 
     async def serve(self, message: Message, peer: str) -> Message:
         try:
-            meta = self._check(message)
-            if message.kind == "state_info":
-                return await self._info()
-            return self._chunk(meta)
+            request = parse_request(message.kind, message.meta, message.tensors)
+            self._check(request)
+            if isinstance(request, ChunkRequest):
+                return self._chunk(request)
+            return await self._info()
+        except BadPeerMessage as exc:
+            self._count(f"bad_requests.{exc.reason}")
+            self.counters["errors"] += 1
+            raise
         except SwarmdError:
             self.counters["errors"] += 1
             raise
 
-    def _check(self, message: Message) -> Mapping[str, Any]:
-        if message.kind not in ("state_info", "state_chunk"):
-            raise BadStateRequest("kind", f"unknown request kind {message.kind[:64]!r}")
-        meta = message.meta
-        stage = meta.get("stage")
-        if not isinstance(stage, int) or isinstance(stage, bool):
-            raise BadStateRequest("stage", "the request names no stage")
-        if stage != self.stage:
-            raise WrongStage(f"this peer serves stage {self.stage}, not {stage}: ask another")
-        if meta.get("model_hash") != self.model_hash:
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def _check(self, request: InfoRequest) -> None:
+        if request.stage != self.stage:
+            raise WrongStage(f"this peer serves stage {self.stage}, not {request.stage}: "
+                             f"ask another")
+        if request.model_hash != self.model_hash:
             raise ModelMismatch(f"this peer trains model {self.model_hash}, the request is for "
-                                f"{str(meta.get('model_hash'))[:80]}")
-        return meta
+                                f"{request.model_hash[:80]}")
 
     async def _info(self) -> Message:
         self.counters["infos"] += 1
@@ -118,7 +125,13 @@ class StateServer:
         state = await self._snapshot()
         if state is None or state.stage != self.stage or state.model_hash != self.model_hash:
             raise NoState(f"this peer has no state of stage {self.stage} to give yet: ask another")
-        cached = await asyncio.to_thread(self._encode, state)
+        try:
+            cached = await asyncio.to_thread(self._encode, state)
+        except NonFiniteState as exc:
+            log.error("stage %d: not serving this peer's state: %s", self.stage, exc)
+            self._count("non_finite_snapshots")
+            raise NoState(f"this peer's state of stage {self.stage} is not usable (NaN/Inf): "
+                          f"ask another") from None
         self.counters["snapshots"] += 1
         self._cache[cached.info.digest] = cached
         while len(self._cache) > self.keep:
@@ -127,6 +140,8 @@ class StateServer:
         return cached
 
     def _encode(self, state: StageState) -> _Cached:
+        """In a thread: check, encode and checksum a snapshot."""
+        check_finite_state(state)
         data = encode(state)
         info = StateInfo(peer=self.host.peer_id, stage=state.stage, step=state.step,
                          model_hash=state.model_hash, digest=digest(data),
@@ -139,10 +154,8 @@ class StateServer:
         now = self._clock()
         return _Cached(info=info, data=data, whole=whole, checksums=sums, created=now, used=now)
 
-    def _chunk(self, meta: Mapping[str, Any]) -> Message:
-        key, index = meta.get("digest"), meta.get("index")
-        if not isinstance(key, str) or not isinstance(index, int) or isinstance(index, bool):
-            raise BadStateRequest("chunk", "a chunk request needs a digest and an integer index")
+    def _chunk(self, request: ChunkRequest) -> Message:
+        key, index = request.digest, request.index
         now = self._clock()
         self._expire(now)
         cached = self._cache.get(key)

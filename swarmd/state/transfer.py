@@ -18,8 +18,11 @@ The client side (:func:`swarmd.state.fetch.fetch_state`) asks every source for `
 highest step a few chunks at a time, checks each chunk's checksum and the whole digest, and when
 its source fails continues from another source with the same digest (``resumed``) or starts over
 with the best other snapshot (``restarted``). Which source comes next is decided by the pure
-:class:`Plan`. This module holds the messages, the errors and the plan; ``serve`` and ``fetch``
-are the two sides.
+:class:`Plan`. This module holds the offer (:class:`StateInfo`), the errors and the plan; the
+requests and the other replies are parsed in :mod:`swarmd.state.messages`; ``serve`` and
+``fetch`` are the two sides. Requests carry no tensors (a chunk pushed unasked is refused:
+``bad_state_request``, reason ``unsolicited_data``); an offer is judged on its claimed size
+before a byte is taken, and a state holding NaN/Inf is neither served nor restored.
 """
 
 from __future__ import annotations

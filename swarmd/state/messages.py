@@ -1,0 +1,140 @@
+"""The messages of state transfer (:mod:`swarmd.state.transfer`), as values. Pure: no I/O.
+
+Requests (served by :class:`swarmd.state.serve.StateServer`) are parsed in one place,
+:func:`parse_request`; replies (read by :mod:`swarmd.state.fetch`) in :func:`parse_info` and
+:func:`parse_chunk`, checked against what the fetching side asked and expects: the chunk of the
+snapshot and index it asked that very source for, of the size the offer implies, and an offer
+whose size fits the stage's model (:func:`check_offer`). Unknown keys are dropped; anything
+invalid raises :class:`~swarmd.state.transfer.BadStateRequest` with a short ``reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from swarmd.state.transfer import _HEX32, _HEX64, BadStateRequest, StateInfo
+
+__all__ = ["ChunkReply", "ChunkRequest", "InfoRequest", "SizeBound", "check_offer",
+           "parse_chunk", "parse_info", "parse_request"]
+
+MAX_MODEL_HASH_CHARS = 256
+#: the most chunks a snapshot may have (16 GiB of 1 KiB chunks would be 16 Mi)
+MAX_CHUNKS = 1 << 24
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InfoRequest:
+    """``state_info``: what snapshot of ``stage`` of ``model_hash`` do you offer?"""
+
+    stage: int
+    model_hash: str
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.stage) or not 0 <= self.stage < 1 << 16:
+            raise BadStateRequest("stage", "the request names no valid stage")
+        if not isinstance(self.model_hash, str) or not (
+                0 < len(self.model_hash) <= MAX_MODEL_HASH_CHARS):
+            raise BadStateRequest("model_hash", "the request names no valid model hash")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"stage": self.stage, "model_hash": self.model_hash}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkRequest(InfoRequest):
+    """``state_chunk``: chunk ``index`` of the snapshot named ``digest``."""
+
+    digest: str
+    index: int
+
+    def __post_init__(self) -> None:
+        InfoRequest.__post_init__(self)
+        if not isinstance(self.digest, str) or not _HEX64.fullmatch(self.digest):
+            raise BadStateRequest("chunk", "a chunk request needs a 64-hex-digit digest")
+        if not _is_int(self.index) or not 0 <= self.index < MAX_CHUNKS:
+            raise BadStateRequest("chunk", f"chunk index {self.index!r}"[:80])
+
+    def to_meta(self) -> dict[str, Any]:
+        return {**InfoRequest.to_meta(self), "digest": self.digest, "index": self.index}
+
+
+def parse_request(kind: str, meta: Mapping[str, Any],
+                  tensors: Sequence[Any] = ()) -> InfoRequest | ChunkRequest:
+    """A state request from the wire. Requests carry no tensors: a peer pushing a chunk
+    nobody asked it for is refused here."""
+    if kind not in ("state_info", "state_chunk"):
+        raise BadStateRequest("kind", f"unknown request kind {kind[:64]!r}")
+    if tensors:
+        raise BadStateRequest("unsolicited_data", f"a {kind} request carries no tensors")
+    if not isinstance(meta, Mapping):
+        raise BadStateRequest("meta", "meta must be a map")
+    base = {"stage": meta.get("stage"), "model_hash": meta.get("model_hash")}
+    if kind == "state_info":
+        return InfoRequest(**base)
+    return ChunkRequest(**base, digest=meta.get("digest"), index=meta.get("index"))
+
+
+def parse_info(peer: str, kind: str, meta: Mapping[str, Any]) -> StateInfo:
+    """A source's ``state_info`` reply (its offer), attributed to ``peer``, the source asked."""
+    if kind != "state_info" or not isinstance(meta, Mapping):
+        raise BadStateRequest("info", f"answered state_info with {kind[:40]!r}")
+    return StateInfo.from_meta(peer, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class SizeBound:
+    """The fewest and most bytes a state of this peer's stage can take (from its module)."""
+
+    low: int
+    high: int
+
+
+def check_offer(info: StateInfo, *, stage: int, model_hash: str, max_bytes: int,
+                bound: SizeBound | None, newer_than: int | None) -> str | None:
+    """Why an offer is not worth downloading, or None when it is. A size is judged on the
+    claim before a byte is taken: over ``max_bytes`` or outside ``bound`` it is refused."""
+    if info.stage != stage or info.model_hash != model_hash:
+        return f"offers stage {info.stage} of model {info.model_hash[:16]}"
+    if newer_than is not None and info.step <= newer_than:
+        return f"offers step {info.step}, not newer than our {newer_than}"
+    if info.total_bytes > max_bytes:
+        return f"offers {info.total_bytes} bytes, more than the limit of {max_bytes}"
+    if bound is not None and not bound.low <= info.total_bytes <= bound.high:
+        return (f"offers {info.total_bytes} bytes; a state of this stage's model takes "
+                f"{bound.low}..{bound.high}")
+    if info.chunks > MAX_CHUNKS:
+        return f"offers {info.chunks} chunks, more than {MAX_CHUNKS}"
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkReply:
+    """One chunk of a snapshot, as the source sent it (not yet checked against its sum)."""
+
+    digest: str
+    index: int
+    checksum: str
+    payload: torch.Tensor
+
+
+def parse_chunk(kind: str, meta: Mapping[str, Any], tensors: Sequence[Any], *,
+                info: StateInfo, index: int) -> ChunkReply:
+    """The reply to our request for chunk ``index`` of ``info`` (made to ``info.peer``): it
+    must be that chunk of that snapshot, of the size the offer implies, as uint8 bytes."""
+    start, end = info.chunk_range(index)
+    ok = (kind == "state_chunk" and isinstance(meta, Mapping) and len(tensors) == 1
+          and meta.get("digest") == info.digest and meta.get("index") == index
+          and isinstance(meta.get("checksum"), str) and bool(_HEX32.fullmatch(meta["checksum"])))
+    payload = tensors[0] if ok else None
+    if not (isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8
+            and tuple(payload.shape) == (end - start,)):
+        raise BadStateRequest("chunk_reply", f"malformed reply to chunk {index}")
+    return ChunkReply(digest=info.digest, index=index, checksum=meta["checksum"],
+                      payload=payload)
