@@ -35,6 +35,7 @@ CORES = frozenset({
     "swarmd.averaging.aggregation",
     "swarmd.state.transfer",
     "transport.codecs",
+    "transport.relay.policy",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

@@ -23,6 +23,8 @@ class RelayOptions:
     limits: RelayLimits = field(default_factory=RelayLimits)
     #: try DCUtR to turn relayed connections into direct ones
     hole_punch: bool = True
+    #: once a connection went direct, the relayed one is closed after this long
+    relayed_close_grace_s: float = 10.0
     #: a reservation is renewed after this fraction of its remaining time
     renew_fraction: float = 0.5
     #: deadline of one reservation request (and of DCUtR's reads and dials)

@@ -5,20 +5,22 @@ wire handling (reservation responses with signed vouchers, the STOP handshake wi
 destination) while replacing what does not hold up (file:line under site-packages/libp2p/relay/
 circuit_v2/, 0.8.1):
 
-- protocol.py:541-544: RESERVE takes the reserving peer from the message's optional ``peer``
+- protocol.py:510-511: RESERVE takes the reserving peer from the message's optional ``peer``
   field, so one peer can fill the relay's table with reservations for made-up peer ids. We
   clear the field: the reservation is always for the connection's remote peer (as the spec
   says).
 - protocol.py:722 and 928-932: ``_active_relays`` is keyed by the destination peer, so when one
   of two circuits to the same destination ends, its clean-up closes the other circuit's
-  streams. ``_relay_data`` is replaced by a pump that closes only its own circuit.
-- protocol.py:846-858: the duration cap is checked only when data arrives (an idle circuit
+  streams. ``_relay_data`` is replaced by a pump that ends only its own circuit, both
+  directions together (a local reset does not wake the other direction's pending read).
+- protocol.py:847: the duration cap is checked only when data arrives (an idle circuit
   outlives it); ours is a real deadline.
-- protocol.py:726-730: circuits are counted only after the destination accepted, so concurrent
+- protocol.py:729: circuits are counted only after the destination accepted, so concurrent
   CONNECTs all pass the per-peer check; admission (``RelayBook``) counts them up front, adds a
   relay-wide cap and rate-limits reservation requests.
 - protocol.py:335-359: the HOP loop treats a client closing its stream after one exchange as an
-  error (logged, answered with MALFORMED_MESSAGE, then a 0.5 s sleep); ours ends quietly.
+  error (logged, answered with MALFORMED_MESSAGE, then a 0.5 s sleep), and answers every
+  message of a flood; ours ends quietly, and ends the stream at the first refusal.
 
 Every refusal is counted as ``relay.refused.<reason>`` (see ``policy.REASONS``).
 """
@@ -55,10 +57,21 @@ def library_limits(limits: RelayLimits) -> LibRelayLimits:
     return LibRelayLimits(
         duration=int(limits.max_circuit_duration_s),
         data=limits.max_circuit_bytes,
-        max_circuit_conns=limits.max_circuits_per_peer,
+        # ours (RelayBook) counts circuits earlier and releases them later: it decides
+        max_circuit_conns=limits.max_circuits,
         max_reservations=limits.max_reservations,
         reservation_ttl=int(limits.reservation_ttl_s),
     )
+
+
+class _Pump:
+    """The two directions of one circuit: when one ends, both do; a limit is counted once."""
+
+    def __init__(self) -> None:
+        self.scopes: list[trio.CancelScope] = []
+        self.users = 0
+        self.done = False
+        self.tripped = False
 
 
 class CountingHop(CircuitV2Protocol):
@@ -71,6 +84,7 @@ class CountingHop(CircuitV2Protocol):
                          write_timeout=t, close_timeout=t)
         self.book = RelayBook(limits)
         self.counters = counters
+        self._pumps: dict[int, _Pump] = {}
 
     def refuse_count(self, reason: str) -> None:
         self.counters.add(f"relay.refused.{reason}")
@@ -85,7 +99,7 @@ class CountingHop(CircuitV2Protocol):
         if _is_relayed_stream(stream):  # spec: no hop over a relayed connection
             self.refuse_count("relayed_hop")
             await self._status(stream, StatusCode.PERMISSION_DENIED)
-            await stream.reset()
+            await self._close_stream(stream)  # a FIN after the status: a reset could drop it
             return
         for _ in range(MAX_MESSAGES_PER_STREAM):
             try:
@@ -96,7 +110,8 @@ class CountingHop(CircuitV2Protocol):
             except Exception:  # EOF after the last exchange, reset, or an oversized message
                 break
             if msg.type == HopMessage.RESERVE:
-                await self._handle_reserve(stream, msg)
+                if not await self._handle_reserve(stream, msg):
+                    break  # refused: the rest of a flood is not even read
             elif msg.type == HopMessage.CONNECT:
                 await self._handle_connect(stream, msg)
                 return  # the stream is the circuit's, or was reset
@@ -106,7 +121,8 @@ class CountingHop(CircuitV2Protocol):
                 break
         await self._close_stream(stream)
 
-    async def _handle_reserve(self, stream: Any, msg: Any) -> None:
+    async def _handle_reserve(self, stream: Any, msg: Any) -> bool:  # type: ignore[override]
+        """Answer one RESERVE; False when it was refused (the caller then ends the stream)."""
         msg.ClearField("peer")  # the reservation is for who asks, never for a named peer
         peer = stream.muxed_conn.peer_id
         held = self.resource_manager.has_reservation(peer)
@@ -116,9 +132,10 @@ class CountingHop(CircuitV2Protocol):
         if reason is not None:
             self.refuse_count(reason)
             await self._status(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
-            return
+            return False
         self.counters.add("relay.reservations_renewed" if held else "relay.reservations_granted")
         await super()._handle_reserve(stream, msg)
+        return True
 
     async def _handle_connect(self, stream: Any, msg: Any) -> None:
         src = stream.muxed_conn.peer_id
@@ -130,18 +147,18 @@ class CountingHop(CircuitV2Protocol):
         if not dst_text or not msg.HasField("peer"):
             self.refuse_count("malformed")
             await self._status(stream, StatusCode.MALFORMED_MESSAGE)
-            await stream.reset()
+            await self._close_stream(stream)  # a FIN after the status: a reset could drop it
             return
-        if not self.resource_manager.can_accept_connection(dst):
+        if self.resource_manager.get_reservation(dst) is None:  # none, expired or gone
             self.refuse_count("no_reservation")
             await self._status(stream, StatusCode.NO_RESERVATION)
-            await stream.reset()
+            await self._close_stream(stream)  # a FIN after the status: a reset could drop it
             return
         reason = self.book.admit_circuit(src.to_base58(), dst_text)
         if reason is not None:
             self.refuse_count(reason)
             await self._status(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
-            await stream.reset()
+            await self._close_stream(stream)  # a FIN after the status: a reset could drop it
             return
         self.counters.add("relay.circuits_opened")
         try:
@@ -153,44 +170,55 @@ class CountingHop(CircuitV2Protocol):
     # ---- one direction of a circuit ----------------------------------------------------------
     async def _relay_data(self, src_stream: Any, dst_stream: Any, peer_id: Any,
                           deadline: float | None = None,
-                          circuit_data_limit: list[Any] | None = None) -> None:
+                          circuit_data_limit: list[int] | None = None) -> None:
         """Copy ``src_stream`` to ``dst_stream`` within the circuit's byte budget and deadline.
 
-        ``circuit_data_limit`` is the library's one-element list shared by both directions (the
-        remaining bytes); we append a marker to it once a limit ended the circuit, so the other
-        direction does not count the same trip again.
+        The library runs one call per direction, sharing ``circuit_data_limit`` (a one-element
+        list: the bytes left); that list identifies the circuit. When either direction ends, the
+        other is cancelled (a local reset does not wake a pending read in py-libp2p's yamux).
         """
-        budget = circuit_data_limit
+        budget = circuit_data_limit if circuit_data_limit is not None else [1 << 62]
+        pump = self._pumps.setdefault(id(budget), _Pump())
+        pump.users += 1
         until = trio.current_time() + (deadline - time.monotonic()) if deadline else float("inf")
         try:
-            with trio.move_on_at(until) as scope:
+            with trio.CancelScope(deadline=until) as scope:
+                pump.scopes.append(scope)
+                if pump.done:
+                    scope.cancel()
                 while True:
                     data = await src_stream.read(PUMP_READ_BYTES)
                     if not data:
                         break
-                    if budget is not None:
-                        if len(data) > budget[0]:
-                            self._trip(budget, "circuit_bytes")
-                            break
-                        budget[0] -= len(data)
+                    if len(data) > budget[0]:
+                        self._trip(pump, "circuit_bytes")
+                        break
+                    budget[0] -= len(data)
                     with trio.fail_after(self.write_timeout):
                         await dst_stream.write(data)
                     self.counters.add("relay.bytes_relayed", len(data))
-            if scope.cancelled_caught and budget is not None:
-                self._trip(budget, "circuit_duration")
+            if scope.cancelled_caught and not pump.done and trio.current_time() >= until:
+                self._trip(pump, "circuit_duration")
         except Exception as exc:  # a reset or a stalled write ends the circuit
             log.debug("circuit for %s ended: %s", peer_id, exc)
         finally:
-            with trio.CancelScope(shield=True):
+            pump.done = True
+            for other in pump.scopes:
+                other.cancel()
+            pump.users -= 1
+            if pump.users == 0:
+                self._pumps.pop(id(budget), None)
+            with trio.move_on_after(self.close_timeout) as cleanup:
+                cleanup.shield = True
                 for s in (src_stream, dst_stream):
                     try:
                         await s.reset()
                     except Exception:
                         pass
 
-    def _trip(self, budget: list[Any], reason: str) -> None:
-        if len(budget) == 1:
-            budget.append(reason)
+    def _trip(self, pump: _Pump, reason: str) -> None:
+        if not pump.tripped:
+            pump.tripped = True
             self.refuse_count(reason)
 
     def _forget_streams(self, stream: Any) -> None:

@@ -106,6 +106,10 @@ class RelayNode:
         """Each connected peer: ``"direct"`` (at least one direct connection) or ``"relayed"``."""
         return await self.host.bridge.call(self._t_paths)
 
+    async def stats(self) -> dict[str, int]:
+        """What this host serves as a relay now: live reservations and open circuits."""
+        return await self.host.bridge.call(self._t_stats)
+
     async def hole_punch(self, peer_id: str, *, timeout: float = 30.0) -> bool:
         """Try DCUtR now (besides the background loop); True when a direct connection exists."""
         if self.options.hole_punch is False:
@@ -127,14 +131,46 @@ class RelayNode:
         if self.options.serve:
             lhost.set_stream_handler(PROTOCOL_ID, self._guard(self.hop._handle_hop_stream))
         lhost.set_stream_handler(STOP_PROTOCOL_ID, self._guard(self.hop._handle_stop_stream))
+        lhost.get_network().register_notifee(_direct_watch(self))
         if self.options.hole_punch:
             from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_ID
-            from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
-            t = max(1, int(self.options.reserve_timeout_s))
-            self.dcutr = DCUtRProtocol(lhost, read_timeout=t, write_timeout=t, dial_timeout=t)
+            from transport.relay.punch import CountingDCUtR
+
+            self.dcutr = CountingDCUtR(lhost, self.counters, self._t_went_direct,
+                                       timeout_s=self.options.reserve_timeout_s,
+                                       grace_s=self.options.relayed_close_grace_s)
             await nursery.start(self._t_serve, self.dcutr)
             lhost.set_stream_handler(DCUTR_ID, self._guard(self.dcutr._handle_dcutr_stream))
+
+    def _t_went_direct(self, pid: Any) -> None:
+        """A direct connection to ``pid`` now exists besides a relayed one (DCUtR on either
+        end, or any direct dial): new requests must not reuse pooled streams that may run over
+        the relayed one, which DCUtR closes after the grace period."""
+        self.host.bridge.to_asyncio(self._drop_pooled, pid.to_base58())
+
+    def t_on_connected(self, conn: Any) -> None:
+        """Network notifee: a direct connection arrived to a peer we reach relayed."""
+        pid = conn.muxed_conn.peer_id
+        if path_of([str(a) for a in conn.get_transport_addresses()]) != "direct":
+            return
+        others = self._t_host.get_network().connections.get(pid, [])
+        others = others if isinstance(others, list) else [others]
+        if not any(c is not conn and path_of([str(a) for a in c.get_transport_addresses()])
+                   == "relayed" for c in others):
+            return
+        if self.dcutr is not None:
+            self.dcutr._upgraded(pid)  # counts, drops pooled streams, closes relayed later
+        else:
+            self._t_went_direct(pid)
+
+    def _drop_pooled(self, peer_id: str) -> None:
+        # Host keeps idle request streams per (peer, protocol); a fresh stream is placed on the
+        # best (direct) connection by py-libp2p. Host has no public call for this yet.
+        idle = self.host._idle
+        for key in [k for k in idle if k[0] == peer_id]:
+            for stream in idle.pop(key, []):
+                stream.reset_soon()
 
     @staticmethod
     async def _t_serve(service: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -352,17 +388,47 @@ class RelayNode:
                 out[pid.to_base58()] = "direct" if "direct" in paths else "relayed"
         return out
 
+    async def _t_stats(self) -> dict[str, int]:
+        if self.hop is None or not self.options.serve:
+            return {"reservations": 0, "circuits": 0}
+        return {"reservations": self.hop.live_reservations(), "circuits": self.hop.book.circuits}
+
     async def _t_hole_punch(self, peer_text: str, timeout: float) -> bool:
         from libp2p.peer.id import ID
 
         if self.dcutr is None:
             return False
         with trio.move_on_after(timeout):
-            ok = await self.dcutr.initiate_hole_punch(ID.from_base58(peer_text))
-            self.counters.add("relay.hole_punch_ok" if ok else "relay.hole_punch_failed")
-            return bool(ok)
-        self.counters.add("relay.hole_punch_failed")
+            return bool(await self.dcutr.initiate_hole_punch(ID.from_base58(peer_text)))
         return False
+
+
+def _direct_watch(node: RelayNode) -> Any:
+    from libp2p.abc import INotifee
+
+    class DirectWatch(INotifee):
+        async def connected(self, network: Any, conn: Any) -> None:
+            try:
+                node.t_on_connected(conn)
+            except Exception:  # never into the swarm's add_conn
+                log.debug("direct-connection watch failed", exc_info=True)
+
+        async def opened_stream(self, network: Any, stream: Any) -> None:
+            pass
+
+        async def closed_stream(self, network: Any, stream: Any) -> None:
+            pass
+
+        async def disconnected(self, network: Any, conn: Any) -> None:
+            pass
+
+        async def listen(self, network: Any, multiaddr: Any) -> None:
+            pass
+
+        async def listen_close(self, network: Any, multiaddr: Any) -> None:
+            pass
+
+    return DirectWatch()
 
 
 def _only_cancelled(exc: BaseException) -> bool:

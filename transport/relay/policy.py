@@ -90,6 +90,8 @@ class RelayBook:
 
     def admit_circuit(self, src: str, dst: str) -> str | None:
         """None and the circuit counted as open, or the refusal's reason (nothing counted)."""
+        if src == dst:
+            return "malformed"  # a peer relayed to itself
         if self.circuits >= self.limits.max_circuits:
             return "circuits_total"
         cap = self.limits.max_circuits_per_peer
