@@ -272,6 +272,47 @@ def test_circuit_floods_and_a_circuit_over_its_byte_limit_are_refused_and_counte
     run(scenario)
 
 
+def test_an_idle_circuit_ends_at_its_duration_limit() -> None:
+    async def scenario() -> None:
+        async with swarm(RelayLimits(max_circuit_duration_s=1.0), 2) as (r, a, b):
+            await a.relay.reserve(r.peer_id, r.addrs)
+            await b.dial(a.relay.relayed_addrs[0])
+            await echo(b, a.peer_id, 1)
+
+            async def ended() -> bool:
+                return (r.counters.get("relay.refused.circuit_duration") == 1
+                        and (await r.relay.stats())["circuits"] == 0
+                        and a.peer_id not in await b.relay.paths())
+
+            await wait_until(ended, "the relay to end the idle circuit after 1 s")
+            assert await b.dial(a.relay.relayed_addrs[0]) == a.peer_id  # a new one is fine
+            await echo(b, a.peer_id, 2)
+
+    run(scenario)
+
+
+def test_a_reservation_lapses_when_its_relay_is_gone_and_release_stops_renewal() -> None:
+    limits = RelayLimits(reservation_ttl_s=2.0, min_reserve_interval_s=0.2)
+
+    async def scenario() -> None:
+        async with swarm(limits, 1) as (r1, a), swarm(limits, 0) as (r2,):
+            await a.relay.reserve(r1.peer_id, r1.addrs)
+            await a.relay.reserve(r2.peer_id, r2.addrs)
+            assert len(a.relay.relayed_addrs) == 2
+            await a.relay.release(r2.peer_id)
+            assert [h.relay for h in a.relay.reservations.values()] == [r1.peer_id]
+            await r1.close()
+
+            async def lapsed() -> bool:
+                return a.counters.get("relay.reservations_lost") == 1
+
+            await wait_until(lapsed, "the reservation on the stopped relay to lapse")
+            assert a.relay.relayed_addrs == [] and a.counters.get("relay.renew_failures") >= 1
+            assert r2.counters.get("relay.reservations_renewed") == 0  # released: not renewed
+
+    run(scenario)
+
+
 def test_dcutr_upgrades_a_relayed_connection_to_a_direct_one() -> None:
     async def scenario() -> None:
         async with swarm(RelayLimits(), 2, hole_punch=True, grace_s=1.0) as (r, a, b):
@@ -287,9 +328,9 @@ def test_dcutr_upgrades_a_relayed_connection_to_a_direct_one() -> None:
             assert b.counters.get("relay.upgraded_direct") == 1
             assert a.counters.get("relay.upgraded_direct") == 1
             relayed = r.counters.get("relay.bytes_relayed")
-            for n in range(3):
-                await echo(b, a.peer_id, n)
-            assert r.counters.get("relay.bytes_relayed") == relayed  # nothing crossed R
+            for n in range(3):  # 3 x 64 KiB: none of it crosses R (a stream reset may: bytes)
+                await echo(b, a.peer_id, n, tensors=(torch.zeros(16 * 1024),))
+            assert r.counters.get("relay.bytes_relayed") - relayed < 4096
 
             async def relayed_closed() -> bool:
                 return (await r.relay.stats())["circuits"] == 0
@@ -301,7 +342,41 @@ def test_dcutr_upgrades_a_relayed_connection_to_a_direct_one() -> None:
     run(scenario)
 
 
+def test_the_dcutr_exchange_upgrades_when_no_direct_address_is_known() -> None:
+    """Not the unilateral first step: B knows no direct address of A, so the CONNECT/SYNC
+    exchange over the relayed connection must tell it one."""
+
+    async def scenario() -> None:
+        async with swarm(RelayLimits(), 2, hole_punch=True) as (r, a, b):
+            await a.relay.reserve(r.peer_id, r.addrs)
+            await b.dial(a.relay.relayed_addrs[0])
+            await a.bridge.call(t_forget_direct_addrs, a, b.peer_id, 3)  # A never drives
+            await b.bridge.call(t_forget_direct_addrs, b, a.peer_id, 0)
+            assert await b.relay.hole_punch(a.peer_id)
+            assert b.counters.get("relay.hole_punch_ok") == 1  # the exchange, not step 0
+            assert (await b.relay.paths())[a.peer_id] == "direct"
+            await echo(b, a.peer_id, 5)
+
+    run(scenario)
+
+
 # ---- raw peers that misbehave (trio side of the flooding host) --------------------------------
+
+async def t_forget_direct_addrs(host: Host, peer: str, attempts: int) -> None:
+    """Drop ``peer``'s direct addresses from the peerstore and set DCUtR's attempt count
+    (3: its background loop leaves the peer alone; 0: it may try)."""
+    from libp2p.peer.id import ID
+
+    pid = ID.from_base58(peer)
+    store = host._t_host.get_peerstore()
+    keep = [a for a in store.addrs(pid) if "/p2p-circuit" in str(a)] if pid in \
+        store.peer_ids() else []
+    if pid in store.peer_ids():
+        store.clear_addrs(pid)
+        store.add_addrs(pid, keep, 600)
+    assert host.relay is not None and host.relay.dcutr is not None
+    host.relay.dcutr._hole_punch_attempts[pid] = attempts
+
 
 def _forged_peer() -> bytes:
     return bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20]) + os.urandom(32)
