@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the pure decision cores (module names)
 CORES = frozenset({
     "swarmd.protocols",
+    "transport.relay.policy",
     "swarmd.links",
     "swarmd.node.addresses",
     "swarmd.node.reachability",
@@ -35,7 +36,6 @@ CORES = frozenset({
     "swarmd.averaging.aggregation",
     "swarmd.state.transfer",
     "transport.codecs",
-    "transport.relay.policy",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",
