@@ -10,8 +10,9 @@ From asyncio: ``reserve(relay, addrs)`` holds a slot on a relay and renews it be
 expires (``policy.renewal_delay``); ``relayed_addrs`` are the ``/p2p-circuit`` addresses others
 can dial us at; ``dial(circuit_addr)`` (also reached through ``Host.dial``) connects through a
 relay; ``paths()`` says which peers are reached directly and which only relayed. Once a direct
-connection exists, new streams use it (py-libp2p prefers direct connections when it picks one);
-the relayed one is closed by DCUtR after 60 s.
+connection exists (DCUtR on either end, or any direct dial), the host's pooled request streams to
+that peer are dropped, new streams use the direct connection (py-libp2p prefers direct ones when
+it picks), and the relayed one is closed after ``RelayOptions.relayed_close_grace_s``.
 
 Wall clock: a reservation's expiry is Unix time on the wire (spec); it is turned into a
 monotonic deadline once, when the relay's answer arrives.
