@@ -227,6 +227,12 @@ def test_reservation_floods_are_refused_and_counted_while_others_are_served() ->
             with pytest.raises(RelayRefused):  # the table is full: refused, counted
                 await late.relay.reserve(r.peer_id, r.addrs)
             assert r.counters.get("relay.refused.reservations_total") == 1
+            # garbage on HOP streams: a huge length prefix, random bytes, a truncated message
+            for junk in (b"\xff" * 10, os.urandom(200), b"\x20\x08"):
+                await flooder.bridge.call(t_send_hop, flooder, r.peer_id, junk)
+            # a host that is no relay answers no reservation
+            with pytest.raises(PeerUnavailable):
+                await late.relay.reserve(a1.peer_id, a1.addrs)
             # the relay keeps serving: B reaches A1 through it
             assert await b.dial(a1.relay.relayed_addrs[0]) == a1.peer_id
             await echo(b, a1.peer_id, 3)
@@ -410,6 +416,19 @@ async def t_flood_reserve(host: Host, relay: str, addrs: list[str], n: int) -> C
                 answers[StatusCode(resp.status).name] += 1
             await stream.reset()
     return answers
+
+
+async def t_send_hop(host: Host, relay: str, data: bytes) -> None:
+    """Write ``data`` on a HOP stream, read whatever comes back for a moment, reset."""
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+
+    stream = await host._t_host.new_stream(ID.from_base58(relay), [PROTOCOL_ID])
+    await stream.write(data)
+    with trio.move_on_after(0.5):
+        with contextlib.suppress(Exception):
+            await stream.read(1024)
+    await stream.reset()
 
 
 async def t_flood_connect(host: Host, relay: str, addrs: list[str], dest: str,

@@ -21,7 +21,8 @@ GiB = 1 << 30
 
 #: every reason a relay refuses, as counted
 REASONS = ("reservations_total", "reserve_rate", "no_reservation", "circuits_total",
-           "circuits_per_peer", "circuit_bytes", "circuit_duration", "malformed")
+           "circuits_per_peer", "circuit_bytes", "circuit_duration", "malformed",
+           "relayed_hop")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
