@@ -42,6 +42,7 @@ from transport.frames import Message
 from transport.identity import Identity
 from transport.options import HostOptions
 from transport.pubsub import PubsubBridge, Subscription
+from transport.relay.node import RelayNode
 from transport.stream import Stream
 
 log = logging.getLogger("transport.host")
@@ -69,6 +70,8 @@ class Host:
         self._t_host: Any = None  # the libp2p host: trio side only
         self._t_nursery: trio.Nursery | None = None
         self._pubsub = PubsubBridge(self) if self.options.pubsub is not None else None
+        #: relays and hole punching (transport.relay.node.RelayNode), None when not configured
+        self.relay = RelayNode(self, self.options.relay) if self.options.relay else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._idle: dict[tuple[str, str], list[Stream]] = {}
@@ -126,6 +129,8 @@ class Host:
     async def dial(self, addr: str, *, timeout: float | None = None) -> str:
         """Connect to a ``.../p2p/<id>`` multiaddr; returns the peer id."""
         timeout = timeout or self.options.dial_timeout_s
+        if self.relay is not None and "/p2p-circuit" in addr:
+            return await self.relay.dial(addr, timeout=timeout)
         try:
             return await self._call(f"dial {addr}", self._t_dial, addr, timeout)
         except PeerUnavailable:
@@ -371,6 +376,8 @@ class Host:
             self._t_nursery = nursery
             if self._pubsub is not None:
                 await self._pubsub.t_start(host, nursery)
+            if self.relay is not None:
+                await self.relay.t_start(host, nursery)
             suffix = f"/p2p/{self.peer_id}"
             self._addrs = [a if a.endswith(suffix) else a + suffix
                            for a in (str(m) for m in host.get_addrs())]

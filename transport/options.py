@@ -8,8 +8,33 @@ from transport.codecs import CodecSpec
 from transport.errors import LocalUsageError
 from transport.limits import Limits
 from transport.pubsub import PubsubOptions
+from transport.relay.policy import RelayLimits
 
-__all__ = ["HostOptions"]
+__all__ = ["HostOptions", "RelayOptions"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayOptions:
+    """Circuit relay v2 and hole punching (``transport.relay``). Given at all, the host accepts
+    connections relayed to it and can reserve slots on relays and dial through them."""
+
+    #: serve as a relay for other peers (a publicly reachable host), within ``limits``
+    serve: bool = False
+    limits: RelayLimits = field(default_factory=RelayLimits)
+    #: try DCUtR to turn relayed connections into direct ones
+    hole_punch: bool = True
+    #: once a connection went direct, the relayed one is closed after this long
+    relayed_close_grace_s: float = 10.0
+    #: a reservation is renewed after this fraction of its remaining time
+    renew_fraction: float = 0.5
+    #: deadline of one reservation request (and of DCUtR's reads and dials)
+    reserve_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.renew_fraction < 1.0:
+            raise LocalUsageError("RelayOptions.renew_fraction must be between 0 and 1")
+        if not self.reserve_timeout_s > 0:
+            raise LocalUsageError("RelayOptions.reserve_timeout_s must be positive")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +58,8 @@ class HostOptions:
     yamux_frame_bytes: int | None = 1 << 20
     #: send yamux window updates in batches rather than after every read
     batch_window_updates: bool = True
+    #: None: no relay protocols at all (neither relayed connections nor hole punching)
+    relay: RelayOptions | None = None
 
     def __post_init__(self) -> None:
         if not self.listen:
