@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +122,7 @@ def cases(swarm: str, model_hash: str, *, per_kind: int = 6, seed: int = 1) -> I
             yield Case(protocol, "lying_payload_size", raw=_frame({"k": kind, "m": {},
                                                                   "t": [], "n": 2**40}))
             for key in KEYS:
-                value = WEIRD[(hash(key) + len(kind)) % len(WEIRD)]
+                value = WEIRD[(zlib.crc32(key.encode()) + len(kind)) % len(WEIRD)]
                 meta = _plausible(kind, model_hash, rng)
                 meta[key] = value
                 yield Case(protocol, f"weird_{key}", kind=kind, meta=meta,
