@@ -193,6 +193,14 @@ class _DaemonCollector:
                     "This peer's measured throughput, samples per second", status.throughput)
         yield gauge("swarmd_queue_length", "Microbatches waiting for this peer's compute",
                     status.queue)
+        reach = GaugeMetricFamily("swarmd_reachability", "1 for the reachability peers' "
+                                  "dial-backs found (public, private, unknown)",
+                                  labels=["state"])
+        for state in ("public", "private", "unknown"):
+            reach.add_metric([state], float(status.reachability == state))
+        yield reach
+        yield gauge("swarmd_relay_reservations", "Relays this daemon holds a reservation on",
+                    len(status.relays))
         counters = CounterMetricFamily("swarmd_counter", "The daemon's error and traffic "
                                        "counters, by dotted name", labels=["name"])
         for name, value in sorted(status.counters.items()):

@@ -8,7 +8,7 @@ and back with ``from_json()`` (the CLI reads what the HTTP API wrote).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 PEER_STATES = ("joining", "online", "migrating", "leaving")
@@ -121,9 +121,21 @@ class StatusInfo:
     queue: int
     #: error and traffic counters, by dotted name (``protocol_errors.truncated``)
     counters: dict[str, int] = field(default_factory=dict)
+    #: whether peers can dial this daemon: public, private or unknown (dial-backs)
+    reachability: str = "unknown"
+    #: relays this daemon holds a reservation on (while private)
+    relays: tuple[str, ...] = ()
+    #: what to do about being private (empty otherwise)
+    reachability_hint: str = ""
+    #: per peer: measured round trip and bandwidth, which deadlines follow (swarmd.links)
+    links: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}  # a newer daemon's extra keys
+        if "relays" in data:
+            data["relays"] = tuple(data["relays"])
         return cls(**data)
 
 

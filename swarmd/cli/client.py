@@ -70,7 +70,11 @@ def text_status(st) -> str:
              f"uptime      {_duration(st.uptime_s)}",
              f"connected   {st.connected_peers} peer{'' if st.connected_peers == 1 else 's'}",
              f"throughput  {_rate(st.throughput)} samples/s",
-             f"queue       {st.queue}"]
+             f"queue       {st.queue}",
+             f"reachable   {st.reachability}"
+             + (f" (relays: {', '.join(r[-8:] for r in st.relays)})" if st.relays else "")]
+    if st.reachability_hint:
+        lines.append(f"            {st.reachability_hint}")
     if st.counters:
         width = max(len(name) for name in st.counters)
         for i, (name, value) in enumerate(sorted(st.counters.items())):

@@ -251,6 +251,34 @@ class NetworkConfig(_Section):
         'a list of CIDR blocks such as "192.168.0.0/16" or multiaddrs',
         _address_filters,
     )
+    relay: str = _opt(
+        "on", "Relays for peers behind NAT: on (serve as a relay within the limits below, and "
+        "use relays when not reachable), client (only use relays), off.",
+        '"on", "client" or "off"', _one_of(("on", "client", "off")),
+    )
+    relay_reservations: int = _opt(
+        2, "Relays a daemon behind NAT keeps a reservation on.", "an integer from 1 to 8",
+        _int_range(1, 8),
+    )
+    relay_max_reservations: int = _opt(
+        128, "Peers this daemon relays for at most, as a relay.", "an integer from 1 to 100000",
+        _int_range(1, 100_000),
+    )
+    relay_max_circuits: int = _opt(
+        256, "Relayed connections through this daemon at once.", "an integer from 1 to 100000",
+        _int_range(1, 100_000),
+    )
+    relay_max_circuit_bytes: int = _opt(
+        8 << 30, "Bytes one relayed connection may carry (8 GiB: sized for activations).",
+        "an integer from 65536 to 1099511627776", _int_range(1 << 16, 1 << 40),
+    )
+    relay_max_circuit_s: float = _opt(
+        3600.0, "Seconds one relayed connection may last.", "a number of seconds from 1",
+        _positive_seconds,
+    )
+    hole_punch: bool = _opt(
+        True, "Try to turn relayed connections into direct ones (DCUtR).", "true or false",
+    )
     max_connections: int = _opt(
         1024, "Most peer connections open at once.", "an integer from 1 to 1000000",
         _int_range(1, 1_000_000),

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections import Counter
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from swarmd import __version__
 from swarmd.api.types import PeerRow, StageRow, SwarmInfo
@@ -31,7 +31,7 @@ from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConf
 from transport.errors import TransportError
 from transport.frames import Message
 from transport.signing import signer, verify
-from swarmd.node.addresses import AddressPolicy, announced_addrs
+from swarmd.node.addresses import MAX_ANNOUNCED, AddressPolicy, announced_addrs
 from swarmd.node.interfaces import interface_ips
 from swarmd.links import LinkEstimates
 from swarmd.protocols import Protocols
@@ -97,6 +97,8 @@ class MembershipService:
         self._address_policy = AddressPolicy(announce=tuple(network.announce),
                                              no_announce=tuple(network.no_announce))
         self._announced: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        #: more addresses to announce (relayed ones, from swarmd.node.nat)
+        self.extra_addrs: Callable[[], Sequence[str]] = tuple
         #: what was measured of each link; pull deadlines follow it (swarmd.links)
         self.links = links if links is not None else LinkEstimates()
 
@@ -110,7 +112,9 @@ class MembershipService:
                                                 for a in bound) else []
             self._announced = (bound, announced_addrs(bound, interfaces, self._address_policy,
                                                       self.host.peer_id))
-        return self._announced[1]
+        # relayed addresses (only while peers cannot dial us) go first: dialers try in order
+        extra = tuple(a for a in self.extra_addrs() if a not in self._announced[1])
+        return (extra + self._announced[1])[:MAX_ANNOUNCED]
 
     def model_hash(self) -> str:
         """The swarm's model name and the hash of its architecture: both must match."""

@@ -69,6 +69,7 @@ class Daemon:
         self.membership: Any = None
         self.stage_server: Any = None
         self.averager: Any = None
+        self.nat: Any = None
         self.keeper: Any = None
         self.balancer: Any = None
         self.balance_counters: Counter[str] = Counter()
@@ -99,11 +100,18 @@ class Daemon:
                              for k, v in self.averager.counters.snapshot().items()})
         local = self._local()
         throughput, queue = local.throughput, local.queue
+        nat = self.nat.status() if self.nat is not None else None
+        if self.nat is not None:
+            counters.update(self.nat.counters)
+            counters.update(self.nat.dialback.counters)
         return StatusInfo(
             peer_id=self.host.peer_id, swarm=self.config.swarm.name, version=__version__,
             stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
             connected_peers=len(await self.host.connected_peers()), throughput=throughput,
-            queue=queue, counters=counters)
+            queue=queue, counters=counters,
+            reachability=nat.reachability if nat else "unknown",
+            relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
+            links=self.membership.links.snapshot() if self.membership is not None else {})
 
     def swarm(self) -> SwarmInfo:
         if self.membership is not None:
@@ -160,15 +168,17 @@ class Daemon:
         from swarmd.api.server import HttpApi
         from swarmd.averaging.allreduce import Averager, protocol_id
         from swarmd.membership.service import MembershipService
+        from swarmd.node.nat import NatService
 
         http, home = self.config.http, self.options.home
         membership = MembershipService(self.host, identity, self.config, self._local)
         averager = Averager(self.host, protocol_id(self.config.swarm.name),
                             addrs_of=self._addrs_of)
-        async with membership, averager, HttpApi(
+        nat = NatService(self.host, membership, self.config)
+        async with membership, averager, nat, HttpApi(
                 self, listen=self.options.http_listen or http.listen, token=token,
                 allow_non_loopback=http.allow_non_loopback) as api:
-            self.membership, self.averager = membership, averager
+            self.membership, self.averager, self.nat = membership, averager, nat
             write_api_file(home, api.url)
             try:
                 async with asyncio.TaskGroup() as tasks:

@@ -6,7 +6,7 @@ never imports torch or trio.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from swarmd.config import Config
 
@@ -37,4 +37,19 @@ def host_options(config: Config, listen: Sequence[str] | None = None) -> HostOpt
         request_timeout_s=n.request_timeout_s,
         limits=config.wire_limits(),
         codec=codec_spec(config),
+        relay=relay_options(config),
     )
+
+
+def relay_options(config: Config) -> Any:
+    """``[network] relay*`` as the transport's ``RelayOptions`` (None: relays off)."""
+    from transport.options import RelayOptions
+    from transport.relay.policy import RelayLimits
+
+    n = config.network
+    if n.relay == "off":
+        return None
+    return RelayOptions(serve=n.relay == "on", hole_punch=n.hole_punch, limits=RelayLimits(
+        max_reservations=n.relay_max_reservations, max_circuits=n.relay_max_circuits,
+        max_circuit_bytes=n.relay_max_circuit_bytes,
+        max_circuit_duration_s=max(1.0, n.relay_max_circuit_s)))

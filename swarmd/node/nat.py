@@ -1,0 +1,143 @@
+"""Behind NAT: know whether peers can dial us, and be reachable through relays when not.
+
+``async with NatService(host, membership, config) as nat:`` runs the dial-back checks
+(``swarmd.node.dialback``); while the verdict is ``private`` it keeps reservations on
+``network.relay_reservations`` relays (peers of the swarm with direct addresses that accept a
+reservation; tried in random order, bounded per round), renews them (the transport does), moves
+to another relay when one is lost, and makes membership announce the ``/p2p-circuit``
+addresses. It re-checks when the daemon's connections all dropped (its router restarted).
+Everything it decides is shown by :meth:`status` (``/api/v0/status``, ``swarmd status``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from swarmd.node.dialback import DialbackService
+from swarmd.node.reachability import PRIVATE, PUBLIC, Reachability
+from swarmd.protocols import Protocols
+from transport.errors import TransportError
+
+log = logging.getLogger("swarmd.nat")
+
+__all__ = ["NatService", "NatStatus", "OPEN_PORT_HINT"]
+
+#: relays tried per round at most (a swarm where most peers refuse costs bounded time)
+MAX_TRIES_PER_ROUND = 6
+ROUND_S = 20.0
+OPEN_PORT_HINT = ("peers cannot dial this machine: if you can, forward TCP port {port} on your "
+                  "router to it and set network.announce to your public address "
+                  "(/ip4/<public ip>/tcp/{port}); until then it is reached through relays")
+
+
+@dataclass(frozen=True, slots=True)
+class NatStatus:
+    reachability: str
+    relays: tuple[str, ...]
+    relayed_addrs: tuple[str, ...]
+    hint: str = ""
+
+
+class NatService:
+    def __init__(self, host: Any, membership: Any, config: Any, *,
+                 rng: random.Random | None = None) -> None:
+        self.host = host
+        self.membership = membership
+        self.want = int(config.network.relay_reservations)
+        self._rng = rng or random.Random()
+        # one answer decides: a swarm often has a single public peer to ask. A peer that lies
+        # "unreachable" costs us a relay slot; one that lies "reachable" is outvoted by the
+        # next honest answer (the majority of the latest answers wins)
+        self.dialback = DialbackService(
+            host, Protocols(config.swarm.name).dialback, addrs_of=self._addrs_of,
+            own_addrs=self._direct_addrs, candidates=self._candidates, rng=self._rng,
+            reachability=Reachability(min_agree=1))
+        self._task: asyncio.Task[None] | None = None
+        self.counters: dict[str, int] = {}
+
+    async def __aenter__(self) -> NatService:
+        await self.dialback.__aenter__()
+        if getattr(self.host, "relay", None) is not None:
+            self.membership.extra_addrs = self._relayed_addrs
+            self._task = asyncio.create_task(self._keep_relays(), name="relays")
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.dialback.__aexit__(*exc)
+
+    def status(self) -> NatStatus:
+        verdict = self.dialback.verdict()
+        relay = getattr(self.host, "relay", None)
+        relays = tuple(relay.reservations) if relay is not None else ()
+        relayed = tuple(relay.relayed_addrs) if relay is not None else ()
+        port = next((a.split("/")[4] for a in self.host.addrs if "/tcp/" in a), "31337")
+        return NatStatus(verdict, relays, relayed,
+                         OPEN_PORT_HINT.format(port=port) if verdict == PRIVATE else "")
+
+    # ---- what the dial-back and the relays need -------------------------------------------
+    def _addrs_of(self, peer: str) -> tuple[str, ...]:
+        ann = self.membership.view.get(peer)
+        return tuple(ann.addrs) if ann is not None else ()
+
+    def _direct_addrs(self) -> tuple[str, ...]:
+        return tuple(a for a in self.membership.announced_addrs() if "/p2p-circuit" not in a)
+
+    def _candidates(self) -> list[str]:
+        """Peers of the view with a direct address (a relayed peer cannot dial us back)."""
+        me = self.host.peer_id
+        return [a.peer_id for a in self.membership.view.announcements(_now())
+                if a.peer_id != me and any("/p2p-circuit" not in x for x in a.addrs)]
+
+    def _relayed_addrs(self) -> tuple[str, ...]:
+        if self.dialback.verdict() != PRIVATE:
+            return ()
+        return tuple(self.host.relay.relayed_addrs)
+
+    # ---- relays -------------------------------------------------------------------------
+    async def _keep_relays(self) -> None:
+        while True:
+            verdict = self.dialback.verdict()
+            relay = self.host.relay
+            held = set(relay.reservations)
+            if verdict == PUBLIC and held:
+                for peer in held:  # reachable again: free the relays' slots
+                    await relay.release(peer)
+            elif verdict == PRIVATE and len(held) < self.want:
+                await self._reserve_more(held)
+            if not await self.host.connected_peers():
+                self.dialback.recheck()  # everything dropped (our router restarted?)
+            await asyncio.sleep(ROUND_S if verdict != PRIVATE or len(held) >= self.want else 2)
+
+    async def _reserve_more(self, held: set[str]) -> None:
+        relayed = {p for p, how in (await self.host.relay.paths()).items() if how == "relayed"}
+        # a peer we reach only through a relay is behind NAT itself: no relay for us
+        peers = [p for p in self._candidates() if p not in held and p not in relayed]
+        self._rng.shuffle(peers)
+        for peer in peers[:MAX_TRIES_PER_ROUND]:
+            if len(self.host.relay.reservations) >= self.want:
+                return
+            try:
+                await self.host.relay.reserve(peer, self._addrs_of(peer))
+            except TransportError as exc:
+                self._count("relay.reserve_refused")
+                log.debug("relay %s refused a reservation: %s", peer, exc)
+                continue
+            self._count("relay.reserved")
+            log.info("reserved a relay slot on %s", peer)
+            self.membership.changed()  # announce the circuit address now
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+
+def _now() -> float:
+    import time
+
+    return time.time()  # the view's announcements are timed by the signed wall clock

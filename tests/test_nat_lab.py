@@ -1,0 +1,67 @@
+"""Behind NAT, in the WAN lab (issue 12): a public bootstrap serving stage 1, and a stage-0 peer,
+a second stage-1 peer and the trainer each behind its own NAT gateway (no port forwarding).
+
+The NATed daemons find out they are private from dial-backs, reserve a slot on the public peer,
+announce their ``/p2p-circuit`` address, and the swarm trains through them: ``lost`` = 0 and the
+NATed stage-1 peer carries a share of stage 1's microbatches. Skipped, with the reason, where
+the lab cannot run (not root).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytestmark = pytest.mark.integration
+
+ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4"}
+
+
+def _status(d: Any) -> dict[str, Any]:
+    return d.get("/api/v0/status")
+
+
+@pytest.mark.timeout(420)
+def test_nated_peers_train_through_relays(wanlab: Any, tmp_path: Path) -> None:
+    from daemon_harness import wait_until
+    from tools.wanlab import HostSpec, Link
+    from tools.wanlab.daemons import LabDaemon, stop_all, train
+
+    link = Link(delay_ms=2.0)
+    lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="n0", link=link, nat=True),
+                 HostSpec(name="n1", link=link, nat=True),
+                 HostSpec(name="tr", link=link, nat=True))
+    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "1", env=ENV)
+    daemons = [pub]
+    try:
+        pub.wait_started()
+        for host, stage in (("n0", "0"), ("n1", "1")):
+            d = LabDaemon(lab, host, tmp_path / host, "--stage", stage, "--bootstrap", pub.addr,
+                          env=ENV)
+            daemons.append(d)
+            d.wait_started()
+        n0, n1 = daemons[1], daemons[2]
+        for d in (n0, n1):
+            wait_until(lambda d=d: _status(d)["reachability"] == "private", 90,
+                       f"{d.host} to find out it is private")
+            wait_until(lambda d=d: _status(d)["relays"], 90, f"{d.host} to hold a relay slot")
+        status = _status(n1)
+        assert pub.started["peer_id"] in status["relays"]
+        assert "forward TCP port" in status["reachability_hint"]
+        wait_until(lambda: _status(pub)["reachability"] == "public", 90, "pub to be public")
+        result = train(lab, "tr", tmp_path / "trainer", pub.addr, steps=24,
+                       tokens_per_step=4 * 8 * 128, env=ENV, seconds=300)
+        assert result["lost"] == 0, result
+        assert result["final_val_loss"] < result["initial_val_loss"], result
+        served = {d.host: _status(d)["counters"].get("stage.forward", 0) for d in daemons}
+        stage1 = served["pub"] + served["n1"]
+        assert served["n0"] > 0 and stage1 > 0, served
+        assert served["n1"] >= stage1 / 3, (served, json.dumps(result))
+    finally:
+        stop_all(daemons)
