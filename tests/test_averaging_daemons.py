@@ -95,6 +95,7 @@ def test_a_peer_killed_mid_training_leaves_the_others_equal(daemons: Any) -> Non
     assert info["step"] >= 8, [{k: v for k, v in c.items() if "sync" in k or "stage" in k or "allreduce" in k} for c in counters]
 
 
+@pytest.mark.timeout(300)  # four daemon starts and a training run; slow on a loaded machine
 def test_a_restarted_peer_resumes_from_its_peers_or_checkpoint(daemons: Any,
                                                                  tmp_path: Path) -> None:
     d0, a, b = daemons(0, 1, 1)

@@ -10,6 +10,7 @@ the lab cannot run (not root).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,13 @@ def test_nated_peers_train_through_relays(wanlab: Any, tmp_path: Path) -> None:
         status = _status(n1)
         assert pub.started["peer_id"] in status["relays"]
         assert "forward TCP port" in status["reachability_hint"]
+        doctor = lab.run("n1", [sys.executable, "-m", "swarmd", "doctor", "--home",
+                                str(tmp_path / "n1"), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+        out, _ = doctor.communicate(timeout=120)
+        reach = {c["name"]: c for c in json.loads(out)["checks"]}["reachability"]
+        assert reach["found"].startswith("private") and pub.started["peer_id"] in reach["found"]
+        assert "forward TCP port" in reach["fix"]
         wait_until(lambda: _status(pub)["reachability"] == "public", 90, "pub to be public")
         result = train(lab, "tr", tmp_path / "trainer", pub.addr, steps=24,
                        tokens_per_step=4 * 8 * 128, env=ENV, seconds=300)

@@ -193,14 +193,7 @@ class _DaemonCollector:
                     "This peer's measured throughput, samples per second", status.throughput)
         yield gauge("swarmd_queue_length", "Microbatches waiting for this peer's compute",
                     status.queue)
-        reach = GaugeMetricFamily("swarmd_reachability", "1 for the reachability peers' "
-                                  "dial-backs found (public, private, unknown)",
-                                  labels=["state"])
-        for state in ("public", "private", "unknown"):
-            reach.add_metric([state], float(status.reachability == state))
-        yield reach
-        yield gauge("swarmd_relay_reservations", "Relays this daemon holds a reservation on",
-                    len(status.relays))
+        yield from _reachability_metrics(status)
         counters = CounterMetricFamily("swarmd_counter", "The daemon's error and traffic "
                                        "counters, by dotted name", labels=["name"])
         for name, value in sorted(status.counters.items()):
@@ -452,3 +445,13 @@ class HttpApi:
 
     async def _favicon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)
+
+
+def _reachability_metrics(status: Any) -> Iterator[Metric]:
+    reach = GaugeMetricFamily("swarmd_reachability", "1 for the reachability peers' dial-backs "
+                              "found (public, private, unknown)", labels=["state"])
+    for state in ("public", "private", "unknown"):
+        reach.add_metric([state], float(status.reachability == state))
+    yield reach
+    yield GaugeMetricFamily("swarmd_relay_reservations", "Relays this daemon holds a "
+                            "reservation on", value=len(status.relays))

@@ -226,18 +226,32 @@ def bootstrap_checks(config: Any) -> list[Check]:
                       "check network.* in the config")]
 
 
-def reachability_check() -> Check:
-    return Check("reachability", "warn", "unknown: this version does not yet ask peers to dial "
-                                         "back (AutoNAT) nor use relays",
-                 "if peers cannot reach you, forward network.listen's TCP port on your router "
-                 "and set network.announce to your public address")
+def reachability_check(home: Path) -> Check:
+    """What the daemon running for ``home`` found out from its peers' dial-backs."""
+    from swarmd.api.client import DaemonClient
+
+    try:
+        status = DaemonClient.for_home(home).status()
+    except Exception:
+        return Check("reachability", "warn", "unknown: no daemon runs for this home to ask "
+                                             "(reachability is found out by a running daemon)",
+                     "start `swarmd join`, then run `swarmd doctor` again")
+    relays = ", ".join(status.relays) if status.relays else "none"
+    if status.reachability == "private":
+        return Check("reachability", "warn", f"private: peers cannot dial this machine; "
+                                             f"relays in use: {relays}",
+                     status.reachability_hint)
+    if status.reachability == "public":
+        return Check("reachability", "ok", "public: peers dialed this machine back")
+    return Check("reachability", "warn", "unknown: not enough peers answered yet",
+                 "run `swarmd doctor` again in a minute")
 
 
 def check_all(home: Path, load_config: Any) -> list[Check]:
     checks, config = local_checks(home, load_config)
     if config is not None:
         checks += bootstrap_checks(config)
-        checks.append(reachability_check())
+        checks.append(reachability_check(home))
     return checks
 
 
