@@ -161,11 +161,14 @@ class Daemon:
         from swarmd.api.server import HttpApi
         from swarmd.averaging.allreduce import Averager, protocol_id
         from swarmd.membership.service import MembershipService
+        from swarmd.pipeline.model_info import serve_model_info
 
         http, home = self.config.http, self.options.home
         membership = MembershipService(self.host, identity, self.config, self._local)
         averager = Averager(self.host, protocol_id(self.config.swarm.name),
                             addrs_of=self._addrs_of)
+        serve_model_info(self.host, self.config.swarm.name, self.config.swarm.model,
+                         self.config.model_fingerprint())
         async with membership, averager, HttpApi(
                 self, listen=self.options.http_listen or http.listen, token=token,
                 allow_non_loopback=http.allow_non_loopback) as api:
@@ -238,6 +241,7 @@ class Daemon:
         self.state = "syncing"
         self.membership.changed()
         await self._wait_for_view()  # a peer of the stage must be known before we decide
+        self._spawn(self._warn_other_models())
         module = await asyncio.to_thread(  # seconds for a big model: not on the event loop
             _build_stage, seam, stage, c.swarm.stages, c.training.seed, self._device,
             self._dtype)
@@ -289,6 +293,19 @@ class Daemon:
         except TimeoutError:
             log.warning("no view from the swarm within %.0f s: going on with what is known",
                         PLACEMENT_WAIT_S)
+
+    async def _warn_other_models(self) -> None:
+        """Say once what differs when the view holds peers of another model (they and this
+        peer keep each other out of routing)."""
+        from swarmd.pipeline.model_info import explain_mismatch, mismatched_peers
+
+        peers = mismatched_peers(self.membership.swarm_info())
+        if peers:
+            c = self.config
+            reason = await explain_mismatch(self.host, c.swarm.name, c.swarm.model,
+                                            c.model_fingerprint(), peers)
+            log.warning("%s; they are kept out of this peer's routing and it out of theirs",
+                        reason or f"{len(peers)} peer(s) announce another model hash")
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

@@ -16,9 +16,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-from swarmd.errors import StageUnavailable
+from swarmd.errors import ModelMismatch, StageUnavailable
 
 #: fixed validation batches (same for every evaluation of a run)
 VAL_BATCHES = 4
@@ -73,7 +73,8 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     with HomeLock(_home_ready(home)) if home is not None else contextlib.nullcontext():
         async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m):
             resumed = _resume(trainer, batches, home, progress)
-            await _wait_for_stages(m, config.swarm.stages, progress)
+            await _wait_for_stages(m, config.swarm.stages, progress,
+                                   _mismatch_explainer(trainer.host, m, config))
             return await _run_steps(trainer, batches, config, plan, _Progress(
                 max(0, steps - resumed), progress, bar), until, resumed)
 
@@ -109,8 +110,15 @@ def _resume(trainer: Any, batches: Any, home: Path | None,
         return 0
     trainer_state.restore(trainer, state)
     batches.restore(state.data)
-    progress(f"resumed from step {state.step} ({trainer_state.state_path(home)})")
+    digest = trainer_state.params_digest(trainer.parts.state_dict())  # what was loaded
+    progress(f"resumed from step {state.step} ({trainer_state.state_path(home)}): weights "
+             f"{digest}, data {json.dumps(_plain_data(batches.state()))}")
     return state.step
+
+
+def _plain_data(state: dict[str, Any]) -> dict[str, Any]:
+    """The data position as plain values (a generator state is shown by its size)."""
+    return {k: (f"<{v.numel()} bytes>" if hasattr(v, "numel") else v) for k, v in state.items()}
 
 
 async def _save(trainer: Any, batches: Any, home: Path | None) -> None:
@@ -238,13 +246,21 @@ class _Progress:
                      f"lost {s.lost}")
 
 
-async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None]) -> None:
+async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None],
+                           explain: Callable[[], Awaitable[str | None]] | None = None) -> None:
+    """Until every stage has a live peer (saying which is missing meanwhile). A stage served
+    only by peers of another model ends the wait with :class:`ModelMismatch` naming what
+    differs (``explain``)."""
     deadline = time.monotonic() + VIEW_TIMEOUT_S
     said: int | None = None
     while True:
         missing = [s for s in range(stages) if not m.peers_of(s)]
         if not missing:
             return
+        if explain is not None:
+            reason = await explain()
+            if reason is not None:
+                raise ModelMismatch(f"{reason}; every peer of a swarm needs the same model")
         if missing[0] != said:
             progress(f"waiting for a peer of stage {missing[0]} "
                      f"({len(missing)} of {stages} stages have none yet)")
@@ -254,6 +270,23 @@ async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None])
                                    f"{VIEW_TIMEOUT_S:.0f} s: start a daemon with "
                                    f"`swarmd join --stage {missing[0]}`")
         await asyncio.sleep(0.2)
+
+
+def _mismatch_explainer(host: Any, m: Any, config: Any) -> Callable[[], Awaitable[str | None]]:
+    """Asks each peer kept out for another model once (bounded) what its model is."""
+    from swarmd.pipeline.model_info import explain_mismatch, mismatched_peers
+
+    asked: set[str] = set()
+
+    async def explain() -> str | None:
+        peers = [p for p in mismatched_peers(m.swarm_info()) if p[0] not in asked]
+        asked.update(p for p, _ in peers[:3])
+        if not peers:
+            return None
+        return await explain_mismatch(host, config.swarm.name, config.swarm.model,
+                                      config.model_fingerprint(), peers)
+
+    return explain
 
 
 def result_json(result: TrainResult) -> dict[str, Any]:

@@ -20,7 +20,8 @@ import torch
 
 from swarmd.errors import DataError, ModelMismatch
 
-__all__ = ["TrainerState", "state_path", "capture", "restore", "save", "load", "FORMAT"]
+__all__ = ["TrainerState", "state_path", "capture", "restore", "save", "load", "FORMAT",
+           "params_digest"]
 
 #: bump when the file's layout changes
 FORMAT = 1
@@ -118,6 +119,18 @@ def load(home: Path) -> TrainerState | None:
     except Exception as exc:  # any damage: one message saying what to do
         raise DataError(f"{path}: unreadable trainer state ({exc}); move it away to start "
                         f"over") from None
+
+
+def params_digest(params: dict[str, torch.Tensor]) -> str:
+    """blake2b-128 over the names and bytes of ``params`` (a state dict), in name order."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(params):
+        t = params[name].detach().to("cpu").contiguous().clone()
+        h.update(name.encode())
+        h.update(bytes(t.untyped_storage()))
+    return h.hexdigest()
 
 
 def _tree(value: Any, leaf: Any) -> Any:
