@@ -195,7 +195,7 @@ def parse_backward(message: Any, expect: Expect) -> Backward:
     return Backward(mb=_mb(meta, "backward"), stage=stage,
                     step=_int(meta, "step", 0, MAX_STEP, "backward"), path=path,
                     trainer=_text(meta, "trainer", MAX_PEER_CHARS, "backward"), model=model,
-                    grad=grad)
+                    grad=grad, scale=_scale(meta), overflow=_flag(meta, "overflow", "backward"))
 
 
 def parse_result(message: Any, *, num_stages: int, shape: tuple[int, ...]) -> Result:

@@ -256,9 +256,8 @@ class Trainer:
                        ) -> tuple[float, list[torch.Tensor], tuple[str, ...]]:
         h = await self._run(self._embed, x, True)  # (B, T, width), keeps its graph
         out, mb, path = await self._forward(h, eval_only=False)
-        loss, g_out, g_head = await self._run(self._head_backward, out, y, scale)
-        overflow = not bool(torch.isfinite(g_out).all())  # float16: the step is skipped
-        if overflow:
+        loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
+        if overflow:  # float16: this step is skipped here and by the stages of the path
             self._overflow, g_out = True, torch.zeros_like(g_out)
         arrival = self._expect("grad", mb, tuple(h.shape), first={path[0]}, path=path).future
         backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
@@ -296,13 +295,17 @@ class Trainer:
             return self.parts.embed(x.to(self.device))
 
     def _head_backward(self, out: torch.Tensor, y: torch.Tensor, scale: float
-                       ) -> tuple[float, torch.Tensor, list[torch.Tensor | None]]:
+                       ) -> tuple[float, torch.Tensor, list[torch.Tensor | None], bool]:
+        """The loss, its gradient for the last stage, the head's gradients, and whether any of
+        those overflowed (float16 under a too large loss scale)."""
         out = out.to(self.device, self.dtype).requires_grad_(True)
         loss = self.parts.loss(self.parts.head(out), y.to(self.device))
         g_out, *g_head = torch.autograd.grad(loss * (scale * self.loss_scale),
                                              [out, *self.params], allow_unused=True)
         assert g_out is not None
-        return float(loss.detach()), wire_tensor(g_out), g_head
+        overflow = self.scaler is not None and not all(
+            bool(torch.isfinite(g).all()) for g in (g_out, *g_head) if g is not None)
+        return float(loss.detach()), wire_tensor(g_out), g_head, overflow
 
     def _eval_loss(self, out: torch.Tensor, y: torch.Tensor) -> float:
         with torch.no_grad():

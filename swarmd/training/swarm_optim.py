@@ -58,11 +58,15 @@ class SwarmOptimizer:
     """An optimizer over ``params`` (see the module's doc)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], settings: OptimSettings, *,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype | None = None) -> None:
+        """``dtype`` is the module's (None: from the parameters); anything but float32 gets
+        float32 master weights."""
         self.settings = settings
         self.params = [p for p in params if p.requires_grad]
         self.master: MasterWeights | None = None
-        if dtype != torch.float32:
+        low = (any(p.dtype != torch.float32 for p in self.params) if dtype is None
+               else dtype != torch.float32)
+        if low:
             self.master = MasterWeights(self.params, optimizer=settings.name, lr=settings.lr,
                                         weight_decay=settings.weight_decay,
                                         grad_clip=settings.grad_clip)
