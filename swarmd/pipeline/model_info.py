@@ -31,7 +31,7 @@ MODEL_INFO_TIMEOUT_S = 5.0
 
 
 def protocol(swarm: str) -> str:
-    return Protocols(swarm)._id("model")
+    return Protocols(swarm).model
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
