@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 from swarmd.errors import ModelMismatch, StageUnavailable
 
@@ -57,7 +57,6 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     ``microbatches`` overrides ``training.microbatches``. With ``bar``, a progress bar goes to
     stderr when that is a terminal; otherwise (or without a terminal) ``progress`` gets a line
     every 5% of the run."""
-    from swarmd.node.runfiles import HomeLock
     from swarmd.training.batches import make_batches
     from transport.memory import keep_freed_memory
 
@@ -70,7 +69,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                  metrics_file=home / "train-metrics.jsonl" if home is not None else None)
     batches = make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
                            seq_len=seq_len, val_batches=VAL_BATCHES)
-    with HomeLock(_home_ready(home)) if home is not None else contextlib.nullcontext():
+    with _home_lock(home) if home is not None else contextlib.nullcontext():
         async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m):
             resumed = _resume(trainer, batches, home, progress)
             await _wait_for_stages(m, config.swarm.stages, progress,
@@ -91,13 +90,27 @@ class _Plan:
     every: int = 0
 
 
-def _home_ready(home: Path) -> Path:
-    """``home``, created with an identity when it has none (what ``swarmd init`` does)."""
+@contextlib.contextmanager
+def _home_lock(home: Path) -> Iterator[None]:
+    """The home's lock, held while training (the home created with an identity when it has
+    none, as ``swarmd init`` does): a trainer is its home's peer, so no daemon or other trainer
+    may run with that home meanwhile."""
+    from swarmd.errors import HomeError
     from swarmd.node.home import KEY_FILE, init_home
+    from swarmd.node.runfiles import HomeLock
 
     if not (home / KEY_FILE).exists():
         init_home(home)
-    return home
+    lock = HomeLock(home)
+    try:
+        lock.acquire()
+    except HomeError as exc:
+        raise HomeError(f"{exc} (a trainer is its home's peer: a trainer and a daemon each need "
+                        f"a home of their own)") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _resume(trainer: Any, batches: Any, home: Path | None,
