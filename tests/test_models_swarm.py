@@ -103,8 +103,10 @@ def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(tmp_pat
     env = {**ENV, "SWARMD_SWARM_NAME": "resume-swarm", "SWARMD_MODEL_WIDTH": "32",
            "SWARMD_MODEL_LAYERS": "2", "SWARMD_MODEL_HEADS": "2",
            "SWARMD_CHECKPOINT_EVERY_STEPS": "1",
-           # a model.factory end to end (the built-in GPT's seam, named as a user's would be)
-           "SWARMD_MODEL_FACTORY": "swarmd.models.builtin:BuiltinGPT"}
+           # a model.factory end to end (the built-in GPT's seam, named as a user's would be),
+           # in bfloat16: the float32 masters are part of the trainer's state
+           "SWARMD_MODEL_FACTORY": "swarmd.models.builtin:BuiltinGPT",
+           "SWARMD_MODEL_DTYPE": "bfloat16"}
     home = tmp_path / "trainer"
     daemons: list[Any] = []
     try:
@@ -123,6 +125,8 @@ def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(tmp_pat
         saved = trainer_state.load(home)
         assert saved is not None and saved.step >= 3
         assert saved.data["kind"] == "stream" and saved.data["position"]["record"] > 0
+        assert saved.masters is not None and all(m.dtype.is_floating_point and
+                                                 m.element_size() == 4 for m in saved.masters)
         digest = trainer_state.params_digest(saved.params)
 
         out = swarmd_train(home, env, "--bootstrap", first.addr, "--data", str(data),
