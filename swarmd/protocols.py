@@ -58,6 +58,11 @@ class Protocols:
     def state(self) -> str:
         return self._id("state")
 
+    # the model a peer trains, to say what differs from ours (swarmd.pipeline.model_info)
+    @property
+    def model(self) -> str:
+        return self._id("model")
+
     # membership (swarmd.membership): pull anti-entropy, push of one announcement, gossip
     @property
     def view(self) -> str:

@@ -175,6 +175,13 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=2, help="daemons to start (default 2)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
+    parser.add_argument("--model", metavar="DIR", type=Path,
+                        help="a Hugging Face model directory (config.json, optionally "
+                             "*.safetensors and tokenizer.json) to train instead of the "
+                             "built-in GPT")
+    parser.add_argument("--data", metavar="PATH", type=Path,
+                        help="text, JSONL or Parquet to train on (default: the Python "
+                             "standard library's sources)")
 
 
 def cmd_demo(args: argparse.Namespace) -> Any:
@@ -188,7 +195,8 @@ def cmd_demo(args: argparse.Namespace) -> Any:
                           "per stage (--peers >= --stages)")
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
         (lambda line: print(line, flush=True))
-    result = run_demo(peers=args.peers, stages=args.stages, steps=args.steps, progress=say)
+    result = run_demo(peers=args.peers, stages=args.stages, steps=args.steps,
+                      model=args.model, data=args.data, progress=say)
     if not result.final_val_loss < result.initial_val_loss:
         print(text_demo(result), file=sys.stderr)
         raise _DemoFailed("validation loss did not go down")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -94,8 +95,20 @@ class Config:
 
     def model_hash(self) -> str:
         """What peers must agree on to train together: the swarm's model name and the hash of
-        the model's architecture. Announced by every peer; a mismatch keeps a peer out."""
-        return f"{self.swarm.model}:{self.model_config().model_hash()}"
+        the model's fingerprint (architecture, every setting that changes the computation,
+        dtype and optimizer; :func:`swarmd.models.registry.fingerprint_from_config`).
+        Announced by every peer; a mismatch keeps a peer out. Builds the model's seam once per
+        configuration (imports torch; raises ``ModelError`` for a model that cannot be built)."""
+        return f"{self.swarm.model}:{self.model_fingerprint().hash}"
+
+    def model_fingerprint(self) -> Any:
+        """The :class:`~swarmd.models.seam.Fingerprint` of this configuration's model."""
+        return _model_of(self)[2]
+
+    def model_seam(self) -> tuple[Any, Any]:
+        """``(seam, tokenizer)`` of this configuration's model (built once, then cached)."""
+        seam, tokenizer, _ = _model_of(self)
+        return seam, tokenizer
 
     def wire_limits(self) -> Limits:
         """The receiver-side transport limits set by ``[wire]``."""
@@ -106,6 +119,15 @@ class Config:
             max_tensor_bytes=w.max_tensor_bytes,
             chunk_bytes=w.chunk_bytes,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _model_of(config: Config) -> tuple[Any, Any, Any]:
+    """(seam, tokenizer, fingerprint) of ``config`` (frozen, so equal configs share them)."""
+    from swarmd.models.registry import fingerprint_from_config, seam_from_config
+
+    seam, tokenizer = seam_from_config(config)
+    return seam, tokenizer, fingerprint_from_config(config, seam)
 
 
 _SECTIONS: dict[str, type[_Section]] = {

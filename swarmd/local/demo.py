@@ -3,7 +3,8 @@
 Starts ``peers`` daemons as separate processes on 127.0.0.1 (peer i serves stage i mod
 ``stages``, so every stage is covered), trains ``steps`` steps through them from this process,
 prints the status URL of one daemon and progress, stops every daemon, and ends with a summary.
-Exits non-zero when the validation loss did not go down.
+Exits non-zero when the validation loss did not go down. ``--model DIR`` trains a Hugging Face
+model directory (``model.hf``) instead of the built-in GPT, ``--data PATH`` other text.
 """
 
 from __future__ import annotations
@@ -40,8 +41,22 @@ class DemoResult:
     status_url: str
 
 
-def run_demo(*, peers: int, stages: int, steps: int,
-             progress: Callable[[str], None] = print) -> DemoResult:
+def model_env(model: Path) -> dict[str, str]:
+    """The settings of a demo of the Hugging Face model directory ``model``: ``model.hf``, and
+    its tokenizer.json as ``data.tokenizer`` when it has one (else bytes)."""
+    from swarmd.models.hf import load_hf_config
+
+    load_hf_config(model)  # a directory that is not a supported model fails here, in one line
+    env = {"SWARMD_MODEL_HF": str(model.resolve())}
+    if (model / "tokenizer.json").is_file():
+        env["SWARMD_DATA_TOKENIZER"] = str((model / "tokenizer.json").resolve())
+    return env
+
+
+def run_demo(*, peers: int, stages: int, steps: int, model: Path | None = None,
+             data: Path | None = None, progress: Callable[[str], None] = print) -> DemoResult:
+    """``model``: a Hugging Face model directory to train instead of the built-in GPT;
+    ``data``: what to train on (default: the Python standard library's sources)."""
     import uvloop
 
     from swarmd.config import load_config
@@ -52,7 +67,9 @@ def run_demo(*, peers: int, stages: int, steps: int,
         raise ValueError(f"a demo needs at least one peer per stage ({peers} peers, "
                          f"{stages} stages)")
     env = {**DEMO_ENV, "SWARMD_SWARM_STAGES": str(stages),
-           "SWARMD_SWARM_NAME": f"demo-{secrets.token_hex(4)}"}
+           "SWARMD_SWARM_NAME": f"demo-{secrets.token_hex(4)}",
+           **(model_env(Path(model)) if model is not None else {}),
+           **({"SWARMD_DATA_PATH": str(Path(data).resolve())} if data is not None else {})}
     with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as root:
         daemons: list[DaemonProcess] = []
         try:

@@ -59,7 +59,14 @@ def make_seam(config: ModelConfig, *, factory: str = "", hf: str = "") -> ModelS
         raise ModelError(f'model.factory = "{factory}" and model.hf = "{hf}" are both set; '
                          f"set one of them (or neither, for the built-in GPT)")
     if factory:
-        seam = resolve_factory(factory)(config)
+        build = resolve_factory(factory)
+        try:
+            seam = build(config)
+        except ModelError:
+            raise
+        except Exception as exc:  # the user's code: one line saying what it raised
+            raise ModelError(f'model.factory = "{factory}" failed: {type(exc).__name__}: '
+                             f"{exc}") from None
         if not isinstance(seam, ModelSeam):
             raise ModelError(f'model.factory = "{factory}" returned {type(seam).__name__}, not a '
                              f"swarmd.models.seam.ModelSeam")

@@ -155,6 +155,7 @@ class Daemon:
 
         home = self.options.home
         self._device, self._dtype = self.config.torch_placement()  # bad settings fail here
+        self.config.model_hash()  # so does a model that cannot be built (ModelError)
         with HomeLock(home):
             identity = load_identity(home)
             keep_freed_memory()
@@ -169,12 +170,15 @@ class Daemon:
         from swarmd.averaging.allreduce import Averager, protocol_id
         from swarmd.membership.service import MembershipService
         from swarmd.node.nat import NatService
+        from swarmd.pipeline.model_info import serve_model_info
 
         http, home = self.config.http, self.options.home
         membership = MembershipService(self.host, identity, self.config, self._local)
         averager = Averager(self.host, protocol_id(self.config.swarm.name),
                             addrs_of=self._addrs_of)
         nat = NatService(self.host, membership, self.config)
+        serve_model_info(self.host, self.config.swarm.name, self.config.swarm.model,
+                         self.config.model_fingerprint())
         async with membership, averager, nat, HttpApi(
                 self, listen=self.options.http_listen or http.listen, token=token,
                 allow_non_loopback=http.allow_non_loopback) as api:
@@ -235,27 +239,28 @@ class Daemon:
         """Serve ``self.stage``: take the newest state (checkpoint or peers), then forward,
         backward, averaging and state transfer over libp2p."""
         from swarmd.node.host_options import codec_spec
-        from swarmd.training.model import build_stage
         from swarmd.state.keeper import StageKeeper
         from swarmd.pipeline.server import MAX_BATCH, StageServer
         from swarmd.averaging.stage_sync import SyncSettings
+        from swarmd.training.swarm_optim import OptimSettings
 
         c = self.config
-        model = c.model_config()
+        seam, _ = c.model_seam()
         stage = self.stage
         assert stage is not None
         self.state = "syncing"
         self.membership.changed()
         await self._wait_for_view()  # a peer of the stage must be known before we decide
+        self._spawn(self._warn_other_models())
         module = await asyncio.to_thread(  # seconds for a big model: not on the event loop
-            build_stage, model, stage, c.swarm.stages, c.training.seed, device=self._device,
-            dtype=self._dtype)
+            _build_stage, seam, stage, c.swarm.stages, c.training.seed, self._device,
+            self._dtype)
         server = StageServer(
             self.host, swarm=c.swarm.name, stage=stage, num_stages=c.swarm.stages,
-            model_config=model, model_hash=c.model_hash(), codec=codec_spec(c),
+            seam=seam, model_hash=c.model_hash(), codec=codec_spec(c),
             lr=c.training.lr, seed=c.training.seed, peers_of=self.membership.peers_of,
-            max_tokens=4 * c.training.batch_size * model.seq_len,
-            device=self._device, dtype=self._dtype, optimizer=c.training.optimizer,
+            max_tokens=4 * c.training.batch_size * min(seam.max_seq_len, c.model.seq_len),
+            device=self._device, dtype=self._dtype, optim=OptimSettings.from_config(c.training),
             target_batch_size=c.target_batch_size(), averager=self.averager,
             sync=SyncSettings(compression=c.averaging.compression,
                               aggregator=c.averaging.aggregator,
@@ -298,6 +303,19 @@ class Daemon:
         except TimeoutError:
             log.warning("no view from the swarm within %.0f s: going on with what is known",
                         PLACEMENT_WAIT_S)
+
+    async def _warn_other_models(self) -> None:
+        """Say once what differs when the view holds peers of another model (they and this
+        peer keep each other out of routing)."""
+        from swarmd.pipeline.model_info import explain_mismatch, mismatched_peers
+
+        peers = mismatched_peers(self.membership.swarm_info())
+        if peers:
+            c = self.config
+            reason = await explain_mismatch(self.host, c.swarm.name, c.swarm.model,
+                                            c.model_fingerprint(), peers)
+            log.warning("%s; they are kept out of this peer's routing and it out of theirs",
+                        reason or f"{len(peers)} peer(s) announce another model hash")
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -409,6 +427,16 @@ class Daemon:
                     log.warning("no bootstrap peer answered (%s); retrying in %.0f s",
                                 "; ".join(errors), wait)
             await asyncio.sleep(CONNECTIVITY_CHECK_S)
+
+
+def _build_stage(seam: Any, stage: int, num_stages: int, seed: int, device: Any,
+                 dtype: Any) -> Any:
+    """Stage ``stage`` of the model: a Hugging Face directory's own weights when it has
+    them, else a deterministic random initialisation."""
+    checkpoint = getattr(seam, "checkpoint", None)
+    weights = checkpoint() if callable(checkpoint) else None
+    return seam.build_stage(stage, num_stages, seed=seed, device=device, dtype=dtype,
+                            weights=weights)
 
 
 class _Stopping(Exception):

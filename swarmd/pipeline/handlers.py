@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from swarmd.errors import (
     BadActivation,
     NotOnPath,
@@ -65,6 +67,7 @@ class PipelineHandlers:
                  throughput: Throughput, router: Router | None,
                  addrs_of: Callable[[str], tuple[str, ...]],
                  progressed: Callable[[int], None], counters: Counter[str],
+                 optimizer: Any = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.host = host
         self.me: str = host.peer_id
@@ -77,6 +80,8 @@ class PipelineHandlers:
         self.addrs_of = addrs_of
         self.progressed = progressed
         self.counters = counters
+        #: the stage's SwarmOptimizer: takes each backward's loss scale (None: not scaled)
+        self.optimizer = optimizer
         self._clock = clock
         self._routes: dict[str, _Route] = {}
         self.last = expect.stage == expect.num_stages - 1
@@ -145,17 +150,24 @@ class PipelineHandlers:
             self._refuse("backward_sender")
             raise NotOnPath("sender", f"the backward of {bwd.mb!r} comes from the peer its forward went "
                             f"to, not {peer}")
+        if self.optimizer is not None:
+            self.optimizer.scale = bwd.scale  # gradients accumulate scaled; the step unscales
         gx = await self.batcher.backward(bwd.mb, bwd.grad)
+        overflow = bwd.overflow or not bool(torch.isfinite(gx).all())
+        if overflow:  # float16: poison this step (so the stage skips it) and pass on zeros
+            self.counters["grad_overflow"] += 1
+            gx = torch.zeros_like(gx)
+            await self.compute.run(_poison, self.worker.module)
         self._routes.pop(bwd.mb, None)
         self.counters["backward"] += 1
         self.progressed(self.worker.samples_accumulated)
         if stage == 0:
-            await self.to_trainer(route.trainer, "grad",
-                                  Message(**Grad(mb=bwd.mb, grad=gx).wire()))
+            await self.to_trainer(route.trainer, "grad", Message(
+                **Grad(mb=bwd.mb, grad=gx, overflow=overflow).wire()))
         else:
             await self.host.request(route.previous, self.proto["backward"],
-                                    Message(**bwd.previous_hop(gx).wire()), codec=self.codec,
-                                    timeout=HOP_TIMEOUT_S)
+                                    Message(**bwd.previous_hop(gx, overflow=overflow).wire()),
+                                    codec=self.codec, timeout=HOP_TIMEOUT_S)
         return Message(kind="ok")
 
     # ---- the trainer -----------------------------------------------------------------------
@@ -203,3 +215,14 @@ class PipelineHandlers:
 
     def forget_all(self) -> None:
         self._routes.clear()
+
+
+def _poison(module: torch.nn.Module) -> None:
+    """Make the accumulated gradient non-finite, so the step (alone, or averaged with the
+    stage's other peers, who then see it too) is skipped: a float16 gradient overflowed."""
+    for p in module.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.view(-1)[0] = float("inf")
+            return

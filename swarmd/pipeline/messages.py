@@ -32,6 +32,8 @@ MAX_MODEL_CHARS = 128
 MAX_STEP = 1 << 62
 #: a hop's reported seconds above this are nonsense
 MAX_SECONDS = 1e6
+#: the range of a backward's loss scale
+MIN_SCALE, MAX_SCALE = 2.0 ** -24, 2.0 ** 32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,16 +85,25 @@ class Backward:
     trainer: str
     model: str
     grad: torch.Tensor
+    #: the trainer's loss scale: the gradient is d(scale * loss); stages divide by it
+    scale: float = 1.0
+    #: a gradient overflowed on the way (float16): ``grad`` is zeros, the step is skipped
+    overflow: bool = False
 
-    def previous_hop(self, g: torch.Tensor) -> Backward:
+    def previous_hop(self, g: torch.Tensor, *, overflow: bool = False) -> Backward:
         return Backward(mb=self.mb, stage=self.stage - 1, step=self.step, path=self.path,
-                        trainer=self.trainer, model=self.model, grad=g)
+                        trainer=self.trainer, model=self.model, grad=g, scale=self.scale,
+                        overflow=self.overflow or overflow)
 
     def wire(self) -> dict[str, Any]:
-        return {"kind": "backward", "tensors": (self.grad,),
-                "meta": {"mb": self.mb, "stage": self.stage, "step": self.step,
-                         "path": list(self.path), "trainer": self.trainer,
-                         "model": self.model}}
+        meta: dict[str, Any] = {"mb": self.mb, "stage": self.stage, "step": self.step,
+                                "path": list(self.path), "trainer": self.trainer,
+                                "model": self.model}
+        if self.scale != 1.0:
+            meta["scale"] = self.scale
+        if self.overflow:
+            meta["overflow"] = True
+        return {"kind": "backward", "tensors": (self.grad,), "meta": meta}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,9 +125,14 @@ class Grad:
 
     mb: str
     grad: torch.Tensor
+    #: a gradient overflowed along the path (float16): the trainer skips its step
+    overflow: bool = False
 
     def wire(self) -> dict[str, Any]:
-        return {"kind": "grad", "meta": {"mb": self.mb}, "tensors": (self.grad,)}
+        meta: dict[str, Any] = {"mb": self.mb}
+        if self.overflow:
+            meta["overflow"] = True
+        return {"kind": "grad", "meta": meta, "tensors": (self.grad,)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,7 +195,7 @@ def parse_backward(message: Any, expect: Expect) -> Backward:
     return Backward(mb=_mb(meta, "backward"), stage=stage,
                     step=_int(meta, "step", 0, MAX_STEP, "backward"), path=path,
                     trainer=_text(meta, "trainer", MAX_PEER_CHARS, "backward"), model=model,
-                    grad=grad)
+                    grad=grad, scale=_scale(meta), overflow=_flag(meta, "overflow", "backward"))
 
 
 def parse_result(message: Any, *, num_stages: int, shape: tuple[int, ...]) -> Result:
@@ -194,7 +210,7 @@ def parse_grad(message: Any, *, shape: tuple[int, ...]) -> Grad:
     meta = _meta(message, "grad")
     (g,) = _tensors(message, 1, "grad")
     _shaped(g, shape, "grad")
-    return Grad(mb=_mb(meta, "grad"), grad=g)
+    return Grad(mb=_mb(meta, "grad"), grad=g, overflow=_flag(meta, "overflow", "grad"))
 
 
 def parse_hop_reply(message: Any) -> HopReply:
@@ -287,6 +303,23 @@ def _path(meta: Mapping[str, Any], kind: str, length: int) -> tuple[str, ...]:
     if len(set(path)) != len(path):
         raise BadActivation("path", f"a {kind}'s path names a peer twice")
     return tuple(path)
+
+
+def _scale(meta: Mapping[str, Any]) -> float:
+    """A backward's loss scale: a finite number from 2**-24 to 2**32 (1 when not said)."""
+    value = meta.get("scale", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and MIN_SCALE <= value <= MAX_SCALE):
+        raise BadActivation("malformed", f"backward meta 'scale' must be a number from "
+                                         f"{MIN_SCALE} to {MAX_SCALE}")
+    return float(value)
+
+
+def _flag(meta: Mapping[str, Any], key: str, kind: str) -> bool:
+    value = meta.get(key, False)
+    if not isinstance(value, bool):
+        raise BadActivation("malformed", f"{kind} meta {key!r} must be a boolean")
+    return value
 
 
 def _seconds(value: Any) -> float | None:

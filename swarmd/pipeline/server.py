@@ -39,7 +39,8 @@ from swarmd.pipeline.stepping import DRAIN_S, Gate, Stepper
 from swarmd.pipeline.worker import StageWorker
 from swarmd.pipeline.wiring import Wiring
 from swarmd.protocols import Protocols
-from swarmd.training.optim import make_optimizer
+from swarmd.models.seam import ModelSeam
+from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
 
 __all__ = ["StageServer", "MAX_QUEUE", "MAX_BATCH", "HOP_TIMEOUT_S", "DRAIN_S",
            "hop_seconds", "protocols"]
@@ -57,25 +58,35 @@ class StageServer:
     trainer's included): the only addresses the last stage dials a trainer at."""
 
     def __init__(self, host: Any, *, swarm: str, stage: int, num_stages: int,
-                 model_config: Any, model_hash: str, codec: Any, lr: float, seed: int,
-                 peers_of: PeersOf, max_tokens: int, rng: random.Random | None = None,
+                 model_hash: str, codec: Any, lr: float, seed: int,
+                 peers_of: PeersOf, max_tokens: int, model_config: Any = None,
+                 seam: ModelSeam | None = None, rng: random.Random | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 optimizer: str = "adamw", target_batch_size: int = 1,
+                 optimizer: str = "adamw", optim: OptimSettings | None = None,
+                 target_batch_size: int = 1,
                  averager: Averager | None = None, sync: SyncSettings = SyncSettings(),
                  on_behind: Callable[[str, int], None] | None = None,
                  module: torch.nn.Module | None = None, max_batch: int = 1,
                  addrs_of: Callable[[str], tuple[str, ...]] = lambda peer: ()) -> None:
-        from swarmd.training.model import build_stage
+        """``seam`` is the model (default: the built-in GPT of ``model_config``); ``module``
+        this stage's part of it when already built (else built here, randomly initialised);
+        ``optim`` the ``[training]`` optimizer keys (default: ``optimizer`` at ``lr``)."""
+        from swarmd.models.builtin import BuiltinGPT
 
+        if seam is None:
+            seam = BuiltinGPT(model_config)
+        self.seam = seam
         self.host, self.stage, self.num_stages = host, stage, num_stages
         self.model_hash = model_hash
         self.proto = protocols(swarm)
         self.peers_of = peers_of
-        self.module = module if module is not None else build_stage(
-            model_config, stage, num_stages, seed, device=device, dtype=dtype)
-        self.worker = StageWorker(self.module, width=model_config.width, max_tokens=max_tokens,
+        self.module = module if module is not None else seam.build_stage(
+            stage, num_stages, seed=seed, device=device, dtype=dtype)
+        self.worker = StageWorker(self.module, width=seam.width, max_tokens=max_tokens,
                                   device=device, dtype=dtype)
-        self.optimizer = make_optimizer(optimizer, self.module.parameters(), lr)
+        self.optimizer = SwarmOptimizer(self.module.parameters(),
+                                        optim or OptimSettings(name=optimizer, lr=lr),
+                                        dtype=dtype)
         self.counters: Counter[str] = Counter(forward=0, backward=0, rerouted=0,
                                               optimizer_steps=0)
         self.compute = Compute(f"stage{stage}-compute", self.counters)
@@ -93,7 +104,8 @@ class StageServer:
             router=self.router, addrs_of=addrs_of, counters=self.counters,
             progressed=lambda samples: self.sync.progressed(samples),
             expect=Expect(stage=stage, num_stages=num_stages, model=model_hash,
-                          width=model_config.width, max_tokens=max_tokens))
+                          width=seam.width, max_tokens=max_tokens),
+            optimizer=self.optimizer)
         self._step_listeners: list[Callable[[], None]] = []
         port = _SyncPort(self)
         self.sync = StageSync(

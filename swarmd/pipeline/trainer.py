@@ -33,8 +33,10 @@ from swarmd.pipeline.messages import Backward, Forward, parse_grad, parse_result
 from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
 from swarmd.pipeline.server import protocols
 from swarmd.pipeline.wiring import Wiring
+from swarmd.models.seam import ModelSeam, TrainerParts
 from swarmd.training.model import wire_tensor
-from swarmd.training.optim import make_optimizer
+from swarmd.training.precision import LossScaler
+from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 
@@ -81,12 +83,19 @@ class TrainStats:
 class Trainer:
     """``peers_of(stage)`` returns {peer_id: (throughput, queue, addrs)} from membership."""
 
-    def __init__(self, host: Any, *, swarm: str, num_stages: int, model_config: Any,
+    def __init__(self, host: Any, *, swarm: str, num_stages: int,
                  model_hash: str, codec: Any, lr: float, seed: int,
                  peers_of: Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]],
+                 model_config: Any = None, seam: ModelSeam | None = None,
+                 weights: Any = None, parts: TrainerParts | None = None,
+                 optim: OptimSettings | None = None,
                  rng: random.Random | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> None:
-        from swarmd.training.model import build_embedding, build_head
+        """``seam`` is the model (default: the built-in GPT of ``model_config``); ``parts`` the
+        trainer's parts of it when already built, else built here from ``weights`` (its
+        checkpoint; None: random initialisation); ``optim`` the ``[training]`` optimizer
+        keys (default: ``optimizer`` at ``lr``). With float16, a dynamic loss scale."""
+        from swarmd.models.builtin import BuiltinGPT, BuiltinTrainer
 
         self.host = host
         self.num_stages = num_stages
@@ -95,10 +104,18 @@ class Trainer:
         self.proto = protocols(swarm)
         self.peers_of = peers_of
         self.device, self.dtype = torch.device(device), dtype
-        self.embedding = build_embedding(model_config, seed, device=device, dtype=dtype)
-        self.head = build_head(model_config, seed, device=device, dtype=dtype)
-        self.params = [*self.embedding.parameters(), *self.head.parameters()]
-        self.optimizer = make_optimizer(optimizer, self.params, lr)
+        self.seam = seam if seam is not None else BuiltinGPT(model_config)
+        #: the trainer's parts of the model: embed, head and loss
+        self.parts: TrainerParts = parts if parts is not None else self.seam.build_trainer(
+            seed=seed, device=device, dtype=dtype, weights=weights)
+        if isinstance(self.parts, BuiltinTrainer):  # the built-in model's names, as before
+            self.embedding, self.head = self.parts.embedding, self.parts.head_module
+        self.params = list(self.parts.parameters())  # tied weights once
+        self.optimizer = SwarmOptimizer(self.params, optim or OptimSettings(name=optimizer,
+                                                                            lr=lr), dtype=dtype)
+        self.scaler = LossScaler() if dtype == torch.float16 else None
+        #: a gradient overflowed during this step (float16): the step is skipped
+        self._overflow = False
         self.step = 0
         self.stats = TrainStats()
         #: refused arrivals and other events, by reason
@@ -149,6 +166,8 @@ class Trainer:
                     raise NotOnPath("sender", f"the grad of {mb!r} comes from the stage-0 peer of its "
                                     f"path, not {peer}")
                 tensor = grad.grad
+                if grad.overflow:  # float16: a stage's gradient overflowed, skip the step
+                    self._overflow = True
         except SwarmdError as exc:
             self.counters[f"refused.{getattr(exc, 'reason', exc.code)}"] += 1
             raise
@@ -237,10 +256,13 @@ class Trainer:
                        ) -> tuple[float, list[torch.Tensor], tuple[str, ...]]:
         h = await self._run(self._embed, x, True)  # (B, T, width), keeps its graph
         out, mb, path = await self._forward(h, eval_only=False)
-        loss, g_out, g_head = await self._run(self._head_backward, out, y, scale)
+        loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
+        if overflow:  # float16: this step is skipped here and by the stages of the path
+            self._overflow, g_out = True, torch.zeros_like(g_out)
         arrival = self._expect("grad", mb, tuple(h.shape), first={path[0]}, path=path).future
         backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
-                            trainer=self.host.peer_id, model=self.model_hash, grad=g_out)
+                            trainer=self.host.peer_id, model=self.model_hash, grad=g_out,
+                            scale=self.loss_scale, overflow=overflow)
         try:
             g_h = await self._sent_then_arrived(self.host.request(
                 path[-1], self.proto["backward"], Message(**backward.wire()), codec=self.codec,
@@ -248,34 +270,58 @@ class Trainer:
         finally:
             self._waiting.pop(("grad", mb), None)
         g_emb = await self._run(self._embed_backward, h, g_h)
-        return loss, [*g_emb, *g_head], path
+        return loss, self._gradients(g_emb, g_head), path
 
     # ---- compute (in the compute thread, never on the event loop) ----------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The loss is multiplied by this before backward (float16; else 1)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def _step(self, samples: int) -> None:
         for p in self.params:  # the sums over samples become the batch's mean gradient
             if p.grad is not None:
                 p.grad /= samples
-        self.optimizer.step()
+        if self._overflow:
+            self.optimizer.skip_next()
+        self.optimizer.scale = self.loss_scale
+        stepped = self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(not stepped)
+        self._overflow = False
 
     def _embed(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return self.embedding(x.to(self.device))
+            return self.parts.embed(x.to(self.device))
 
     def _head_backward(self, out: torch.Tensor, y: torch.Tensor, scale: float
-                       ) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+                       ) -> tuple[float, torch.Tensor, list[torch.Tensor | None], bool]:
+        """The loss, its gradient for the last stage, the head's gradients, and whether any of
+        those overflowed (float16 under a too large loss scale)."""
         out = out.to(self.device, self.dtype).requires_grad_(True)
-        loss = self.head.loss(self.head(out), y.to(self.device))
-        g_out, *g_head = torch.autograd.grad(loss * scale, [out, *self.head.parameters()])
-        return float(loss.detach()), wire_tensor(g_out), g_head
+        loss = self.parts.loss(self.parts.head(out), y.to(self.device))
+        g_out, *g_head = torch.autograd.grad(loss * (scale * self.loss_scale),
+                                             [out, *self.params], allow_unused=True)
+        assert g_out is not None
+        overflow = self.scaler is not None and not all(
+            bool(torch.isfinite(g).all()) for g in (g_out, *g_head) if g is not None)
+        return float(loss.detach()), wire_tensor(g_out), g_head, overflow
 
     def _eval_loss(self, out: torch.Tensor, y: torch.Tensor) -> float:
         with torch.no_grad():
             out = out.to(self.device, self.dtype)
-            return float(self.head.loss(self.head(out), y.to(self.device)))
+            return float(self.parts.loss(self.parts.head(out), y.to(self.device)))
 
-    def _embed_backward(self, h: torch.Tensor, g_h: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.autograd.grad(h, list(self.embedding.parameters()),
-                                        g_h.to(self.device, h.dtype)))
+    def _embed_backward(self, h: torch.Tensor, g_h: torch.Tensor) -> list[torch.Tensor | None]:
+        return list(torch.autograd.grad(h, self.params, g_h.to(self.device, h.dtype),
+                                        allow_unused=True))
+
+    def _gradients(self, g_emb: list[torch.Tensor | None], g_head: list[torch.Tensor | None]
+                   ) -> list[torch.Tensor]:
+        """Each parameter's gradient from the embedding's and the head's backward (a tied
+        weight gets both)."""
+        return [torch.zeros_like(p) if a is None and b is None else a if b is None
+                else b if a is None else a + b for p, a, b in zip(self.params, g_emb, g_head)]
 
     # ---- the network -----------------------------------------------------------------------
     async def _forward(self, h: torch.Tensor, *, eval_only: bool

@@ -1,7 +1,7 @@
 """``swarmd train``: join a swarm as a trainer and train the model through its stages.
 
-The trainer is a libp2p peer with an identity of its own (created per run), announced in
-membership without a stage (so it is never routed to). It waits until every stage has a live
+The trainer is a libp2p peer with its home's identity, announced in membership without a stage
+(so it is never routed to); its state is checkpointed in the home and resumed on restart. It waits until every stage has a live
 peer, says which stage is missing while one is, then trains: fixed held-out batches measure
 validation loss before and after; each step sends ``microbatches`` microbatches through the
 swarm; one JSON line per step is appended to ``<home>/train-metrics.jsonl``.
@@ -16,9 +16,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
-from swarmd.errors import StageUnavailable
+from swarmd.errors import ModelMismatch, StageUnavailable
 
 #: fixed validation batches (same for every evaluation of a run)
 VAL_BATCHES = 4
@@ -27,6 +27,7 @@ VIEW_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class TrainResult:
+    #: the trainer's step at the end (counting the steps of earlier runs it resumed)
     steps: int
     initial_val_loss: float
     final_val_loss: float
@@ -36,6 +37,10 @@ class TrainResult:
     lost: int
     seconds: float
     metrics_file: str | None
+    #: the step the run resumed from (0: a fresh start)
+    resumed_from: int = 0
+    #: steps skipped because a float16 gradient overflowed
+    skipped_steps: int = 0
 
 
 async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
@@ -43,25 +48,34 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                 microbatches: int | None = None, progress: Callable[[str], None] = print,
                 bar: bool = True, until: Callable[[], bool] | None = None) -> TrainResult:
-    """Train ``steps`` steps through the swarm, or fewer: ``until`` (when given) is asked
-    after every step and ends the run early once it returns true. ``microbatches`` overrides
-    ``training.microbatches``. With ``bar``, a progress bar goes to stderr when that is a
-    terminal; otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
-    from swarmd.training.data import load_corpus
+    """Train through the swarm until the trainer's step reaches ``steps``, or fewer: ``until``
+    (when given) is asked after every step and ends the run early once it returns true.
+
+    With a ``home``, the trainer is the home's identity (created when missing) and its state
+    (``swarmd.training.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
+    and at the end; a restarted trainer resumes its step, weights, optimizer and data.
+    ``microbatches`` overrides ``training.microbatches``. With ``bar``, a progress bar goes to
+    stderr when that is a terminal; otherwise (or without a terminal) ``progress`` gets a line
+    every 5% of the run."""
+    from swarmd.training.batches import make_batches
     from transport.memory import keep_freed_memory
 
     keep_freed_memory()
-    model = config.model_config()
-    path = data_path if data_path is not None else (Path(config.data.path) if config.data.path
-                                                    else None)
-    corpus = load_corpus(path, max_bytes=config.data.max_bytes, seq_len=model.seq_len)
+    seam, tokenizer = config.model_seam()
+    seq_len = min(config.model.seq_len, seam.max_seq_len)
     plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
-                 batch=config.training.batch_size, seq=model.seq_len,
+                 batch=config.training.batch_size, seq=seq_len, home=home,
+                 every=config.checkpoint.every_steps,
                  metrics_file=home / "train-metrics.jsonl" if home is not None else None)
-    async with _joined(config, bootstrap, listen, progress) as (trainer, membership):
-        await _wait_for_stages(membership, config.swarm.stages, progress)
-        return await _run_steps(trainer, corpus, config, plan, _Progress(
-            steps, progress, bar), until)
+    batches = make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
+                           seq_len=seq_len, val_batches=VAL_BATCHES)
+    with _home_lock(home) if home is not None else contextlib.nullcontext():
+        async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m):
+            resumed = _resume(trainer, batches, home, progress)
+            await _wait_for_stages(m, config.swarm.stages, progress,
+                                   _mismatch_explainer(trainer.host, m, config))
+            return await _run_steps(trainer, batches, config, plan, _Progress(
+                max(0, steps - resumed), progress, bar), until, resumed)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,21 +85,84 @@ class _Plan:
     batch: int
     seq: int
     metrics_file: Path | None
+    home: Path | None = None
+    #: save the trainer state every this many steps (0: only at the end)
+    every: int = 0
+
+
+@contextlib.contextmanager
+def _home_lock(home: Path) -> Iterator[None]:
+    """The home's lock, held while training (the home created with an identity when it has
+    none, as ``swarmd init`` does): a trainer is its home's peer, so no daemon or other trainer
+    may run with that home meanwhile."""
+    from swarmd.errors import HomeError
+    from swarmd.node.home import KEY_FILE, init_home
+    from swarmd.node.runfiles import HomeLock
+
+    if not (home / KEY_FILE).exists():
+        init_home(home)
+    lock = HomeLock(home)
+    try:
+        lock.acquire()
+    except HomeError as exc:
+        raise HomeError(f"{exc} (a trainer is its home's peer: a trainer and a daemon each need "
+                        f"a home of their own)") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _resume(trainer: Any, batches: Any, home: Path | None,
+            progress: Callable[[str], None]) -> int:
+    """Load the trainer state saved in ``home`` into ``trainer`` and ``batches``; its step."""
+    from swarmd.training import trainer_state
+
+    state = trainer_state.load(home) if home is not None else None
+    if state is None:
+        return 0
+    trainer_state.restore(trainer, state)
+    batches.restore(state.data)
+    digest = trainer_state.params_digest(trainer.parts.state_dict())  # what was loaded
+    progress(f"resumed from step {state.step} ({trainer_state.state_path(home)}): weights "
+             f"{digest}, data {json.dumps(_plain_data(batches.state()))}")
+    return state.step
+
+
+def _plain_data(state: dict[str, Any]) -> dict[str, Any]:
+    """The data position as plain values (a generator state is shown by its size)."""
+    return {k: (f"<{v.numel()} bytes>" if hasattr(v, "numel") else v) for k, v in state.items()}
+
+
+async def _save(trainer: Any, batches: Any, home: Path | None) -> None:
+    """Save the trainer's state (between steps, so nothing changes it meanwhile)."""
+    from swarmd.training import trainer_state
+
+    if home is not None:
+        await asyncio.to_thread(
+            lambda: trainer_state.save(home, trainer_state.capture(trainer, batches.state())))
 
 
 @contextlib.asynccontextmanager
-async def _joined(config: Any, bootstrap: Sequence[str], listen: Sequence[str],
-                  progress: Callable[[str], None]) -> AsyncIterator[tuple[Any, Any]]:
-    """A host with a fresh identity, membership (announced with no stage) and a started
-    ``Trainer``; torn down in reverse."""
+async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence[str],
+                  listen: Sequence[str], progress: Callable[[str], None]
+                  ) -> AsyncIterator[tuple[Any, Any]]:
+    """A host with the home's identity (a fresh one without a home), membership (announced
+    with no stage) and a started ``Trainer``; torn down in reverse."""
     from swarmd.membership.service import LocalState, MembershipService
+    from swarmd.node.home import load_identity
     from swarmd.node.host_options import codec_spec, host_options
     from swarmd.pipeline.trainer import Trainer
+    from swarmd.training.swarm_optim import OptimSettings
     from transport import identity
     from transport.host import Host
 
     device, dtype = config.torch_placement()
-    me = identity.generate()
+    me = load_identity(home) if home is not None else identity.generate()
+    checkpoint = getattr(seam, "checkpoint", None)
+    parts = await asyncio.to_thread(  # seconds for a big model: not on the event loop
+        lambda: seam.build_trainer(seed=config.training.seed, device=device, dtype=dtype,
+                                   weights=checkpoint() if callable(checkpoint) else None))
     async with Host(me, host_options(config, listen)) as host:
         async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
             for addr in bootstrap:
@@ -94,9 +171,10 @@ async def _joined(config: Any, bootstrap: Sequence[str], listen: Sequence[str],
                 except Exception as exc:  # reported; the next address may work
                     progress(f"bootstrap {addr} failed: {exc}")
             trainer = Trainer(host, swarm=config.swarm.name, num_stages=config.swarm.stages,
-                              model_config=config.model_config(),
-                              model_hash=config.model_hash(), codec=codec_spec(config),
-                              lr=config.training.lr, seed=config.training.seed,
+                              seam=seam, parts=parts, model_hash=config.model_hash(),
+                              codec=codec_spec(config), lr=config.training.lr,
+                              seed=config.training.seed,
+                              optim=OptimSettings.from_config(config.training),
                               peers_of=m.peers_of, device=device, dtype=dtype)
             trainer.start()
             try:
@@ -105,40 +183,44 @@ async def _joined(config: Any, bootstrap: Sequence[str], listen: Sequence[str],
                 trainer.close()
 
 
-async def _run_steps(trainer: Any, corpus: Any, config: Any, plan: _Plan, shown: _Progress,
-                     until: Callable[[], bool] | None) -> TrainResult:
-    """Validation before, the steps (one metrics line each), validation after."""
-    import torch
-
-    generator = torch.Generator().manual_seed(config.training.seed)
+async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown: _Progress,
+                     until: Callable[[], bool] | None, resumed: int = 0) -> TrainResult:
+    """Validation before, the steps (one metrics line each, the state saved every
+    ``plan.every`` steps and at the end), validation after."""
     in_flight = config.training.in_flight or plan.microbatches
-    val = corpus.val_batches(plan.batch, plan.seq, VAL_BATCHES)
-    initial = await trainer.evaluate(val)
+    initial = await trainer.evaluate(batches.val)
     shown.say(f"initial validation loss {initial:.4f}")
     t0 = time.monotonic()
-    step = 0
-    with shown:
-        for step in range(1, plan.steps + 1):
-            batches = [corpus.sample_batch("train", plan.batch, plan.seq, generator)
-                       for _ in range(plan.microbatches)]
-            loss = await trainer.train_step(batches, concurrency=in_flight)
-            s = trainer.stats
-            rate = s.tokens / (time.monotonic() - t0)
-            _write_metrics(plan.metrics_file, {
-                "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
-                "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
-                "time": time.time()})  # a record's timestamp for people, not a timer
-            shown.stepped(step, loss, rate, s)
-            if until is not None and until():
-                break
-    final = await trainer.evaluate(val)
+    saved = trainer.step
+    try:
+        with shown:
+            while trainer.step < plan.steps:
+                step_batches = [batches.next() for _ in range(plan.microbatches)]
+                loss = await trainer.train_step(step_batches, concurrency=in_flight)
+                step, s = trainer.step, trainer.stats
+                rate = s.tokens / (time.monotonic() - t0)
+                _write_metrics(plan.metrics_file, {
+                    "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
+                    "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
+                    "time": time.time()})  # a record's timestamp for people, not a timer
+                shown.stepped(step - resumed, loss, rate, s)
+                if plan.every and step % plan.every == 0:
+                    await _save(trainer, batches, plan.home)
+                    saved = step
+                if until is not None and until():
+                    break
+    finally:
+        if trainer.step != saved:  # the steps done are kept, whatever ended the run
+            await _save(trainer, batches, plan.home)
+    final = await trainer.evaluate(batches.val)
     shown.say(f"final validation loss {final:.4f}")
     s = trainer.stats
     seconds = time.monotonic() - t0
-    return TrainResult(steps=step, initial_val_loss=initial, final_val_loss=final,
+    return TrainResult(steps=trainer.step, initial_val_loss=initial, final_val_loss=final,
                        tokens_per_s=s.tokens / max(1e-9, seconds), rerouted=s.rerouted,
                        restarted=s.restarted, lost=s.lost, seconds=seconds,
-                       metrics_file=str(plan.metrics_file) if plan.metrics_file else None)
+                       metrics_file=str(plan.metrics_file) if plan.metrics_file else None,
+                       resumed_from=resumed, skipped_steps=trainer.optimizer.skipped)
 
 
 def _write_metrics(path: Path | None, line: dict[str, Any]) -> None:
@@ -177,13 +259,21 @@ class _Progress:
                      f"lost {s.lost}")
 
 
-async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None]) -> None:
+async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None],
+                           explain: Callable[[], Awaitable[str | None]] | None = None) -> None:
+    """Until every stage has a live peer (saying which is missing meanwhile). A stage served
+    only by peers of another model ends the wait with :class:`ModelMismatch` naming what
+    differs (``explain``)."""
     deadline = time.monotonic() + VIEW_TIMEOUT_S
     said: int | None = None
     while True:
         missing = [s for s in range(stages) if not m.peers_of(s)]
         if not missing:
             return
+        if explain is not None:
+            reason = await explain()
+            if reason is not None:
+                raise ModelMismatch(f"{reason}; every peer of a swarm needs the same model")
         if missing[0] != said:
             progress(f"waiting for a peer of stage {missing[0]} "
                      f"({len(missing)} of {stages} stages have none yet)")
@@ -193,6 +283,23 @@ async def _wait_for_stages(m: Any, stages: int, progress: Callable[[str], None])
                                    f"{VIEW_TIMEOUT_S:.0f} s: start a daemon with "
                                    f"`swarmd join --stage {missing[0]}`")
         await asyncio.sleep(0.2)
+
+
+def _mismatch_explainer(host: Any, m: Any, config: Any) -> Callable[[], Awaitable[str | None]]:
+    """Asks each peer kept out for another model once (bounded) what its model is."""
+    from swarmd.pipeline.model_info import explain_mismatch, mismatched_peers
+
+    asked: set[str] = set()
+
+    async def explain() -> str | None:
+        peers = [p for p in mismatched_peers(m.swarm_info()) if p[0] not in asked]
+        asked.update(p for p, _ in peers[:3])
+        if not peers:
+            return None
+        return await explain_mismatch(host, config.swarm.name, config.swarm.model,
+                                      config.model_fingerprint(), peers)
+
+    return explain
 
 
 def result_json(result: TrainResult) -> dict[str, Any]:

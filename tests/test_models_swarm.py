@@ -1,0 +1,179 @@
+"""The model seam through real swarms: a tiny Llama from a save_pretrained directory trained by
+``swarmd train`` through two ``swarmd join`` daemons; a trainer of another dtype refused with a
+message naming it; a trainer killed with SIGKILL resuming its step, data and weights; bad model
+settings reported as one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon_harness import ROOT, start_swarm, stop_all, wait_until
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.integration
+
+ENV = {"SWARMD_SWARM_STAGES": "2", "SWARMD_MODEL_THREADS": "1", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_TRAINING_BATCH_SIZE": "4", "SWARMD_TRAINING_MICROBATCHES": "2",
+       "SWARMD_TRAINING_LR": "0.003", "HF_HUB_OFFLINE": "1"}
+
+
+def tiny_llama(directory: Path) -> Path:
+    """A 4-layer Llama of width 32 over the 256 bytes, saved with its (random) weights."""
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def text_data(directory: Path) -> Path:
+    directory.mkdir()
+    lines = [json.dumps({"text": f"the swarm trains model number {i % 7} with care. " * 3})
+             for i in range(400)]
+    (directory / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def swarmd_train(home: Path, env: dict[str, str], *args: str,
+                 timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json", *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+        env={**os.environ, **env})
+
+
+def test_tiny_llama_trains_through_two_daemons_with_swarmd_train(tmp_path: Path) -> None:
+    model, data = tiny_llama(tmp_path / "llama"), text_data(tmp_path / "data")
+    env = {**ENV, "SWARMD_MODEL_HF": str(model), "SWARMD_SWARM_NAME": "hf-swarm"}
+    daemons: list[Any] = []
+    try:
+        first, _ = start_swarm(tmp_path, [0, 1], env=env, into=daemons)
+        out = swarmd_train(tmp_path / "trainer", env, "--bootstrap", first.addr, "--data",
+                           str(data), "--steps", "25")
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["steps"] == 25 and result["lost"] == 0
+        assert result["final_val_loss"] < 0.9 * result["initial_val_loss"]
+        assert (tmp_path / "trainer" / "trainer" / "state.pt").is_file()
+        # both daemons served the Llama's stages and stepped
+        for d in daemons:
+            counters = d.get("/api/v0/status")["counters"]
+            assert counters["stage.backward"] > 0 and counters["stage.optimizer_steps"] > 0
+    finally:
+        stop_all(daemons)
+
+
+def test_a_trainer_of_another_dtype_is_refused_naming_the_dtype(tmp_path: Path) -> None:
+    env = {**ENV, "SWARMD_SWARM_NAME": "dtype-swarm", "SWARMD_MODEL_WIDTH": "32",
+           "SWARMD_MODEL_LAYERS": "2", "SWARMD_MODEL_HEADS": "2"}
+    daemons: list[Any] = []
+    try:
+        first, _ = start_swarm(tmp_path, [0, 1], env=env, into=daemons)
+        out = swarmd_train(tmp_path / "trainer", {**env, "SWARMD_MODEL_DTYPE": "bfloat16"},
+                           "--bootstrap", first.addr, "--steps", "3", timeout=200)
+        assert out.returncode != 0
+        errors = [line for line in out.stderr.splitlines() if line.startswith("swarmd: error:")]
+        assert len(errors) == 1, out.stderr[-3000:]
+        assert "dtype: 'bfloat16' here vs 'float32' there" in errors[0]
+        assert "Traceback" not in out.stderr
+        # the daemons are unharmed and still serve
+        for d in daemons:
+            assert d.proc.poll() is None and d.get("/api/v0/status")["state"] == "online"
+    finally:
+        stop_all(daemons)
+
+
+def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(tmp_path: Path) -> None:
+    from swarmd.training import trainer_state
+
+    data = text_data(tmp_path / "data")
+    env = {**ENV, "SWARMD_SWARM_NAME": "resume-swarm", "SWARMD_MODEL_WIDTH": "32",
+           "SWARMD_MODEL_LAYERS": "2", "SWARMD_MODEL_HEADS": "2",
+           "SWARMD_CHECKPOINT_EVERY_STEPS": "1",
+           # a model.factory end to end (the built-in GPT's seam, named as a user's would be),
+           # in bfloat16: the float32 masters are part of the trainer's state
+           "SWARMD_MODEL_FACTORY": "swarmd.models.builtin:BuiltinGPT",
+           "SWARMD_MODEL_DTYPE": "bfloat16"}
+    home = tmp_path / "trainer"
+    daemons: list[Any] = []
+    try:
+        first, _ = start_swarm(tmp_path, [0, 1], env=env, into=daemons)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json",
+             "--bootstrap", first.addr, "--data", str(data), "--steps", "10000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, **env})
+        try:
+            wait_until(lambda: (trainer_state.load(home) or _NoState).step >= 3, 240,
+                       "the trainer saved its state at step 3")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        saved = trainer_state.load(home)
+        assert saved is not None and saved.step >= 3
+        assert saved.data["kind"] == "stream" and saved.data["position"]["record"] > 0
+        assert saved.masters is not None and all(m.dtype.is_floating_point and
+                                                 m.element_size() == 4 for m in saved.masters)
+        digest = trainer_state.params_digest(saved.params)
+
+        out = swarmd_train(home, env, "--bootstrap", first.addr, "--data", str(data),
+                           "--steps", str(saved.step + 2), timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        resumed = [line for line in out.stdout.splitlines() + out.stderr.splitlines()
+                   if line.startswith(f"resumed from step {saved.step} ")]
+        assert resumed, out.stderr[-3000:]
+        assert f"weights {digest}" in resumed[0]
+        assert json.dumps(saved.data["position"]) in resumed[0]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["steps"] == saved.step + 2 and result["resumed_from"] == saved.step
+        after = trainer_state.load(home)
+        assert after is not None and after.step == saved.step + 2
+        assert after.data["position"] != saved.data["position"]  # the data went on from there
+        steps = [json.loads(line)["step"]
+                 for line in (home / "train-metrics.jsonl").read_text().splitlines()]
+        assert steps[-2:] == [saved.step + 1, saved.step + 2]  # not from 1 again
+    finally:
+        stop_all(daemons)
+
+
+class _NoState:
+    step = -1
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"SWARMD_MODEL_HF": "/nonexistent/model"},
+     "/nonexistent/model/config.json: cannot read the model config"),
+    ({"SWARMD_MODEL_FACTORY": "no_such_module:build"},
+     'model.factory = "no_such_module:build": cannot import no_such_module'),
+    ({"SWARMD_MODEL_FACTORY": "json:dumps"}, 'model.factory = "json:dumps" failed: TypeError'),
+    ({"SWARMD_MODEL_FACTORY": "builtins:repr"}, "returned str, not a swarmd.models.seam.ModelSeam"),
+])
+def test_bad_model_settings_reach_the_user_as_one_line(tmp_path: Path, env: dict[str, str],
+                                                       expected: str) -> None:
+    for command in (["train", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/"
+                     "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--steps", "1"],
+                    ["join", "--stage", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]):
+        home = tmp_path / command[0]
+        subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(home)],
+                       check=True, capture_output=True, cwd=ROOT)
+        out = subprocess.run([sys.executable, "-m", "swarmd", command[0], "--home", str(home),
+                              *command[1:]], capture_output=True, text=True, cwd=ROOT,
+                             timeout=120, env={**os.environ, **ENV, **env})
+        assert out.returncode != 0
+        lines = out.stderr.strip().splitlines()
+        assert lines and lines[-1].startswith("swarmd: error: ") and expected in lines[-1], \
+            out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
