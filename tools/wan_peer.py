@@ -21,7 +21,9 @@ import argparse
 import asyncio
 import hashlib
 import json
+import queue
 import sys
+import threading
 import time
 from typing import Any
 
@@ -159,6 +161,78 @@ async def state_fetch(args: argparse.Namespace) -> None:
         say({"links": links_for(host).status()})
 
 
+class LabPeer:
+    """The driving side: ``LabPeer(lab, "s0", "allreduce", "--mb", "100")`` starts this module
+    in lab host ``s0``; ``hello`` is its first line; ``give(peers)`` sends the peers line;
+    ``line(seconds)`` reads the next JSON line (bounded); ``close()`` ends it."""
+
+    def __init__(self, lab: Any, host: str, cmd: str, *args: str, stderr: Any = None) -> None:
+        import os
+        import subprocess
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parents[1]
+        self.host = host
+        self.proc = lab.run(host, [sys.executable, "-m", "tools.wan_peer", cmd, "--listen",
+                                   f"/ip4/{lab.addr(host)}/tcp/0", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            stderr=stderr, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+        self.hello: dict[str, Any] = {}
+        # a thread reads whole lines: select() on a buffered pipe misses lines already read
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for text in self.proc.stdout:
+            self._lines.put(text)
+        self._lines.put("")
+
+    def line(self, seconds: float) -> dict[str, Any]:
+        try:
+            text = self._lines.get(timeout=seconds)
+        except queue.Empty:
+            raise TimeoutError(f"no line from wan_peer in {self.host} within {seconds} s")
+        if not text:
+            self._lines.put("")
+            raise RuntimeError(f"wan_peer in {self.host} exited with {self.proc.poll()}")
+        return json.loads(text)
+
+    def started(self, seconds: float = 60.0) -> dict[str, Any]:
+        self.hello = self.line(seconds)
+        return self.hello
+
+    def give(self, peers: dict[str, list[str]]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"peers": peers}) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self, seconds: float = 10.0) -> None:
+        import subprocess
+
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_group(lab: Any, hosts: list[str], cmd: str, *args: str,
+                stderr: Any = None) -> list[LabPeer]:
+    """One peer per host, started and told the whole group."""
+    peers = [LabPeer(lab, h, cmd, *args, stderr=stderr) for h in hosts]
+    group = {p.started()["peer_id"]: p.hello["addrs"] for p in peers}
+    for p in peers:
+        p.give(group)
+    return peers
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvloop
 
@@ -173,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linger", type=float, default=60.0)
     parser.add_argument("--deadline", type=float, default=900.0)
     args = parser.parse_args(argv)
+    import libp2p  # noqa: F401  (it resets logging when first imported)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {args.cmd} %(name)s %(levelname)s %(message)s")
+    logging.getLogger("libp2p").setLevel(logging.WARNING)
     run = {"allreduce": allreduce, "state-serve": state_serve, "state-fetch": state_fetch}
     uvloop.run(asyncio.wait_for(run[args.cmd](args), args.deadline))
     return 0

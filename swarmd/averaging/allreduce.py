@@ -84,6 +84,10 @@ _FAILURES = (TransportError, BadPeerMessage, TimeoutError)
 #: added to every derived round deadline: members are told to start and join at slightly
 #: different times (stage_sync asks within 3 s, a dial takes about 1 s)
 ROUND_START_S = 10.0
+#: what may be queued ahead of a stream open on a busy link (one TCP send buffer), and the
+#: longest an open may take
+OPEN_QUEUE_BYTES = 4 << 20
+OPEN_CAP_S = 60.0
 
 
 def protocol_id(swarm: str) -> str:
@@ -120,7 +124,8 @@ class Averager:
         self.counters = Counters()
         self._rounds = RoundTable(self.options, self.counters)
         self._pool = StreamPool(host, protocol, self.counters,
-                                dial_timeout_s=self.options.dial_timeout_s)
+                                dial_timeout_s=self.options.dial_timeout_s,
+                                open_timeout=self.open_timeout)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Averager:
@@ -203,6 +208,12 @@ class Averager:
         self.counters.add("peers_missing", len(result.missing))
         self.counters.add("repaired_parts", len(result.repaired_parts))
         return result
+
+    def open_timeout(self, peer: str) -> float:
+        """A dial or stream open to ``peer``: its frames may wait behind a full send buffer
+        of units (``OPEN_QUEUE_BYTES``) on that link, plus ``dial_timeout_s``."""
+        return self.links.deadline(peer, OPEN_QUEUE_BYTES, round_trips=2,
+                                   extra_s=self.options.dial_timeout_s, cap_s=OPEN_CAP_S)
 
     def round_deadline(self, transfers: Sequence[Transfer], *,
                        cap_s: float | None = None) -> float:
