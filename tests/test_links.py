@@ -147,3 +147,44 @@ def test_the_status_shows_each_peer_and_its_derived_deadlines_under_the_caps() -
     assert deadlines["state_chunk"] == pytest.approx(links.deadline("p", 16 << 20))
     assert status["policy"]["floor_s"] == 5.0 and set(status["typical_bytes"]) == {
         "hop", "round", "state_chunk"}
+
+
+# ---- the router's hop deadline follows the link and what the peer held before ----
+
+def test_a_hop_deadline_is_the_cap_until_a_peer_answered_then_follows_its_link() -> None:
+    import asyncio
+    import random
+
+    import torch
+
+    from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
+    from transport.frames import Message
+
+    timeouts: list[float] = []
+    now = [0.0]
+
+    class Host:
+        async def connect(self, peer: str, addrs: object, *, timeout: float) -> None:
+            pass
+
+        async def request(self, peer: str, protocol: str, message: Message, *, codec: object,
+                          timeout: float) -> Message:
+            timeouts.append(timeout)
+            now[0] += 0.3  # a 0.3 s round trip, 0.2 s of it held by the peer
+            return Message(kind="ok", meta={"service_s": 0.01, "held_s": 0.2})
+
+    message = Message(kind="forward", meta={}, tensors=(torch.zeros(64, 1024),))
+    links = LinkEstimates()
+    router = Router(Host(), stage=1, protocol="/p", codec=None, rng=random.Random(0),
+                    peers_of=lambda s: {"p": (1.0, 0, ())}, links=links,
+                    clock=lambda: now[0])
+
+    async def two() -> None:
+        for _ in range(2):
+            await router.send(message, timeout=1000.0)
+
+    asyncio.run(two())
+    assert timeouts[0] == pytest.approx(HOP_TIMEOUT_S)  # nothing known of that peer yet
+    assert links.link("p").bandwidth is not None or links.link("p").rtt_s is not None
+    assert links.policy.floor_s <= timeouts[1] < HOP_TIMEOUT_S / 2
+    assert timeouts[1] == pytest.approx(router.hop_timeout("p", 64 * 1024 * 4))
