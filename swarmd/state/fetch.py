@@ -104,8 +104,10 @@ class _Fetch:
                  links: LinkEstimates) -> None:
         self.host = host
         self.links = links
-        #: chunk requests on the wire now (they share the source's link)
-        self.in_flight = 0
+        #: this download from its source: when it began, and the bytes received since (the
+        #: link's rate is what arrives over time, whatever order the source answers in)
+        self.download_t0 = 0.0
+        self.download_bytes = 0
         self.protocol = protocol
         self.stage = stage
         self.model_hash = model_hash
@@ -215,6 +217,7 @@ class _Fetch:
 
     async def _download(self, info: StateInfo, plan: Plan) -> _SourceFailed | None:
         todo = deque(plan.missing())
+        self.download_t0, self.download_bytes = time.monotonic(), 0
         try:
             async with asyncio.TaskGroup() as tg:
                 for _ in range(min(self.parallel, len(todo))):
@@ -253,13 +256,11 @@ class _Fetch:
 
     async def _request_chunk(self, info: StateInfo, index: int, nbytes: int) -> Message:
         """Chunk ``index`` of ``info`` by its derived deadline; the link's estimates learn
-        from it (the bytes of every chunk in flight meanwhile, over the time it took)."""
-        # the chunks in flight share the link: this one waits on all of them
+        from it (the bytes this download received over the time since it began)."""
+        # the chunks in flight share the link: this one may wait on all of them
         sharing = max(1, min(self.parallel, info.chunks))
         timeout = self.links.deadline(info.peer, nbytes * sharing,
                                       cap_s=self.request_timeout_s)
-        self.in_flight += 1
-        t0 = time.monotonic()
         try:
             reply = await self.host.request(
                 info.peer, self.protocol,
@@ -273,11 +274,9 @@ class _Fetch:
         except (PeerUnavailable, PeerProtocolError) as exc:
             raise _SourceFailed(info.peer, f"{type(exc).__name__}: {exc} (deadline "
                                            f"{timeout:.3g} s)") from None
-        finally:
-            in_flight = self.in_flight
-            self.in_flight -= 1
         now = time.monotonic()
-        self.links.observe_transfer(info.peer, nbytes * in_flight, now - t0, now)
+        self.download_bytes += nbytes
+        self.links.observe_transfer(info.peer, self.download_bytes, now - self.download_t0, now)
         return reply
 
     @staticmethod
