@@ -23,9 +23,15 @@ sys.path.insert(0, str(ROOT))
 from tools.wan_peer import LabPeer, start_group  # noqa: E402
 from tools.wanlab import HostSpec, Link  # noqa: E402
 
-pytestmark = pytest.mark.integration
-slow = pytest.mark.skipif(os.environ.get("SWARMD_SLOW_TESTS") != "1",
-                          reason="slow WAN lab test: set SWARMD_SLOW_TESTS=1")
+#: a lab test's processes start in ~20 s on a loaded machine, then move 100-200 MB
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def slow(test):
+    """Longer than the suite's budget: run with SWARMD_SLOW_TESTS=1."""
+    return pytest.mark.slow(pytest.mark.skipif(
+        os.environ.get("SWARMD_SLOW_TESTS") != "1",
+        reason="slow WAN lab test: set SWARMD_SLOW_TESTS=1")(test))
 
 #: 50 Mbit/s both ways, 12.5 ms one way per link (25 ms host to host)
 LINK_50 = Link(delay_ms=12.5, down_mbit=50, up_mbit=50)

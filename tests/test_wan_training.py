@@ -27,12 +27,15 @@ from swarmd.local.demo import DEMO_ENV  # noqa: E402
 from tools.wanlab import HostSpec, Link  # noqa: E402
 from tools.wanlab import daemons  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(
     os.environ.get("SWARMD_SLOW_TESTS") != "1",
     reason="slow WAN lab test: set SWARMD_SLOW_TESTS=1")]
 
 FAR = Link(delay_ms=25, down_mbit=100, up_mbit=100)  # 50 ms host to host
-STEPS = 12
+STEPS = 40
+#: the fault comes once the trainer has done this many steps
+FAULT_AT_STEP = 5
 
 
 def _env() -> dict[str, str]:
@@ -64,7 +67,12 @@ def _train_with_fault(wanlab: Any, tmp_path: Path, fault: Callable[[Any, Any], N
 
         trainer = threading.Thread(target=train)
         trainer.start()
-        time.sleep(20.0)  # a fault once training is under way (start-up takes ~10 s)
+        metrics = tmp_path / "tr" / "train-metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while trainer.is_alive() and time.monotonic() < deadline and not (
+                metrics.exists() and len(metrics.read_text().splitlines()) >= FAULT_AT_STEP):
+            time.sleep(0.2)
+        assert trainer.is_alive(), "training ended before the fault"
         fault(lab, victim)
         trainer.join(620)
         assert result, "the trainer did not report"
