@@ -76,6 +76,9 @@ def _train_with_fault(wanlab: Any, tmp_path: Path, fault: Callable[[Any, Any], N
         fault(lab, victim)
         trainer.join(620)
         assert result, "the trainer did not report"
+        # stage 0's router: what it judged of the stage-1 peers (the trainer sees only stage 0)
+        result["stage0"] = {k: v for k, v in s0.get("/api/v0/status")["counters"].items()
+                            if k.startswith("stage.") and ("hop_" in k or "rerouted" in k)}
         return result
     finally:
         daemons.stop_all(started)
@@ -87,7 +90,7 @@ def test_a_stage_peer_killed_on_far_loses_no_microbatch(wanlab, tmp_path: Path) 
 
     result = _train_with_fault(wanlab, tmp_path, kill)
     print("SIGKILL on far:", {k: result.get(k) for k in ("steps", "lost", "rerouted",
-                                                         "restarted", "seconds")})
+                                                         "restarted", "seconds", "stage0")})
     assert result["steps"] == STEPS and result["lost"] == 0
 
 
@@ -98,5 +101,8 @@ def test_a_stage_peer_whose_link_stalls_for_20_s_is_routed_around(wanlab,
 
     result = _train_with_fault(wanlab, tmp_path, stall)
     print("20 s stall:", {k: result.get(k) for k in ("steps", "lost", "rerouted", "restarted",
-                                                     "seconds")})
+                                                     "seconds", "stage0")})
     assert result["steps"] == STEPS and result["lost"] == 0
+    # the stalled peer missed its derived hop deadline and stage 0 sent elsewhere
+    assert result["stage0"].get("stage.hop_slow", 0) >= 1
+    assert result["stage0"].get("stage.rerouted", 0) >= 1

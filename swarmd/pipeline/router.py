@@ -23,7 +23,8 @@ Every attempt is bounded: at most ``MAX_ATTEMPTS`` tries within the caller's dea
 (every peer paused or banned) never past it. One try's deadline follows the link
 (``swarmd.links``): the bytes sent over the measured bandwidth, two round trips, plus what the
 peer held the last requests (its compute and the chain after it, ``HopReply.held_s``) with
-slack, at least the policy's floor and at most ``HOP_TIMEOUT_S`` (all of it while that peer's
+slack, plus ``DOWNSTREAM_RETRY_S`` (a later stage may time out on one peer and retry another
+first), at least the policy's floor and at most ``HOP_TIMEOUT_S`` (all of it while that peer's
 hop time is unknown). Each ``ok`` feeds the shared estimates: the round trip less the time
 held is the transfer. Only addresses from the peer's signed membership
 announcement (``peers_of``) are dialed.
@@ -58,6 +59,9 @@ log = logging.getLogger("swarmd.pipeline.router")
 HOP_TIMEOUT_S = 60.0
 #: a peer's held time (its compute and the chain after it) counts this many times over
 HELD_SLACK = 3.0
+#: added to a measured hop's deadline: room for a stage after that peer to give up on one of
+#: its peers by its own deadline (at least the floor) and try another, before we give up
+DOWNSTREAM_RETRY_S = 10.0
 #: tries of one send, over all peers
 MAX_ATTEMPTS = 16
 #: without ``wait``, how long a send may wait for a paused (busy) peer to come back
@@ -131,7 +135,8 @@ class Router:
         held = self._held.get(target)
         if held is None:
             return HOP_TIMEOUT_S
-        return self.links.deadline(target, nbytes, round_trips=2, extra_s=HELD_SLACK * held,
+        return self.links.deadline(target, nbytes, round_trips=2,
+                                   extra_s=HELD_SLACK * held + DOWNSTREAM_RETRY_S,
                                    cap_s=HOP_TIMEOUT_S)
 
     def _observed(self, target: str, nbytes: int, round_trip: float, reply: HopReply) -> None:
