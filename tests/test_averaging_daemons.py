@@ -32,6 +32,12 @@ def _train(first: DaemonProcess, steps: int) -> Any:
               bar=False), 280))
 
 
+def _stage(d: DaemonProcess) -> dict[str, Any]:
+    """``GET /api/v0/stage``, asked again while the daemon answers 503 (its digest is computed
+    between two compute tasks, which can take a while on a loaded machine)."""
+    return wait_until(lambda: d.get("/api/v0/stage", timeout=15), 60, "the stage info")
+
+
 def _agree(peers: list[DaemonProcess], what: str) -> dict[str, Any]:
     """Wait until every peer is at the same step with the same weights; return one's info."""
     def same() -> dict[str, Any] | None:
@@ -110,20 +116,20 @@ def test_a_restarted_peer_resumes_from_its_peers_or_checkpoint(daemons: Any,
     b2 = DaemonProcess(tmp_path / "peer2", "--stage", "1", "--bootstrap", d0.addr, env=ENV)
     try:
         b2.wait_started()
-        info = b2.get("/api/v0/stage")
+        info = _stage(b2)
         assert info["state_from"] == "peers" and info["step"] == before["step"]
-        assert info["params_digest"] == a.get("/api/v0/stage")["params_digest"]
+        assert info["params_digest"] == _stage(a)["params_digest"]
     finally:
         b2.stop()
     # stage 0 has one peer: stopped gracefully it saves a checkpoint and resumes from it
-    step0 = d0.get("/api/v0/stage")["step"]
-    digest0 = d0.get("/api/v0/stage")["params_digest"]
+    step0 = _stage(d0)["step"]
+    digest0 = _stage(d0)["params_digest"]
     assert step0 >= 4
     d0.stop()
     again = DaemonProcess(tmp_path / "peer0", "--stage", "0", env=ENV)
     try:
         again.wait_started()
-        info = again.get("/api/v0/stage")
+        info = _stage(again)
         assert info["state_from"] == "checkpoint"
         assert (info["step"], info["params_digest"]) == (step0, digest0)
     finally:
@@ -137,7 +143,7 @@ def test_a_restarted_peer_resumes_from_its_peers_or_checkpoint(daemons: Any,
     third = DaemonProcess(tmp_path / "peer0", "--stage", "0", env=ENV)
     try:
         third.wait_started()
-        assert third.get("/api/v0/stage")["state_from"] == "initial"
+        assert _stage(third)["state_from"] == "initial"
         assert list((tmp_path / "peer0" / "checkpoints").glob("stage-0.swst.corrupt-*"))
     finally:
         third.stop()
