@@ -430,6 +430,10 @@ def _tensor_specs(raw: Any, available: int) -> list[tuple[torch.dtype, tuple[int
                 and all(_is_int(d) and d >= 0 for d in shape)):
             raise BadStageState(f"stage state tensor {i} has an invalid shape")
         dtype = DTYPES[name]
+        if math.prod(d for d in shape if d) * dtype.itemsize > MAX_STATE_BYTES:
+            # an empty tensor (a 0 among the dims) still gets strides from the other dims
+            raise BadStageState(f"stage state tensor {i} has an impossible shape "
+                                f"{shape[:MAX_DIMS]}")
         size = math.prod(shape) * dtype.itemsize  # exact: Python integers
         total += size
         if total > available:
