@@ -36,9 +36,7 @@ from swarmd.protocols import Protocols
 
 log = logging.getLogger("swarmd.keeper")
 
-#: a whole download at most: each request has its own deadline derived from the link
-#: (swarmd.state.fetch), so a dead or slow source is left long before this
-FETCH_TIMEOUT_S = 3600.0
+FETCH_TIMEOUT_S = 120.0
 MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
