@@ -251,7 +251,7 @@ sys.path.insert(0, {root!r})
 from tools.wanlab import WanLab, HostSpec
 with WanLab(hosts=[HostSpec(name="a")]) as lab:
     print(" ".join(lab.ns.values()), flush=True)
-    time.sleep(60)
+    time.sleep(60)  # holds the lab open until the test kills this process (not a wait)
 """
 
 
