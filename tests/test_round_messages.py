@@ -302,3 +302,50 @@ def test_a_refused_or_failed_report_is_sent_once_per_backward_and_a_dead_leader_
     asked, sync = asyncio.run(scenario(PeerUnavailable("gone")))
     assert asked == 1 and sync.counters["mates_unreachable"] == 1
     assert "a" in sync.trigger.suspects  # and this peer leads now (alone: it steps locally)
+
+
+def test_no_round_is_led_or_joined_while_held_and_the_held_one_is_waited_out() -> None:
+    """A catch-up holds the rounds: the round in progress finishes first, a start or a
+    prepare meanwhile is told the peer is busy, and the round due is led once it is let go."""
+    sync, _ = make_sync({"z": ()}, me="a")  # this peer leads
+    follower, _ = make_sync({"a": ()}, me="m")
+    gate = asyncio.Event()
+    led: list[str] = []
+
+    async def slow_round() -> None:
+        await gate.wait()
+
+    async def lead(mates: Any) -> None:
+        led.append("led")
+
+    sync._lead = lead  # type: ignore[method-assign]
+
+    async def scenario() -> list[Any]:
+        sync._round = asyncio.ensure_future(slow_round())
+        entered: list[bool] = []
+
+        async def catch_up() -> None:
+            async with sync.held():
+                entered.append(sync._rounding)
+                sync.trigger.report("z", 0, 8)
+                sync.progressed(8)  # due now, but held
+                prepared = await sync._serve(Message(kind="prepare", meta={
+                    "stage": 1, "step": 0}), "z")
+                entered.append(prepared.meta["free"])
+                entered.append(list(led))
+            async with follower.held():  # a follower held refuses its leader's start
+                entered.append(await _serve(follower, "start", start_meta(["a", "m"]), "a"))
+
+        task = asyncio.ensure_future(catch_up())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert entered == []  # still waiting out the round in progress
+        gate.set()
+        await task
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await sync.close()
+        await follower.close()
+        return [*entered, list(led)]
+
+    assert asyncio.run(scenario()) == [False, False, [], "round_refused", ["led"]]

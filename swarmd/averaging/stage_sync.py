@@ -26,12 +26,13 @@ gradients and does not step: the peers that did step are ahead, and this one cat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import torch
 
@@ -100,6 +101,9 @@ class StageSync:
         #: bytes per second this peer moved in its last rounds (EMA); sizes its part
         self.bandwidth: float | None = None
         self._reporting: asyncio.Task[None] | None = None
+        #: ``held()`` contexts open: no round starts or is joined while any is
+        self._holds = 0
+        self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -113,12 +117,34 @@ class StageSync:
 
     @property
     def busy(self) -> bool:
+        """In a round, or held: no new round now."""
+        return self._holds > 0 or self._rounding
+
+    @property
+    def _rounding(self) -> bool:
         return self._round is not None and not self._round.done()
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """No round runs inside: waits out the one in progress and keeps new ones (led or
+        joined) out until the context exits. A state taken over (a catch-up) must not meet a
+        round's step half way."""
+        self._holds += 1
+        try:
+            while self._rounding:
+                assert self._round is not None
+                await asyncio.wait({self._round})
+            yield
+        finally:
+            self._holds -= 1
+            if not self._holds:
+                self._consider()
 
     def start(self) -> None:
         self.host.set_request_handler(self.protocol, self._serve)
 
     async def close(self) -> None:
+        self._closed = True
         self.host.remove_handler(self.protocol)
         tasks = [t for t in (self._round, self._reporting, *self._tasks) if t is not None]
         for task in tasks:
@@ -133,7 +159,7 @@ class StageSync:
         self._consider()
 
     def _consider(self) -> None:
-        if self.busy:
+        if self.busy or self._closed:
             return
         mates = self.mates()
         self.trigger.forget(mates)

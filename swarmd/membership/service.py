@@ -334,6 +334,10 @@ class MembershipService:
         return {a.peer_id: (a.throughput, a.queue, a.addrs)
                 for a in self._others_of(stage, {None})}
 
+    def steps_of(self, stage: int) -> dict[str, int]:
+        """The step each routable other peer of ``stage`` last announced."""
+        return {a.peer_id: a.step for a in self._others_of(stage, {None})}
+
     def state_sources(self, stage: int) -> list[tuple[str, tuple[str, ...]]]:
         """Peers to ask for ``stage``'s state: online peers of the stage with our model, even
         ones whose next announcement is overdue (a fresh view is often a little stale, and

@@ -272,7 +272,8 @@ class Daemon:
         keeper = StageKeeper(
             self.host, server, swarm=c.swarm.name, home=self.options.home,
             model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,
-            sources=lambda: self.membership.state_sources(stage))
+            sources=lambda: self.membership.state_sources(stage),
+            announced_steps=lambda: self.membership.steps_of(stage))
         server.on_step(lambda: self._spawn(keeper.stepped()))
         # a peer that moved keeps its measured speed: announcing 0 would make the others see
         # its new stage as still short of peers and follow it

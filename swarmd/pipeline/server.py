@@ -166,6 +166,10 @@ class StageServer:
         backward (``stepping.Gate``)."""
         return await self.gate.when_drained(fn, *args)
 
+    def rounds_held(self) -> Any:
+        """An async context in which no averaging round runs (``StageSync.held``)."""
+        return self.sync.held()
+
     async def run_exclusive(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` in the compute thread, between two steps (to read the state)."""
         return await self.compute.run(fn, *args)

@@ -43,6 +43,8 @@ CATCH_UP_GAP_S = 2.0
 #: how long a peer that expects mates waits for its view to name one, and how often it looks
 MATES_WAIT_S = 5.0
 MATES_POLL_S = 0.2
+#: how often a serving peer compares its step with the steps its mates announce
+WATCH_S = 2.0
 
 
 def state_protocol(swarm: str) -> str:
@@ -59,7 +61,8 @@ class StageKeeper:
                  model_hash: str, every_steps: int,
                  sources: Callable[[], list[tuple[str, tuple[str, ...]]]],
                  mates_expected: Callable[[], bool] | None = None,
-                 mates_wait_s: float = MATES_WAIT_S) -> None:
+                 mates_wait_s: float = MATES_WAIT_S,
+                 announced_steps: Callable[[], dict[str, int]] | None = None) -> None:
         self.host = host
         self.server = server
         self.stage = server.stage
@@ -69,6 +72,8 @@ class StageKeeper:
         self.sources = sources
         self.mates_expected = mates_expected
         self.mates_wait_s = mates_wait_s
+        self.announced_steps = announced_steps
+        self._watching: asyncio.Task[None] | None = None
         self.protocol = state_protocol(swarm)
         self._counts: dict[str, int] = {}
         self._served: dict[str, int] = {}
@@ -120,6 +125,8 @@ class StageKeeper:
         log.info("stage %d: state from %s (step %d)", self.stage, origin, self.server.step)
         self._ready = True
         self._serving.start()
+        if self.announced_steps is not None:
+            self._watching = asyncio.create_task(self._watch(self.announced_steps))
         return origin
 
     async def _wait_for_sources(self, *, expected: bool) -> list[tuple[str, tuple[str, ...]]]:
@@ -201,6 +208,17 @@ class StageKeeper:
         self._last_catch_up = time.monotonic()
         self._catching_up = asyncio.create_task(self._catch_up(peer))
 
+    async def _watch(self, announced: Callable[[], dict[str, int]]) -> None:
+        """Every ``WATCH_S``: a mate whose announcement shows a later step than ours means we
+        are behind, even when no round tells us so (training paused, or no mate leads)."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            steps = announced()
+            if steps:
+                peer = max(steps, key=lambda p: steps[p])
+                if steps[peer] > self.server.step:
+                    self.behind(peer, steps[peer])
+
     async def _catch_up(self, peer: str) -> None:
         peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
         try:
@@ -210,12 +228,18 @@ class StageKeeper:
             return
         if state is None:
             return
-        try:
-            await self.server.when_drained(self._restore, state)
-        except StateMismatch as exc:
-            log.error("stage %d: the downloaded state does not fit: %s", self.stage, exc)
-            return
-        self.server.took_state(state.step)
+        async with self.server.rounds_held():  # a round must not step beside the restore
+            if state.step <= self.server.step:  # our rounds went on meanwhile: keep ours
+                self._count("catch_up_stale")
+                log.info("stage %d: the downloaded state (step %d) is no newer than ours "
+                         "(%d) by now: kept ours", self.stage, state.step, self.server.step)
+                return
+            try:
+                await self.server.when_drained(self._restore, state)
+            except StateMismatch as exc:
+                log.error("stage %d: the downloaded state does not fit: %s", self.stage, exc)
+                return
+            self.server.took_state(state.step)
         self._count("caught_up")
         log.info("stage %d: caught up to step %d", self.stage, state.step)
 
@@ -249,10 +273,12 @@ class StageKeeper:
 
     async def close(self) -> None:
         self._serving.close()
-        if self._catching_up is not None:
-            self._catching_up.cancel()
+        for task in (self._watching, self._catching_up):
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._catching_up
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
         await self.save()  # on shutdown: never lose more than this
