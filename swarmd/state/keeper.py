@@ -43,6 +43,9 @@ CATCH_UP_GAP_S = 2.0
 #: how long a peer that expects mates waits for its view to name one, and how often it looks
 MATES_WAIT_S = 5.0
 MATES_POLL_S = 0.2
+#: downloads tried before serving, and the pause between two
+LOAD_ATTEMPTS = 3
+LOAD_RETRY_S = 1.0
 #: how often a serving peer compares its step with the steps its mates announce
 WATCH_S = 2.0
 
@@ -104,17 +107,7 @@ class StageKeeper:
         peers = await self._wait_for_sources(expected=local is not None)
         log.info("stage %d: checkpoint %s, %d live peer(s) of the stage to ask", self.stage,
                  f"at step {local.step}" if local else "none", len(peers))
-        fetched: StageState | None = None
-        if peers:
-            try:
-                fetched = await self._fetch(peers, newer_than=local.step if local else None)
-            except (StateTransferFailed, TransportError) as exc:
-                # e.g. every peer of the stage is itself still syncing: start from what we
-                # have; the first round with a peer that is ahead makes us catch up
-                log.warning("stage %d: could not download the state from peers (%s); "
-                            "starting from %s", self.stage, exc,
-                            "the checkpoint" if local else "the initial weights")
-                self._count("state_downloads_failed")
+        fetched = await self._download(peers, local) if peers else None
         state, origin = (fetched, "peers") if fetched is not None else (
             (local, "checkpoint") if local is not None else (None, "initial"))
         if state is not None:
@@ -128,6 +121,35 @@ class StageKeeper:
         if self.announced_steps is not None:
             self._watching = asyncio.create_task(self._watch(self.announced_steps))
         return origin
+
+    async def _download(self, peers: list[tuple[str, tuple[str, ...]]],
+                        local: StageState | None) -> StageState | None:
+        """The state from ``peers`` if newer than ``local``: asked up to ``LOAD_ATTEMPTS``
+        times; None when it cannot be had (start from ``local`` or the initial weights)."""
+        for attempt in range(LOAD_ATTEMPTS):
+            lies = self._lies()
+            try:
+                return await self._fetch(peers, newer_than=local.step if local else None)
+            except (StateTransferFailed, TransportError) as exc:
+                # e.g. every peer of the stage is itself still syncing, or answering slowly:
+                # ask again, then start from what we have; a mate's later announced step
+                # makes us catch up
+                self._count("state_downloads_failed")
+                # asking again helps a slow or busy source, not one that sent bad data
+                last = attempt == LOAD_ATTEMPTS - 1 or self._lies() > lies
+                log.warning("stage %d: could not download the state from peers (%s); %s",
+                            self.stage, exc, ("starting from the checkpoint" if local else
+                                              "starting from the initial weights") if last
+                            else "asking again")
+                if last:
+                    return None
+                await asyncio.sleep(LOAD_RETRY_S)
+                peers = self.sources() or peers
+        return None
+
+    def _lies(self) -> int:
+        """Replies so far that were malformed or held NaN/Inf."""
+        return self._counts.get("bad_replies", 0) + self._counts.get("non_finite_states", 0)
 
     async def _wait_for_sources(self, *, expected: bool) -> list[tuple[str, tuple[str, ...]]]:
         """``sources()``; when mates are expected (a checkpoint says this peer served the
