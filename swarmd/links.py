@@ -15,10 +15,28 @@ is not cut short. Time is a parameter (``now``); the table of peers is bounded.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-__all__ = ["DeadlinePolicy", "LinkEstimates", "Link"]
+__all__ = ["DeadlinePolicy", "LinkEstimates", "Link", "Transfer", "links_for",
+           "TYPICAL_HOP_BYTES", "TYPICAL_ROUND_BYTES", "TYPICAL_CHUNK_BYTES"]
+
+#: the sizes the status shows derived deadlines for: a hop's activations, what a round
+#: exchanges with one peer, a state download's chunks in flight (4 of 4 MiB)
+TYPICAL_HOP_BYTES = 1 << 20
+TYPICAL_ROUND_BYTES = 64 << 20
+TYPICAL_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What one call (or one peer's share of a round) moves with ``peer``."""
+
+    peer: str
+    nbytes: int
+    round_trips: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,9 +124,33 @@ class LinkEstimates:
                  cap_s: float | None = None) -> float:
         """The deadline for such a call: see the module's formula. ``extra_s`` is time the
         peer needs besides the link (its compute); ``cap_s`` lowers the policy's cap."""
+        expected = self.expected_s(peer, nbytes, round_trips=round_trips)
+        return self._clamped(expected, extra_s, cap_s)
+
+    def deadline_all(self, transfers: Sequence[Transfer], *, extra_s: float = 0.0,
+                     cap_s: float | None = None) -> float:
+        """The deadline of transfers with several peers that share this peer's own link (an
+        all-reduce round): their expected times add up (a bandwidth measured while they ran
+        together is recorded as the aggregate, see :meth:`observe_shared`)."""
+        expected = sum(self.expected_s(t.peer, t.nbytes, round_trips=t.round_trips)
+                       for t in transfers)
+        return self._clamped(expected, extra_s, cap_s)
+
+    def observe_shared(self, transfers: Sequence[Transfer], seconds: float, now: float) -> None:
+        """``transfers`` ran together for ``seconds`` (one round): each peer is credited with
+        the share of the time its bytes took at the aggregate rate, so that
+        :meth:`deadline_all` of the same transfers expects ``seconds`` again."""
+        total = sum(max(0, t.nbytes) for t in transfers)
+        if total <= 0 or not _usable(seconds):
+            return
+        for t in transfers:
+            if t.nbytes >= self.min_transfer_bytes:
+                self.observe_transfer(t.peer, t.nbytes, seconds * t.nbytes / total, now)
+
+    def _clamped(self, expected: float, extra_s: float, cap_s: float | None) -> float:
         p = self.policy
         cap = p.cap_s if cap_s is None else max(p.floor_s, min(p.cap_s, cap_s))
-        want = p.slack * self.expected_s(peer, nbytes, round_trips=round_trips) + max(0.0, extra_s)
+        want = p.slack * expected + max(0.0, extra_s)
         return min(cap, max(p.floor_s, want))
 
     def forget(self, peer: str) -> None:
@@ -117,6 +159,29 @@ class LinkEstimates:
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         """Every link, for ``/api/v0/status``."""
         return {peer: link.to_json() for peer, link in self._links.items()}
+
+    def status(self, *, hop_cap_s: float | None = None, round_cap_s: float | None = None,
+               chunk_cap_s: float | None = None) -> dict[str, object]:
+        """What ``/api/v0/status`` (and ``swarmd status``) shows: the policy, and per peer its
+        estimates and the deadlines derived now for a typical hop (``TYPICAL_HOP_BYTES``,
+        two round trips), a round's share with it (``TYPICAL_ROUND_BYTES``) and a state
+        download's chunks in flight (``TYPICAL_CHUNK_BYTES``), under the callers' caps."""
+        p = self.policy
+        peers = {}
+        for peer, link in self._links.items():
+            row: dict[str, object] = dict(link.to_json())
+            row["deadlines_s"] = {
+                "hop": self.deadline(peer, TYPICAL_HOP_BYTES, round_trips=2, cap_s=hop_cap_s),
+                "round": self.deadline(peer, TYPICAL_ROUND_BYTES, round_trips=4,
+                                       cap_s=round_cap_s),
+                "state_chunk": self.deadline(peer, TYPICAL_CHUNK_BYTES, cap_s=chunk_cap_s)}
+            peers[peer] = row
+        return {"policy": {"floor_s": p.floor_s, "cap_s": p.cap_s, "slack": p.slack,
+                           "default_rtt_s": p.default_rtt_s,
+                           "default_bandwidth_bytes_s": p.default_bandwidth},
+                "typical_bytes": {"hop": TYPICAL_HOP_BYTES, "round": TYPICAL_ROUND_BYTES,
+                                  "state_chunk": TYPICAL_CHUNK_BYTES},
+                "peers": peers}
 
     def _touch(self, peer: str, now: float) -> Link:
         link = self._links.pop(peer, None) or Link()
@@ -134,3 +199,20 @@ def _usable(seconds: float) -> bool:
 
 def _ema(old: float, new: float, alpha: float) -> float:
     return (1 - alpha) * old + alpha * new
+
+
+#: one LinkEstimates per host (so per daemon): the router, the averager, state transfer and
+#: membership of one daemon share what each of them measured. Keyed weakly: a closed host's
+#: estimates go with it.
+_BY_HOST: "weakref.WeakKeyDictionary[Any, LinkEstimates]" = weakref.WeakKeyDictionary()
+
+
+def links_for(host: Any) -> LinkEstimates:
+    """The estimates shared by everything that talks through ``host`` (made on first use)."""
+    try:
+        links = _BY_HOST.get(host)
+    except TypeError:  # not weakly referenceable (a test's stand-in): its own estimates
+        return LinkEstimates()
+    if links is None:
+        links = _BY_HOST[host] = LinkEstimates()
+    return links

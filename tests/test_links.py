@@ -84,3 +84,107 @@ def test_deadlines_are_always_within_floor_and_cap_and_grow_with_bytes(samples, 
     d = links.deadline("p", nbytes, round_trips=round_trips, extra_s=extra)
     assert p.floor_s <= d <= p.cap_s
     assert links.deadline("p", nbytes * 2 + 1, round_trips=round_trips, extra_s=extra) >= d
+
+
+# ---- shared estimates, rounds and the status (issue 11: deadlines that follow the link) ----
+
+def test_one_host_shares_one_estimate_table_and_two_hosts_do_not() -> None:
+    from swarmd.links import links_for
+
+    class FakeHost:
+        pass
+
+    a, b = FakeHost(), FakeHost()
+    assert links_for(a) is links_for(a)
+    assert links_for(a) is not links_for(b)
+    links_for(a).observe_rtt("p", 0.2, now=1.0)
+    assert links_for(b).link("p").rtt_s is None
+
+
+def test_a_round_deadline_adds_up_what_the_peer_moves_with_each_mate() -> None:
+    from swarmd.links import Transfer
+
+    links = LinkEstimates(DeadlinePolicy(floor_s=1, slack=2, default_rtt_s=0.1,
+                                         default_bandwidth=1e6))
+    transfers = [Transfer("a", 4_000_000, 3), Transfer("b", 2_000_000, 2)]
+    assert links.deadline_all(transfers, extra_s=5) == pytest.approx(
+        2 * (0.3 + 4.0 + 0.2 + 2.0) + 5)
+    assert links.deadline_all(transfers, cap_s=3) == pytest.approx(3)
+    assert links.deadline_all([]) == pytest.approx(1)  # the floor
+
+
+@given(st.lists(st.integers(1 << 17, 1 << 28), min_size=1, max_size=6),
+       st.floats(0.5, 500))
+def test_a_round_recorded_as_shared_is_expected_to_take_as_long_again(sizes, seconds) -> None:
+    from swarmd.links import Transfer
+
+    links = LinkEstimates(alpha=1.0)
+    transfers = [Transfer(f"p{i}", n, 0) for i, n in enumerate(sizes)]
+    links.observe_shared(transfers, seconds, now=1.0)
+    expected = sum(links.expected_s(t.peer, t.nbytes, round_trips=0) for t in transfers)
+    assert expected == pytest.approx(seconds, rel=1e-6)
+
+
+def test_the_plan_says_what_each_peer_moves_with_each_mate() -> None:
+    from swarmd.averaging.plan import RoundPlan
+
+    plan = RoundPlan.build("r", ["a", "b", "c"], 3000, parts=[1000, 1000, 1000], chunk=500)
+    moves = plan.transfers(plan.index("b"), 4.0)
+    assert [t.peer for t in moves] == ["a", "c"]
+    assert all(t.nbytes == (1000 + 1000) * 4 and t.round_trips == 2 + 2 + 1 for t in moves)
+    assert sum(t.nbytes for t in plan.transfers(0, 2.0)) == 2 * 2 * 2000
+
+
+def test_the_status_shows_each_peer_and_its_derived_deadlines_under_the_caps() -> None:
+    links = LinkEstimates()
+    links.observe_rtt("p", 0.05, now=1.0)
+    links.observe_transfer("p", 8_000_000, 1.3, now=1.0)
+    status = links.status(hop_cap_s=60, round_cap_s=30)
+    row = status["peers"]["p"]
+    assert row["rtt_s"] == pytest.approx(0.05) and row["bandwidth_bytes_s"] > 6e6
+    deadlines = row["deadlines_s"]
+    assert 5 <= deadlines["hop"] <= 60 and deadlines["round"] == pytest.approx(30)
+    assert deadlines["state_chunk"] == pytest.approx(links.deadline("p", 16 << 20))
+    assert status["policy"]["floor_s"] == 5.0 and set(status["typical_bytes"]) == {
+        "hop", "round", "state_chunk"}
+
+
+# ---- the router's hop deadline follows the link and what the peer held before ----
+
+def test_a_hop_deadline_is_the_cap_until_a_peer_answered_then_follows_its_link() -> None:
+    import asyncio
+    import random
+
+    import torch
+
+    from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
+    from transport.frames import Message
+
+    timeouts: list[float] = []
+    now = [0.0]
+
+    class Host:
+        async def connect(self, peer: str, addrs: object, *, timeout: float) -> None:
+            pass
+
+        async def request(self, peer: str, protocol: str, message: Message, *, codec: object,
+                          timeout: float) -> Message:
+            timeouts.append(timeout)
+            now[0] += 0.3  # a 0.3 s round trip, 0.2 s of it held by the peer
+            return Message(kind="ok", meta={"service_s": 0.01, "held_s": 0.2})
+
+    message = Message(kind="forward", meta={}, tensors=(torch.zeros(64, 1024),))
+    links = LinkEstimates()
+    router = Router(Host(), stage=1, protocol="/p", codec=None, rng=random.Random(0),
+                    peers_of=lambda s: {"p": (1.0, 0, ())}, links=links,
+                    clock=lambda: now[0])
+
+    async def two() -> None:
+        for _ in range(2):
+            await router.send(message, timeout=1000.0)
+
+    asyncio.run(two())
+    assert timeouts[0] == pytest.approx(HOP_TIMEOUT_S)  # nothing known of that peer yet
+    assert links.link("p").bandwidth is not None or links.link("p").rtt_s is not None
+    assert links.policy.floor_s <= timeouts[1] < HOP_TIMEOUT_S / 2
+    assert timeouts[1] == pytest.approx(router.hop_timeout("p", 64 * 1024 * 4))

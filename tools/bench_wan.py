@@ -21,7 +21,14 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
 - ``membership_convergence_6_daemons_s``: 6 daemons of a separate swarm on hosts m0..m5, from
   the last one's start line until every view lists all 6 (``--no-membership`` skips it)
 
-Not measured yet (listed under ``not_measured``): stage all-reduce bus bandwidth. MB = 10**6 bytes. Everything stays inside the lab's namespaces
+- ``allreduce``: a stage all-reduce among 3 peers on hosts a0..a2 (swarmd's Averager over its
+  transport, tools/wan_peer.py, codec none, ``ALLREDUCE_MB`` MB of float32, one warm-up round
+  and ``ALLREDUCE_ROUNDS`` measured): ``bus_bandwidth_MBps`` as NCCL counts it, data bytes
+  over the round's time times 2(n-1)/n (what each peer's link must carry), the median
+  over peers of the best measured round; ``bus_bandwidth_vs_link_rate`` over the bottleneck
+  rate. ``--allreduce-only`` measures just that (no daemons, no trainer).
+
+MB = 10**6 bytes. Everything stays inside the lab's namespaces
 (198.18.0.0/15); every loop is bounded in count and time. The machine's cores are shared:
 absolute numbers vary, ratios within one run are what to compare.
 """
@@ -57,7 +64,10 @@ PROFILES: dict[str, tuple[float, float, float] | None] = {
 }
 HOSTS = ("s0", "s1", "tr", "nx")
 MEMBERS = tuple(f"m{i}" for i in range(6))
-NOT_MEASURED = ["allreduce_bus_bandwidth_vs_link_rate (3 peers)"]
+AVERAGERS = ("a0", "a1", "a2")
+NOT_MEASURED: list[str] = []
+ALLREDUCE_MB = 64.0
+ALLREDUCE_ROUNDS = 2
 
 
 def say(line: str) -> None:
@@ -153,10 +163,7 @@ def membership_convergence(lab: WanLab, root: Path, env: dict[str, str], tag: st
 def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any],
                     bootstrap: str, env: dict[str, str], steps: int, tokens_per_step: int,
                     stream_s: float, membership: bool) -> dict[str, Any]:
-    link = link_of(name)
-    for h in lab.hosts:
-        lab.set_link(h, rate_down=link.down_mbit, rate_up=link.up_mbit, delay_ms=link.delay_ms,
-                     loss=0.0)
+    link = set_profile(lab, name)
     say(f"{name}: {link}")
     out: dict[str, Any] = {"profile": PROFILES[name], "link_per_host": {
         "delay_ms": link.delay_ms, "down_mbit": link.down_mbit, "up_mbit": link.up_mbit}}
@@ -182,19 +189,82 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     say(f"{name}: pipeline {out['pipeline_tokens_per_s']:,.0f} tokens/s")
     # the secondary figures: one that fails is reported, the run goes on
     out["errors"] = {}
-    secondary = [("join_to_online_s", lambda: join_to_online(lab, root, bootstrap, env, name))]
+    secondary = [("join_to_online_s", lambda: join_to_online(lab, root, bootstrap, env, name)),
+                 ("allreduce", lambda: allreduce_bus_bandwidth(lab, name))]
     if membership:
         secondary.append(("membership_convergence_6_daemons_s",
                           lambda: membership_convergence(lab, root, env, name)))
     for key, fn in secondary:
         try:
             out[key] = fn()
-            say(f"{name}: {key} {out[key]:.1f}")
+            if isinstance(out[key], float):
+                say(f"{name}: {key} {out[key]:.1f}")
         except Exception as exc:
             out[key] = None
             out["errors"][key] = f"{type(exc).__name__}: {exc}"
             say(f"{name}: {key} failed: {exc}")
     return out
+
+
+def allreduce_bus_bandwidth(lab: WanLab, name: str) -> dict[str, Any]:
+    """3 peers average ``ALLREDUCE_MB`` MB; see the module docstring."""
+    from wan_peer import start_group
+
+    n = len(AVERAGERS)
+    peers = start_group(lab, list(AVERAGERS), "allreduce", "--mb", str(ALLREDUCE_MB),
+                        "--codec", "none", "--rounds", str(1 + ALLREDUCE_ROUNDS),
+                        "--gap", "2", stderr=subprocess.DEVNULL)
+    try:
+        rounds = [[p.line(600) for _ in range(1 + ALLREDUCE_ROUNDS)] for p in peers]
+        links = [p.line(60)["links"] for p in peers]
+    finally:
+        for p in peers:
+            p.close()
+    failed = [r for per in rounds for r in per if not r["ok"]]
+    # per peer: its best measured round (the warm-up round 0 includes dials and slow start)
+    best = [min(r["seconds"] for r in per[1:] if r["ok"]) if any(r["ok"] for r in per[1:])
+            else None for per in rounds]
+    seconds = statistics.median([b for b in best if b is not None]) if any(best) else None
+    data = ALLREDUCE_MB * 1e6
+    bus = None if not seconds else data / seconds * 2 * (n - 1) / n / 1e6
+    cap = bottleneck_MBps(name)
+    out = {"peers": n, "MB": ALLREDUCE_MB, "codec": "none", "round_seconds": seconds,
+           "rounds_seconds": [[r["seconds"] for r in per] for per in rounds],
+           "deadlines_s": [[r["deadline_s"] for r in per] for per in rounds],
+           "failed_rounds": len(failed), "bus_bandwidth_MBps": bus, "link_MBps": cap,
+           "bus_bandwidth_vs_link_rate": None if bus is None or cap is None else bus / cap,
+           "measured_bandwidth_MBps": [sorted(round(v["bandwidth_bytes_s"] / 1e6, 2)
+                                              for v in ls["peers"].values()
+                                              if v["bandwidth_bytes_s"]) for ls in links]}
+    say(f"{name}: all-reduce of {ALLREDUCE_MB:g} MB among {n}: {seconds} s, bus "
+        f"{bus} MB/s, {out['bus_bandwidth_vs_link_rate']} of the link rate")
+    return out
+
+
+def set_profile(lab: WanLab, name: str) -> Link:
+    link = link_of(name)
+    for h in lab.hosts:
+        lab.set_link(h, rate_down=link.down_mbit, rate_up=link.up_mbit, delay_ms=link.delay_ms,
+                     loss=0.0)
+    return link
+
+
+def measure_allreduce_only(profiles: list[str]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    results: dict[str, Any] = {}
+    with WanLab(hosts=[HostSpec(name=h) for h in AVERAGERS]) as lab:
+        for name in profiles:
+            set_profile(lab, name)
+            try:
+                results[name] = {"allreduce": allreduce_bus_bandwidth(lab, name)}
+            except Exception as exc:
+                results[name] = {"errors": {"allreduce": f"{type(exc).__name__}: {exc}"}}
+    return {"profiles": results, "targets": {
+        f"allreduce_bus_ge_0.7x_link_{n}": r["allreduce"]["bus_bandwidth_vs_link_rate"] >= 0.7
+        for n, r in results.items() if PROFILES[n] and r.get("allreduce", {}).get(
+            "bus_bandwidth_vs_link_rate") is not None},
+        "cores": os.cpu_count(), "loadavg": os.getloadavg()[0],
+        "seconds": time.monotonic() - t0}
 
 
 def _targets(results: dict[str, Any]) -> dict[str, bool]:
@@ -207,6 +277,9 @@ def _targets(results: dict[str, Any]) -> dict[str, bool]:
         # unshaped, raw TCP runs at memory speed and the transport is CPU-bound: no target
         **{f"transport_ge_0.85x_raw_tcp_{n}": r["transport_vs_raw_tcp"] >= 0.85
            for n, r in results.items() if PROFILES[n]},
+        **{f"allreduce_bus_ge_0.7x_link_{n}": r["allreduce"]["bus_bandwidth_vs_link_rate"] >= 0.7
+           for n, r in results.items() if PROFILES[n] and (r.get("allreduce") or {}).get(
+               "bus_bandwidth_vs_link_rate") is not None},
     }
 
 
@@ -225,8 +298,8 @@ def measure(quick: bool, profiles: list[str], membership: bool = True) -> dict[s
     steps, stream_s = (10, 2.0) if quick else (40, 6.0)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-wan-") as tmp, \
-            WanLab(hosts=[HostSpec(name=h) for h in HOSTS + (MEMBERS if membership else ())]
-                   ) as lab:
+            WanLab(hosts=[HostSpec(name=h) for h in HOSTS + AVERAGERS
+                          + (MEMBERS if membership else ())]) as lab:
         root = Path(tmp)
         started: list[daemons.LabDaemon] = []
         server_proc = None
@@ -277,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"measured first: the ratios need it)")
     parser.add_argument("--no-membership", action="store_true",
                         help="skip the 6-daemon membership convergence (the slowest part)")
+    parser.add_argument("--allreduce-only", action="store_true",
+                        help="only the 3-peer all-reduce bus bandwidth, per profile")
     args = parser.parse_args(argv)
     wanted = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in wanted if p not in PROFILES]
@@ -288,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     except LabUnavailable as exc:
         print(json.dumps({"unavailable": str(exc)}))
         return 2
-    result = measure(args.quick, profiles, membership=not args.no_membership)
+    if args.allreduce_only:
+        result = measure_allreduce_only(wanted)
+    else:
+        result = measure(args.quick, profiles, membership=not args.no_membership)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -127,8 +127,9 @@ class StatusInfo:
     relays: tuple[str, ...] = ()
     #: what to do about being private (empty otherwise)
     reachability_hint: str = ""
-    #: per peer: measured round trip and bandwidth, which deadlines follow (swarmd.links)
-    links: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the deadline policy and, per peer, measured round trip and bandwidth and the deadlines
+    #: derived from them (swarmd.links)
+    links: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:

@@ -8,12 +8,17 @@ Driving a round: every peer of ``group`` calls, at about the same time (a peer t
 late is fine: what reaches it before it joins is buffered)::
 
     result = await averager.all_reduce(round_id, group, vector, weight, codec="fp16",
-                                       aggregator="mean", deadline_s=30, parts=...)
+                                       aggregator="mean", cap_s=600, parts=...)
 
 with the same ``round_id`` (new for every round, e.g. ``f"{stage}:{step}"``), the same
 ``group`` (any order; it is sorted) and the same ``parts`` (or the same ``bandwidths``: the
 plan is derived deterministically). Every survivor returns the same ``result.vector``, bit for
-bit, or raises :class:`AllReduceFailed` by its deadline. The returned vector is new memory;
+bit, or raises :class:`AllReduceFailed` by its deadline. The deadline follows the links
+(``swarmd.links``): what this peer moves with each other peer (``RoundPlan.transfers``, at the
+codec's bytes per value) over the bandwidth and round trips measured with it, with slack, at
+least the policy's floor and at most ``cap_s`` (``averaging.timeout_s``); ``deadline_s`` fixes
+it instead. A finished round feeds the estimates: each peer's bytes at the round's aggregate
+rate (``LinkEstimates.observe_shared``). The returned vector is new memory;
 ``vector`` itself must not change until the call returns.
 
 One stream per request, one request per (peer, unit):
@@ -62,6 +67,7 @@ from swarmd.averaging.rounds import (RAW, AllReduceFailed, AllReduceResult, Aver
                                      Refusal, RoundState, RoundTable, aggregate_unit, summarize)
 from swarmd.averaging.wire import StreamPool, decode_own
 from swarmd.errors import BadPeerMessage
+from swarmd.links import LinkEstimates, Transfer, links_for
 from transport.codecs import CodecSpec
 from transport.counters import Counters
 from transport.errors import PeerUnavailable, TransportError
@@ -75,18 +81,38 @@ log = logging.getLogger("swarmd.averaging.allreduce")
 __all__ = ["AllReduceFailed", "AllReduceResult", "Averager", "AveragerOptions", "protocol_id"]
 
 _FAILURES = (TransportError, BadPeerMessage, TimeoutError)
+#: added to every derived round deadline: members are told to start and join at slightly
+#: different times (stage_sync asks within 3 s, a dial takes about 1 s)
+ROUND_START_S = 10.0
+#: what may be queued ahead of a stream open on a busy link (one TCP send buffer), and the
+#: longest an open may take
+OPEN_QUEUE_BYTES = 4 << 20
+OPEN_CAP_S = 60.0
 
 
 def protocol_id(swarm: str) -> str:
     return Protocols(swarm).allreduce
 
 
+def bytes_per_value(codec: CodecSpec) -> float:
+    """About what one float32 value costs on the wire under ``codec`` (zstd not counted)."""
+    base = codec.name.split("+")[0]
+    if base == "fp16":
+        return 2.0
+    if base == "int8":
+        return 1.0 + (2.0 if codec.scale_dtype == "float16" else 4.0) / codec.block_size
+    return 4.0
+
+
 class Averager:
     """``async with Averager(host, protocol_id(swarm)) as averager:`` serves ``protocol``."""
 
     def __init__(self, host: Host, protocol: str, *, options: AveragerOptions | None = None,
-                 addrs_of: Callable[[str], Sequence[str]] | None = None) -> None:
+                 addrs_of: Callable[[str], Sequence[str]] | None = None,
+                 links: LinkEstimates | None = None) -> None:
         self.host = host
+        #: the daemon's shared link estimates (swarmd.links): round deadlines follow them
+        self.links = links if links is not None else links_for(host)
         self.protocol = protocol
         self.options = options or AveragerOptions()
         self.addrs_of = addrs_of
@@ -98,7 +124,8 @@ class Averager:
         self.counters = Counters()
         self._rounds = RoundTable(self.options, self.counters)
         self._pool = StreamPool(host, protocol, self.counters,
-                                dial_timeout_s=self.options.dial_timeout_s)
+                                dial_timeout_s=self.options.dial_timeout_s,
+                                open_timeout=self.open_timeout)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Averager:
@@ -118,7 +145,8 @@ class Averager:
     async def all_reduce(self, round_id: str, group: Sequence[str], vector: torch.Tensor,
                          weight: float, *, codec: CodecSpec | str = "fp16",
                          aggregator: Aggregator | AggregateFn | str = "mean",
-                         deadline_s: float = 30.0, parts: Sequence[int] | None = None,
+                         deadline_s: float | None = None, cap_s: float | None = None,
+                         parts: Sequence[int] | None = None,
                          bandwidths: Sequence[float | None] | None = None,
                          chunk: int = DEFAULT_CHUNK,
                          addrs_of: Callable[[str], Sequence[str]] | None = None,
@@ -131,11 +159,16 @@ class Averager:
         if vector.dtype != torch.float32 or vector.dim() != 1:
             raise ValueError(f"vector must be flat float32, got {vector.dtype} "
                              f"{tuple(vector.shape)}")
-        if not (math.isfinite(weight) and 0 <= weight <= max_weight) or not deadline_s > 0:
+        if not (math.isfinite(weight) and 0 <= weight <= max_weight) or not (
+                deadline_s is None or deadline_s > 0):
             raise ValueError(f"weight must be finite and in [0, {max_weight}] ({weight!r}) and "
                              f"deadline_s positive ({deadline_s!r})")
         plan = RoundPlan.build(round_id, group, vector.numel(), parts=parts,
                                bandwidths=bandwidths, chunk=chunk)
+        spec = CodecSpec.parse(codec) if isinstance(codec, str) else codec
+        transfers = plan.transfers(plan.index(self.host.peer_id), bytes_per_value(spec))
+        if deadline_s is None:
+            deadline_s = self.round_deadline(transfers, cap_s=cap_s)
         try:  # a whole gradient: checked in a thread, not on the event loop
             await asyncio.to_thread(check_finite, vector, who="this peer")
         except BadGradient as exc:  # left out of every unit, not only where the NaN lies
@@ -145,7 +178,7 @@ class Averager:
         rnd = self._rounds.join(plan, plan.index(self.host.peer_id), time.monotonic(),
                                 deadline_s, max_weight=max_weight)
         rnd.vector, rnd.weight = vector.detach().cpu().contiguous(), float(weight)
-        rnd.codec = CodecSpec.parse(codec) if isinstance(codec, str) else codec
+        rnd.codec = spec
         rnd.aggregate = Aggregator.parse(aggregator) if isinstance(aggregator, str) else aggregator
         rnd.addrs_of = addrs_of or self.addrs_of
         rnd.out = torch.empty(plan.total, dtype=torch.float32)
@@ -169,10 +202,24 @@ class Averager:
             raise AllReduceFailed(f"round {round_id}: {len(missing)} units of {owners} missing "
                                   f"at the {deadline_s:.3g} s deadline")
         result = await asyncio.to_thread(summarize, rnd, out, time.monotonic() - start)
+        if not result.missing and not result.repaired_parts:  # a clean round measures links
+            self.links.observe_shared(transfers, result.seconds, time.monotonic())
         self.counters.add("rounds")
         self.counters.add("peers_missing", len(result.missing))
         self.counters.add("repaired_parts", len(result.repaired_parts))
         return result
+
+    def open_timeout(self, peer: str) -> float:
+        """A dial or stream open to ``peer``: its frames may wait behind a full send buffer
+        of units (``OPEN_QUEUE_BYTES``) on that link, plus ``dial_timeout_s``."""
+        return self.links.deadline(peer, OPEN_QUEUE_BYTES, round_trips=2,
+                                   extra_s=self.options.dial_timeout_s, cap_s=OPEN_CAP_S)
+
+    def round_deadline(self, transfers: Sequence[Transfer], *,
+                       cap_s: float | None = None) -> float:
+        """The deadline of a round moving ``transfers`` (see the module doc); aggregating and
+        checking the units is covered by the policy's slack and floor."""
+        return self.links.deadline_all(transfers, extra_s=ROUND_START_S, cap_s=cap_s)
 
     # ---- the units this peer owns ----------------------------------------------------------
     async def _own(self, rnd: RoundState, u: int) -> None:

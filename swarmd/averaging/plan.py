@@ -27,6 +27,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from swarmd.errors import BadPeerMessage
+from swarmd.links import Transfer
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_MIN_PART", "BadAllReduceMessage", "PartState", "PartValue",
            "RoundPlan", "Unit", "fits", "parse_part", "pick_relayed", "plan_parts"]
@@ -185,6 +186,20 @@ class RoundPlan:
             h.update(item.encode())
             h.update(b"\0")
         return h.hexdigest()[:16]
+
+    def transfers(self, me: int, bytes_per_value: float) -> list[Transfer]:
+        """What peer ``me`` moves with each other peer in a round without repairs, each way:
+        its contribution to their part and their answer back (their part's length), their
+        contributions to its part and its answers (its part's length); one round trip per
+        unit exchanged, plus one for the dial. The round's deadline derives from these
+        (``LinkEstimates.deadline_all``)."""
+        units_of = [0] * self.n
+        for unit in self.units:
+            units_of[unit.owner] += 1
+        return [Transfer(self.group[j],
+                         int(math.ceil((self.parts[j] + self.parts[me]) * bytes_per_value)),
+                         units_of[j] + units_of[me] + 1)
+                for j in range(self.n) if j != me]
 
     def chain(self, u: int) -> list[tuple[int, int]]:
         """``(epoch, peer index)`` of the peers that repair unit ``u``, in order: the peers

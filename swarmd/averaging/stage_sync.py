@@ -63,7 +63,8 @@ class RoundRefused(SwarmdError):
 class SyncSettings:
     compression: str = "fp16"
     aggregator: str = "centered_clip"
-    timeout_s: float = 30.0
+    #: the longest a round may take: its deadline follows the links (Averager.round_deadline)
+    timeout_s: float = 600.0
     #: a peer's samples (reported, or weighed in a round) are at most this times the target
     max_samples_factor: float = 4.0
 
@@ -232,7 +233,7 @@ class StageSync:
         try:
             result = await self.averager.all_reduce(
                 round_id, group, vector, weight, codec=s.compression,
-                aggregator=s.aggregator, deadline_s=s.timeout_s, bandwidths=bandwidths,
+                aggregator=s.aggregator, cap_s=s.timeout_s, bandwidths=bandwidths,
                 max_weight=float(self.max_samples))
         except AllReduceFailed as exc:
             log.warning("stage %d round %s failed (%s): not stepping; catching up later",

@@ -38,11 +38,15 @@ Serve = Callable[[Message, str, int], Awaitable[OutgoingFrame]]
 
 class StreamPool:
     def __init__(self, host: Host, protocol: str, counters: Counters, *,
-                 dial_timeout_s: float = 3.0, idle_per_peer: int = 8) -> None:
+                 dial_timeout_s: float = 3.0, idle_per_peer: int = 8,
+                 open_timeout: Callable[[str], float] | None = None) -> None:
         self.host = host
         self.protocol = protocol
         self.counters = counters
         self.dial_timeout_s = dial_timeout_s
+        #: the deadline of a dial or stream open to a peer (``dial_timeout_s`` when not
+        #: given): a stream opened while units stream to that peer queues behind them
+        self.open_timeout = open_timeout or (lambda peer: dial_timeout_s)
         self.idle_per_peer = idle_per_peer
         self._idle: dict[str, list[Stream]] = {}
 
@@ -97,12 +101,11 @@ class StreamPool:
         """A new stream to ``peer``, dialing it first if needed. Tried twice: peers that dial
         each other at the same moment can make both dials fail once (py-libp2p)."""
         for attempt in range(2):
+            timeout = self.open_timeout(peer)
             try:
-                if not await self.host.ensure_connected(
-                        peer, addrs, timeout=self.dial_timeout_s) and addrs:
+                if not await self.host.ensure_connected(peer, addrs, timeout=timeout) and addrs:
                     raise PeerUnavailable(f"cannot connect to {peer} at {list(addrs)}")
-                return await self.host.open_stream(peer, self.protocol,
-                                                   timeout=self.dial_timeout_s)
+                return await self.host.open_stream(peer, self.protocol, timeout=timeout)
             except PeerUnavailable:
                 if attempt:
                     raise

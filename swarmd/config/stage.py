@@ -47,7 +47,8 @@ class AveragingConfig(_Section):
         "one of " + ", ".join(f'"{a}"' for a in AGGREGATORS), _one_of(AGGREGATORS),
     )
     timeout_s: float = _opt(
-        30.0, "Deadline of one averaging round; peers that miss it are left out of the round.",
+        600.0, "The longest one averaging round may take: its deadline follows the bytes and "
+        "the measured links (swarmd/links.py), at most this; peers that miss it are left out.",
         "a number of seconds greater than 0", _positive,
     )
 

@@ -33,7 +33,7 @@ from transport.frames import Message
 from transport.signing import signer, verify
 from swarmd.node.addresses import MAX_ANNOUNCED, AddressPolicy, announced_addrs
 from swarmd.node.interfaces import interface_ips
-from swarmd.links import LinkEstimates
+from swarmd.links import LinkEstimates, links_for
 from swarmd.protocols import Protocols
 
 log = logging.getLogger("swarmd.membership")
@@ -99,8 +99,9 @@ class MembershipService:
         self._announced: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         #: more addresses to announce (relayed ones, from swarmd.node.nat)
         self.extra_addrs: Callable[[], Sequence[str]] = tuple
-        #: what was measured of each link; pull deadlines follow it (swarmd.links)
-        self.links = links if links is not None else LinkEstimates()
+        #: what was measured of each link, shared with the rest of the daemon (the host's
+        #: estimates, swarmd.links); pull deadlines follow it
+        self.links = links if links is not None else links_for(host)
 
     def announced_addrs(self) -> tuple[str, ...]:
         """What this peer announces it is reached at (``swarmd.node.addresses``): the bound

@@ -111,7 +111,16 @@ class Daemon:
             queue=queue, counters=counters,
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
-            links=self.membership.links.snapshot() if self.membership is not None else {})
+            links=self._links_status())
+
+    def _links_status(self) -> dict[str, Any]:
+        """Each link's measured round trip and bandwidth and the deadlines derived from them."""
+        from swarmd.links import links_for
+        from swarmd.pipeline.router import HOP_TIMEOUT_S
+
+        return links_for(self.host).status(hop_cap_s=HOP_TIMEOUT_S,
+                                           round_cap_s=self.config.averaging.timeout_s,
+                                           chunk_cap_s=self.config.network.request_timeout_s)
 
     def swarm(self) -> SwarmInfo:
         if self.membership is not None:

@@ -20,7 +20,13 @@ reply, any other error reply
 =======================================  ====================================================
 
 Every attempt is bounded: at most ``MAX_ATTEMPTS`` tries within the caller's deadline, waits
-(every peer paused or banned) never past it. Only addresses from the peer's signed membership
+(every peer paused or banned) never past it. One try's deadline follows the link
+(``swarmd.links``): the bytes sent over the measured bandwidth, two round trips, plus what the
+peer held the last requests (its compute and the chain after it, ``HopReply.held_s``) with
+slack, plus ``DOWNSTREAM_RETRY_S`` (a later stage may time out on one peer and retry another
+first), at least the policy's floor and at most ``HOP_TIMEOUT_S`` (all of it while that peer's
+hop time is unknown). Each ``ok`` feeds the shared estimates: the round trip less the time
+held is the transfer. Only addresses from the peer's signed membership
 announcement (``peers_of``) are dialed.
 """
 
@@ -35,6 +41,7 @@ from collections import Counter
 from typing import Any, Awaitable, Callable
 
 from swarmd.errors import OutputRefused, StageUnavailable, TrainerUnreachable
+from swarmd.links import LinkEstimates, links_for
 from swarmd.pipeline.messages import HopReply, parse_hop_reply
 from swarmd.pipeline.wiring import Kind, Wiring
 from transport.errors import (
@@ -48,8 +55,13 @@ from transport.frames import Message
 
 log = logging.getLogger("swarmd.pipeline.router")
 
-#: one hop's deadline (the chain after it included) when the caller has more time
+#: one hop's deadline (the chain after it included) at most, and while nothing is known of it
 HOP_TIMEOUT_S = 60.0
+#: a peer's held time (its compute and the chain after it) counts this many times over
+HELD_SLACK = 3.0
+#: added to a measured hop's deadline: room for a stage after that peer to give up on one of
+#: its peers by its own deadline (at least the floor) and try another, before we give up
+DOWNSTREAM_RETRY_S = 10.0
 #: tries of one send, over all peers
 MAX_ATTEMPTS = 16
 #: without ``wait``, how long a send may wait for a paused (busy) peer to come back
@@ -102,7 +114,8 @@ class Router:
                  codec: Any, rng: random.Random | None = None, wiring: Wiring | None = None,
                  counters: Counter[str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 links: LinkEstimates | None = None) -> None:
         self.host = host
         self.stage = stage
         self.protocol = protocol
@@ -112,6 +125,30 @@ class Router:
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self._rng = rng or random.Random()
         self._clock, self._sleep = clock, sleep
+        #: the daemon's shared link estimates (swarmd.links); hop deadlines follow them
+        self.links = links if links is not None else links_for(host)
+        #: peer -> moving average of how long it held our requests (chain included)
+        self._held: dict[str, float] = {}
+
+    def hop_timeout(self, target: str, nbytes: int) -> float:
+        """The deadline of one try of ``nbytes`` to ``target``: see the module docstring."""
+        held = self._held.get(target)
+        if held is None:
+            return HOP_TIMEOUT_S
+        return self.links.deadline(target, nbytes, round_trips=2,
+                                   extra_s=HELD_SLACK * held + DOWNSTREAM_RETRY_S,
+                                   cap_s=HOP_TIMEOUT_S)
+
+    def _observed(self, target: str, nbytes: int, round_trip: float, reply: HopReply) -> None:
+        now, held = self._clock(), reply.held_s
+        if held is None or not 0 <= held <= round_trip:
+            self.links.observe_rtt(target, round_trip, now)
+            return
+        old = self._held.get(target)
+        self._held[target] = held if old is None else 0.7 * old + 0.3 * held
+        if len(self._held) > 1024:
+            self._held.pop(next(iter(self._held)))
+        self.links.observe_transfer(target, nbytes, max(1e-4, round_trip - held), now)
 
     async def send(self, message: Message, *, timeout: float, kind: Kind = "forward",
                    wait: bool = False,
@@ -177,15 +214,19 @@ class Router:
                        deadline: float) -> tuple[HopReply | None, Verdict | None]:
         """One try: the reply, or None and the verdict once it was recorded (try another)."""
         t0 = self._clock()
+        nbytes = _message_bytes(message)
         try:
             addrs = self.peers_of(self.stage).get(target, (0.0, 0, ()))[2]
             await self.host.connect(target, addrs, timeout=min(DIAL_TIMEOUT_S,
                                                                 max(0.001, deadline - t0)))
+            t1 = self._clock()
             raw = await self.host.request(target, self.protocol, message, codec=self.codec,
-                                          timeout=min(HOP_TIMEOUT_S, deadline - self._clock()))
+                                          timeout=min(self.hop_timeout(target, nbytes),
+                                                      deadline - t1))
             reply = parse_hop_reply(raw)
         except Exception as exc:
             return None, self._judged(target, kind, exc)
+        self._observed(target, nbytes, self._clock() - t1, reply)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
                             self._clock())
         return reply, None
@@ -211,6 +252,17 @@ class Router:
         log.info("stage %d peer %s: %s %s (%s); trying another", self.stage, target, kind,
                  verdict.value, exc)
         return verdict
+
+
+def _message_bytes(message: Message) -> int:
+    """The tensor bytes a message carries (what dominates its size on the wire)."""
+    total = 0
+    for t in message.tensors:
+        try:
+            total += int(t.numel()) * int(t.element_size())
+        except (AttributeError, TypeError):
+            pass
+    return total
 
 
 def _is_bad_reply(exc: Exception) -> bool:

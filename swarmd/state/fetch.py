@@ -1,12 +1,21 @@
-"""The fetching side of state transfer (:mod:`swarmd.state.transfer`): download, resume, verify."""
+"""The fetching side of state transfer (:mod:`swarmd.state.transfer`): download, resume, verify.
+
+Deadlines follow the link (``swarmd.links``): a chunk request's is derived from the bytes in
+flight to its source (``parallel`` chunks at a time share the link) and what was measured with
+it, at most ``request_timeout_s``; each chunk received feeds the estimates. An offer
+(``state_info``) may make the source capture and encode its state first: ``INFO_COMPUTE_S``
+is added for that.
+"""
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
 
+from swarmd.links import LinkEstimates, links_for
 from swarmd.state.encoding import (BadStageState, NonFiniteState, StageState, check_finite_state,
                                    decode, digest)
 from swarmd.state.messages import SizeBound, check_offer, parse_chunk, parse_info
@@ -26,6 +35,9 @@ from swarmd.state.transfer import (
 
 log = logging.getLogger("swarmd.state.transfer")
 
+#: what a source may spend capturing and encoding its state before it answers ``state_info``
+INFO_COMPUTE_S = 15.0
+
 
 class _SourceFailed(Exception):
     def __init__(self, peer: str, reason: str, *, expired: bool = False) -> None:
@@ -38,17 +50,19 @@ class _SourceFailed(Exception):
 async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Sequence[str]]], *,
                       stage: int, model_hash: str, timeout_s: float, max_bytes: int,
                       on_progress: Callable[[int, int], None] | None = None,
-                      parallel: int = 4, request_timeout_s: float = 15.0,
+                      parallel: int = 4, request_timeout_s: float = 120.0,
                       newer_than: int | None = None,
                       counters: dict[str, int] | None = None,
-                      size_bound: SizeBound | None = None) -> StageState | None:
+                      size_bound: SizeBound | None = None,
+                      links: LinkEstimates | None = None) -> StageState | None:
     """Download the state of ``stage`` from the best of ``sources`` ((peer id, multiaddrs)).
 
     ``on_progress(done_bytes, total_bytes)`` is called after every chunk (and with 0 when a
     download starts or starts over). ``counters`` (if given) is updated: chunks, bytes, resumed,
     restarted, requeried, sources_failed, bad_replies, non_finite_states. Raises
     ``StateTransferFailed`` when no source works within ``timeout_s``; ``TransportClosed`` if
-    our own host closes meanwhile.
+    our own host closes meanwhile. Each request's deadline follows the link (the module doc),
+    at most ``request_timeout_s``; ``links`` defaults to the host's shared estimates.
 
     An offer over ``max_bytes`` or outside ``size_bound`` (what the stage's model implies) is
     refused before a byte is taken; memory is then taken chunk by chunk as chunks arrive, and
@@ -62,7 +76,8 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
     fetch = _Fetch(host, protocol, stage=stage, model_hash=model_hash, max_bytes=max_bytes,
                    on_progress=on_progress, parallel=max(1, parallel),
                    request_timeout_s=request_timeout_s, newer_than=newer_than,
-                   counters=counters if counters is not None else {}, size_bound=size_bound)
+                   counters=counters if counters is not None else {}, size_bound=size_bound,
+                   links=links if links is not None else links_for(host))
     peers = [peer for peer, _ in sources[:MAX_SOURCES]]
     try:
         async with asyncio.timeout(timeout_s):
@@ -85,8 +100,14 @@ class _Fetch:
     def __init__(self, host: Any, protocol: str, *, stage: int, model_hash: str,
                  max_bytes: int, on_progress: Callable[[int, int], None] | None,
                  parallel: int, request_timeout_s: float, newer_than: int | None,
-                 counters: dict[str, int], size_bound: SizeBound | None) -> None:
+                 counters: dict[str, int], size_bound: SizeBound | None,
+                 links: LinkEstimates) -> None:
         self.host = host
+        self.links = links
+        #: this download from its source: when it began, and the bytes received since (the
+        #: link's rate is what arrives over time, whatever order the source answers in)
+        self.download_t0 = 0.0
+        self.download_bytes = 0
         self.protocol = protocol
         self.stage = stage
         self.model_hash = model_hash
@@ -158,12 +179,13 @@ class _Fetch:
     async def _ask(self, peer: str, addrs: Sequence[str]) -> StateInfo | str:
         """A source's offer, or why it has none."""
         try:
-            if addrs and not await self.host.ensure_connected(
-                    peer, addrs, timeout=self.request_timeout_s):
+            timeout = self.links.deadline(peer, 0, round_trips=2, extra_s=INFO_COMPUTE_S,
+                                          cap_s=self.request_timeout_s)
+            if addrs and not await self.host.ensure_connected(peer, addrs, timeout=timeout):
                 return "unreachable"
             reply = await self.host.request(
                 peer, self.protocol, Message(kind="state_info", meta=self._meta()),
-                timeout=self.request_timeout_s, codec=_NONE)
+                timeout=timeout, codec=_NONE)
             info = parse_info(peer, reply.kind, reply.meta)
         except (TransportClosed, LocalUsageError):
             raise
@@ -195,6 +217,7 @@ class _Fetch:
 
     async def _download(self, info: StateInfo, plan: Plan) -> _SourceFailed | None:
         todo = deque(plan.missing())
+        self.download_t0, self.download_bytes = time.monotonic(), 0
         try:
             async with asyncio.TaskGroup() as tg:
                 for _ in range(min(self.parallel, len(todo))):
@@ -210,19 +233,8 @@ class _Fetch:
     async def _worker(self, info: StateInfo, plan: Plan, todo: deque[int]) -> None:
         while todo:
             index = todo.popleft()
-            try:
-                reply = await self.host.request(
-                    info.peer, self.protocol,
-                    Message(kind="state_chunk", meta=self._meta(digest=info.digest, index=index)),
-                    timeout=self.request_timeout_s, codec=_NONE)
-            except (TransportClosed, LocalUsageError):
-                raise
-            except RemoteError as exc:
-                raise _SourceFailed(info.peer, f"refused chunk {index}: {exc.code}",
-                                    expired=exc.code == UnknownSnapshot.code) from None
-            except (PeerUnavailable, PeerProtocolError) as exc:
-                raise _SourceFailed(info.peer, f"{type(exc).__name__}: {exc}") from None
             start, end = info.chunk_range(index)
+            reply = await self._request_chunk(info, index, end - start)
             try:
                 chunk = parse_chunk(reply.kind, reply.meta, reply.tensors, info=info,
                                     index=index)
@@ -241,6 +253,31 @@ class _Fetch:
             self.counters["chunks"] += 1
             self.counters["bytes"] += end - start
             self._progress(info)
+
+    async def _request_chunk(self, info: StateInfo, index: int, nbytes: int) -> Message:
+        """Chunk ``index`` of ``info`` by its derived deadline; the link's estimates learn
+        from it (the bytes this download received over the time since it began)."""
+        # the chunks in flight share the link: this one may wait on all of them
+        sharing = max(1, min(self.parallel, info.chunks))
+        timeout = self.links.deadline(info.peer, nbytes * sharing,
+                                      cap_s=self.request_timeout_s)
+        try:
+            reply = await self.host.request(
+                info.peer, self.protocol,
+                Message(kind="state_chunk", meta=self._meta(digest=info.digest, index=index)),
+                timeout=timeout, codec=_NONE)
+        except (TransportClosed, LocalUsageError):
+            raise
+        except RemoteError as exc:
+            raise _SourceFailed(info.peer, f"refused chunk {index}: {exc.code}",
+                                expired=exc.code == UnknownSnapshot.code) from None
+        except (PeerUnavailable, PeerProtocolError) as exc:
+            raise _SourceFailed(info.peer, f"{type(exc).__name__}: {exc} (deadline "
+                                           f"{timeout:.3g} s)") from None
+        now = time.monotonic()
+        self.download_bytes += nbytes
+        self.links.observe_transfer(info.peer, self.download_bytes, now - self.download_t0, now)
+        return reply
 
     @staticmethod
     def _verified(payload: torch.Tensor, checksum: str) -> bytearray | None:

@@ -36,7 +36,9 @@ from swarmd.protocols import Protocols
 
 log = logging.getLogger("swarmd.keeper")
 
-FETCH_TIMEOUT_S = 120.0
+#: a whole download at most: each request has its own deadline derived from the link
+#: (swarmd.state.fetch), so a dead or slow source is left long before this
+FETCH_TIMEOUT_S = 3600.0
 MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
