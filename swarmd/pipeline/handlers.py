@@ -95,7 +95,10 @@ class PipelineHandlers:
             raise NotOnPath("sender", f"a forward for stage {fwd.stage} comes from {expected}, not "
                             f"{peer}")
         if not fwd.eval:
-            await self.gate.wait_open()  # not while a step waits to change the weights
+            if not await self.gate.wait_open():  # not while a step changes the weights
+                self.counters["busy_stepping"] += 1
+                raise StageBusy(f"stage {self.expect.stage} is taking an optimizer step: "
+                                f"another peer, or this one again shortly")
             self.worker.expire(self._clock())
         if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
             raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")

@@ -27,6 +27,11 @@ log = logging.getLogger("swarmd.stage")
 #: a step waits at most this long for the microbatches in flight here
 DRAIN_S = 20.0
 DRAIN_POLL_S = 0.002
+#: how long a new forward waits at a closed gate before it is refused with busy (its sender
+#: tries another peer or comes back): a step that waits out a lost microbatch (up to
+#: ``DRAIN_S``) must not hold new forwards past their senders' deadlines, which would lose
+#: them too and make the next step wait again
+GATE_WAIT_S = 2.0
 
 
 class Stepper:
@@ -119,8 +124,16 @@ class Gate:
         #: set once the peer leaves the stage: new forwards are refused with busy
         self.retiring = False
 
-    async def wait_open(self) -> None:
-        await self._open.wait()
+    async def wait_open(self, timeout_s: float = GATE_WAIT_S) -> bool:
+        """Whether the gate opened within ``timeout_s``."""
+        if self._open.is_set():
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._open.wait()
+            return True
+        except TimeoutError:
+            return False
 
     @contextmanager
     def admitted(self) -> Iterator[None]:
