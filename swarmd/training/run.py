@@ -5,6 +5,12 @@ membership without a stage (so it is never routed to). It waits until every stag
 peer, says which stage is missing while one is, then trains: fixed held-out batches measure
 validation loss before and after; each step sends ``microbatches`` microbatches through the
 swarm; one JSON line per step is appended to ``<home>/train-metrics.jsonl``.
+
+The steps are pipelined (``Trainer.train``, docs/pipeline.md "Latency hiding"): the trainer
+keeps as many microbatches in flight as the measured round trip and throughput call for
+(``swarmd.pipeline.inflight``), at most ``training.in_flight`` (0: ``MAX_IN_FLIGHT``), and
+the number is shown in the progress and in every metrics line. ``schedule="sync"`` is the
+synchronous schedule (a step's microbatches, then the step; nothing in flight across it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from swarmd.errors import StageUnavailable
 #: fixed validation batches (same for every evaluation of a run)
 VAL_BATCHES = 4
 VIEW_TIMEOUT_S = 120.0
+#: at most this many microbatches in flight when ``training.in_flight`` is 0 (each holds its
+#: activations on every stage peer it passed, and its weights' stash: bounded by memory and
+#: by the stages' staleness limit, ``swarmd.pipeline.worker.MAX_STALENESS`` steps)
+MAX_IN_FLIGHT = 32
+SCHEDULES = ("pipelined", "sync")
 
 
 @dataclass(frozen=True)
@@ -42,10 +53,14 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 data_path: Path | None = None, home: Path | None = None,
                 listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                 microbatches: int | None = None, progress: Callable[[str], None] = print,
-                bar: bool = True, until: Callable[[], bool] | None = None) -> TrainResult:
+                bar: bool = True, until: Callable[[], bool] | None = None,
+                schedule: str = "pipelined", fixed_in_flight: int | None = None
+                ) -> TrainResult:
     """Train ``steps`` steps through the swarm, or fewer: ``until`` (when given) is asked
     after every step and ends the run early once it returns true. ``microbatches`` overrides
-    ``training.microbatches``. With ``bar``, a progress bar goes to stderr when that is a
+    ``training.microbatches``. ``schedule`` is ``pipelined`` or ``sync`` (module doc);
+    ``fixed_in_flight`` pins the pipelined schedule's number in flight (experiments). With
+    ``bar``, a progress bar goes to stderr when that is a
     terminal; otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     from swarmd.training.data import load_corpus
     from transport.memory import keep_freed_memory
@@ -55,8 +70,11 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     path = data_path if data_path is not None else (Path(config.data.path) if config.data.path
                                                     else None)
     corpus = load_corpus(path, max_bytes=config.data.max_bytes, seq_len=model.seq_len)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
-                 batch=config.training.batch_size, seq=model.seq_len,
+                 batch=config.training.batch_size, seq=model.seq_len, schedule=schedule,
+                 fixed_in_flight=fixed_in_flight,
                  metrics_file=home / "train-metrics.jsonl" if home is not None else None)
     async with _joined(config, bootstrap, listen, progress) as (trainer, membership):
         await _wait_for_stages(membership, config.swarm.stages, progress)
@@ -71,6 +89,8 @@ class _Plan:
     batch: int
     seq: int
     metrics_file: Path | None
+    schedule: str = "pipelined"
+    fixed_in_flight: int | None = None
 
 
 @contextlib.asynccontextmanager
@@ -110,32 +130,50 @@ async def _run_steps(trainer: Any, corpus: Any, config: Any, plan: _Plan, shown:
     """Validation before, the steps (one metrics line each), validation after."""
     import torch
 
+    from swarmd.pipeline.inflight import InFlight
+
     generator = torch.Generator().manual_seed(config.training.seed)
-    in_flight = config.training.in_flight or plan.microbatches
     val = corpus.val_batches(plan.batch, plan.seq, VAL_BATCHES)
     initial = await trainer.evaluate(val)
     shown.say(f"initial validation loss {initial:.4f}")
     t0 = time.monotonic()
-    step = 0
+    last = 0
+
+    def draw() -> Any:
+        return corpus.sample_batch("train", plan.batch, plan.seq, generator)
+
+    async def stepped(step: int, loss: float) -> bool:
+        nonlocal last
+        last = step
+        s = trainer.stats
+        rate = s.tokens / (time.monotonic() - t0)
+        _write_metrics(plan.metrics_file, {
+            "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
+            "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
+            "in_flight": s.in_flight, "in_flight_target": s.in_flight_target,
+            "round_trip_ms": s.round_trip_ms,
+            "time": time.time()})  # a record's timestamp for people, not a timer
+        shown.stepped(step, loss, rate, s)
+        return until is not None and until()
+
     with shown:
-        for step in range(1, plan.steps + 1):
-            batches = [corpus.sample_batch("train", plan.batch, plan.seq, generator)
-                       for _ in range(plan.microbatches)]
-            loss = await trainer.train_step(batches, concurrency=in_flight)
-            s = trainer.stats
-            rate = s.tokens / (time.monotonic() - t0)
-            _write_metrics(plan.metrics_file, {
-                "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
-                "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
-                "time": time.time()})  # a record's timestamp for people, not a timer
-            shown.stepped(step, loss, rate, s)
-            if until is not None and until():
-                break
+        if plan.schedule == "sync":
+            in_flight = config.training.in_flight or plan.microbatches
+            for step in range(1, plan.steps + 1):
+                batches = [draw() for _ in range(plan.microbatches)]
+                if await stepped(step, await trainer.train_step(batches, in_flight)):
+                    break
+        else:
+            ceiling = plan.fixed_in_flight or config.training.in_flight or MAX_IN_FLIGHT
+            window = InFlight(floor=plan.microbatches, ceiling=ceiling,
+                              fixed=plan.fixed_in_flight is not None)
+            await trainer.train(draw, steps=plan.steps, microbatches=plan.microbatches,
+                                window=window, on_step=stepped)
     final = await trainer.evaluate(val)
     shown.say(f"final validation loss {final:.4f}")
     s = trainer.stats
     seconds = time.monotonic() - t0
-    return TrainResult(steps=step, initial_val_loss=initial, final_val_loss=final,
+    return TrainResult(steps=last, initial_val_loss=initial, final_val_loss=final,
                        tokens_per_s=s.tokens / max(1e-9, seconds), rerouted=s.rerouted,
                        restarted=s.restarted, lost=s.lost, seconds=seconds,
                        metrics_file=str(plan.metrics_file) if plan.metrics_file else None)
@@ -168,12 +206,13 @@ class _Progress:
         routes = "/".join(str(n) for n in s.peers_used())
         if not self.bar.disable:
             self.bar.set_postfix_str(
-                f"loss {loss:.3f}  {rate:,.0f} tok/s  peers {routes}  rerouted {s.rerouted}  "
+                f"loss {loss:.3f}  {rate:,.0f} tok/s  in flight {s.in_flight_target}  "
+                f"peers {routes}  rerouted {s.rerouted}  "
                 f"restarted {s.restarted}  lost {s.lost}", refresh=False)
             self.bar.update(1)
         elif step % self.every == 0 or step == self.steps:
-            self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tok/s  peers "
-                     f"per stage {routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
+            self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tok/s  in "
+                     f"flight {s.in_flight_target}  peers per stage {routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
                      f"lost {s.lost}")
 
 

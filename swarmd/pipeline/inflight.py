@@ -1,0 +1,90 @@
+"""How many microbatches a trainer keeps in the pipeline: a pure controller (no I/O, no clock).
+
+Little's law: to keep the pipeline busy, the microbatches in flight must cover what the
+pipeline delivers during one microbatch's round trip, the bandwidth-delay product
+
+    in_flight = throughput (microbatches / s) x round trip (s)
+
+Both are measured by the trainer, like BBR measures a TCP path: the round trip as the
+shortest life of a microbatch seen so far (its first forward sent -> its input gradient back:
+every hop's wire time and compute, without the queueing that a fuller pipeline adds), the
+throughput as the highest completion rate over a recent window (what the pipeline delivers
+when it is kept full). The target is ``GAIN`` x their product plus a step's microbatches: while
+the pipeline is latency-bound the completion rate grows with what is in flight and the target
+grows with it (by ``GAIN`` each round trip); once the slowest stage's compute is the limit the
+rate stops growing and the target settles, a little above the product (what queues is then at
+most ``GAIN - 1`` of it plus a step). It never goes below ``floor`` (a step's microbatches:
+the synchronous schedule's number) nor above ``ceiling`` (``training.in_flight``, or what
+memory and the stages' staleness bound allow).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+#: target = GAIN x throughput x round trip + floor
+GAIN = 1.25
+#: completions over which one rate sample is measured
+RATE_SPAN = 8
+#: rate samples (one per completion) over which the highest is kept
+RATE_WINDOW = 64
+
+
+def target_in_flight(rate: float | None, round_trip_s: float | None, *, floor: int,
+                     ceiling: int, gain: float = GAIN) -> int:
+    """Microbatches to keep in flight for a pipeline that delivers ``rate`` microbatches per
+    second with an unloaded round trip of ``round_trip_s``; ``floor`` while either is
+    unknown. Always within [floor, ceiling] (ceiling below floor: the ceiling wins)."""
+    if floor < 1 or ceiling < 1:
+        raise ValueError("in-flight floor and ceiling must be at least 1")
+    floor = min(floor, ceiling)
+    if not rate or not round_trip_s or not (math.isfinite(rate) and math.isfinite(round_trip_s)) \
+            or rate < 0 or round_trip_s < 0:
+        return floor
+    want = math.ceil(gain * rate * round_trip_s) + floor
+    return max(floor, min(ceiling, want))
+
+
+@dataclass
+class InFlight:
+    """The measurements and the target. ``completed(now, life_s)`` after each microbatch
+    that came back whole; ``target`` is how many to keep in flight now. ``fixed`` pins the
+    target to ``ceiling`` (a configured number, or an experiment)."""
+
+    floor: int
+    ceiling: int
+    fixed: bool = False
+    round_trip_s: float | None = None
+    rate: float | None = None
+    _done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SPAN + 1))
+    _rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+
+    def __post_init__(self) -> None:
+        if self.floor < 1 or self.ceiling < 1:
+            raise ValueError("in-flight floor and ceiling must be at least 1")
+
+    def completed(self, now: float, life_s: float) -> None:
+        """A microbatch came back whole at ``now``, ``life_s`` after its forward was sent."""
+        if math.isfinite(life_s) and life_s > 0:
+            self.round_trip_s = life_s if self.round_trip_s is None else min(
+                self.round_trip_s, life_s)
+        self._done_at.append(now)
+        if len(self._done_at) == self._done_at.maxlen:
+            span = self._done_at[-1] - self._done_at[0]
+            if span > 0:
+                self._rates.append((len(self._done_at) - 1) / span)
+                self.rate = max(self._rates)
+
+    @property
+    def target(self) -> int:
+        if self.fixed:
+            return self.ceiling
+        return target_in_flight(self.rate, self.round_trip_s, floor=self.floor,
+                                ceiling=self.ceiling)
+
+    def shown(self) -> dict[str, float | int | None]:
+        """What the trainer's progress and metrics show."""
+        return {"in_flight_target": self.target, "round_trip_ms": None if self.round_trip_s is
+                None else self.round_trip_s * 1e3, "microbatches_per_s": self.rate}
