@@ -13,7 +13,9 @@ when it is kept full). The target is ``GAIN`` x their product plus a step's micr
 the pipeline is latency-bound the completion rate grows with what is in flight and the target
 grows with it (by ``GAIN`` each round trip); once the slowest stage's compute is the limit the
 rate stops growing and the target settles, a little above the product (what queues is then at
-most ``GAIN - 1`` of it plus a step). It never goes below ``floor`` (a step's microbatches:
+most ``GAIN - 1`` of it plus a step; where a step's microbatches already queue, the shortest
+round trip seen includes that queue and the target settles near ``(1 + GAIN)`` x ``floor``:
+more in flight than needed, never less throughput). It never goes below ``floor`` (a step's microbatches:
 the synchronous schedule's number) nor above ``ceiling`` (``training.in_flight``, or what
 memory and the stages' staleness bound allow).
 """
@@ -43,8 +45,10 @@ def target_in_flight(rate: float | None, round_trip_s: float | None, *, floor: i
     if not rate or not round_trip_s or not (math.isfinite(rate) and math.isfinite(round_trip_s)) \
             or rate < 0 or round_trip_s < 0:
         return floor
-    want = math.ceil(gain * rate * round_trip_s) + floor
-    return max(floor, min(ceiling, want))
+    want = gain * rate * round_trip_s + floor
+    if not math.isfinite(want) or want >= ceiling:
+        return ceiling
+    return max(floor, min(ceiling, math.ceil(want)))
 
 
 @dataclass

@@ -123,6 +123,8 @@ class Trainer:
         self._counter = 0
         #: samples whose gradients were added since the last step
         self._samples = 0
+        #: the pipelined schedule's microbatches in flight
+        self._running: set[asyncio.Task[tuple[float, list[torch.Tensor], float, int]]] = set()
         #: sends whose answer already arrived, finishing in the background
         self._late: set[asyncio.Future[Any]] = set()
 
@@ -182,7 +184,7 @@ class Trainer:
         still in flight then finishes, and its gradients are dropped)."""
         total, launched, done, stop = steps * microbatches, 0, 0, False
         losses: list[float] = []
-        running: set[asyncio.Task[tuple[float, list[torch.Tensor], float, int]]] = set()
+        running = self._running
         try:
             while running or (launched < total and not stop):
                 while not stop and launched < total and len(running) < window.target:
@@ -190,8 +192,8 @@ class Trainer:
                     running.add(asyncio.create_task(self._microbatch(x, y, float(x.shape[0]))))
                     launched += 1
                 self._show(window, len(running))
-                finished, running = await asyncio.wait(running,
-                                                       return_when=asyncio.FIRST_COMPLETED)
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                running -= finished
                 for task in finished:
                     loss, grads, life, samples = task.result()  # a lost microbatch raises
                     window.completed(time.monotonic(), life)
@@ -206,7 +208,15 @@ class Trainer:
         finally:
             for task in running:
                 task.cancel()
+            running.clear()
             self._show(window, 0)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every microbatch in flight came back; ``train``
+        still counts them when it goes on. For a caller of ``on_step`` that needs the pipeline
+        quiet (a benchmark's measurement boundary): no new microbatch starts meanwhile."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=timeout_s)
 
     async def _pipelined_step(self, losses: list[float], window: InFlight
                               ) -> tuple[int, float]:
