@@ -191,3 +191,27 @@ def test_microbatches_older_than_the_staleness_bound_are_dropped() -> None:
     with pytest.raises(UnknownMicrobatch):
         w.backward("a", torch.ones(1, 2, W), now=0.0)
     w.backward("b", torch.ones(1, 2, W), now=0.0)
+
+
+def test_backward_with_current_weights_runs_the_forward_again_after_a_step() -> None:
+    """SWARM's answer, kept as an option: the gradient is the current weights' on the input
+    kept; without a step in between the kept graph is used as is."""
+    module, ref = blocks(4), blocks(4)
+    w = StageWorker(module, width=W, max_tokens=100, backward_with="current")
+    x, g = torch.randn(2, 3, W), torch.randn(2, 3, W)
+    w.forward("m", x, now=0.0)
+    with torch.no_grad():
+        for p, q in zip(module.parameters(), ref.parameters()):
+            p.add_(0.5)
+            q.add_(0.5)
+    gx = w.backward("m", g, now=0.0)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    assert torch.allclose(gx, xr.grad, atol=1e-6) and w.recomputed == 1
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    w.forward("n", x, now=0.0)
+    w.backward("n", g, now=0.0)
+    assert w.recomputed == 1
+    with pytest.raises(ValueError):
+        StageWorker(blocks(0), width=W, max_tokens=100, backward_with="later")

@@ -61,6 +61,7 @@ class Stepper:
         kept = [p.grad for p in self._params]
         for p, g in self._unflatten(vector):
             p.grad = g
+        self.worker.before_step()
         self.optimizer.step()
         for p, g in zip(self._params, kept):
             p.grad = g
@@ -72,6 +73,7 @@ class Stepper:
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples
+        self.worker.before_step()
         self.optimizer.step()
         self.worker.zero_grad()
         self._stepped()

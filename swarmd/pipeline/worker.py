@@ -35,7 +35,17 @@ from swarmd.training.model import wire_tensor
 
 #: a microbatch whose backward comes more than this many optimizer steps after its forward
 #: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept
-MAX_STALENESS = 8
+MAX_STALENESS = 16
+#: what a backward differentiates when a step came between it and its forward: the weights
+#: the forward used (``stashed``) or the current ones, the forward run again (``current``)
+BACKWARD_WITH = "stashed"
+#: weight of each backward's lateness (in steps) in the average the prediction uses
+LAG_EMA = 0.1
+
+
+def _version(module: nn.Module) -> int:
+    """Changes whenever any parameter is changed in place (autograd's version counters)."""
+    return sum(p._version for p in module.parameters())
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +60,8 @@ class _Saved:
     #: the weights the forward used (leaves; name -> tensor) and the step they belong to
     weights: dict[str, torch.Tensor]
     step: int
+    #: the live weights' version when the forward ran (``_version``)
+    version: int
     #: gradients arrived so far; members that will never send one (forgotten)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
@@ -64,7 +76,8 @@ class StageWorker:
                  max_saved: int = 64, ttl_s: float = 120.0,
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
-                 max_staleness: int = MAX_STALENESS) -> None:
+                 max_staleness: int = MAX_STALENESS,
+                 backward_with: str = BACKWARD_WITH) -> None:
         if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1 or max_staleness < 0:
             raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1"
                              ", max_staleness >= 0")
@@ -81,6 +94,18 @@ class StageWorker:
         self.steps = 0
         #: the stash forwards use now: (weights' in-place version sum, name -> leaf copy)
         self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
+        #: weight prediction: the weights before the step being taken, the last step's
+        #: change (each with the weights' version it belongs to), and how many steps late
+        #: backwards arrive (average)
+        if backward_with not in ("stashed", "current"):
+            raise ValueError(f"backward_with {backward_with!r}: 'stashed' or 'current'")
+        self.backward_with = backward_with
+        self.predict = backward_with == "stashed"
+        self._pre_step: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._last_step: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.lag = 0.0
+        #: backwards that ran the forward again on the current weights (``current``)
+        self.recomputed = 0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
 
@@ -127,28 +152,53 @@ class StageWorker:
         weights = self._weights()
         with torch.enable_grad():
             outputs = functional_call(self.module, weights, (inputs,))
-        saved = _Saved(inputs, outputs, rows, now + self.ttl_s, weights, self.steps)
+        saved = _Saved(inputs, outputs, rows, now + self.ttl_s, weights, self.steps,
+                       self._stash[0] if self._stash is not None else 0)
         for mb_id in rows:
             self._saved[mb_id] = saved
         out = outputs.detach()
         return [wire_tensor(out[r]) for r in rows.values()]
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        """The stash of the current weights: copied once after each change of the weights
-        (an optimizer step, a state loaded), then shared by every forward until the next."""
-        version = sum(p._version for p in self.module.parameters())
+        """The stash of the current weights: made once after each change of the weights (an
+        optimizer step, a state loaded), then shared by every forward until the next. After
+        our own steps, with microbatches coming back ``lag`` steps late on average, it holds
+        the weights predicted for when their gradient is applied: live + lag x the last
+        step's change (linear weight prediction, docs/pipeline.md)."""
+        version = _version(self.module)
         if self._stash is None or self._stash[0] != version:
+            lag = round(self.lag, 2) if self.predict else 0.0
+            last = self._last_step
+            ahead = lag > 0 and last is not None and last[0] == version
             with torch.no_grad():
-                copy = {name: p.detach().clone().requires_grad_(p.requires_grad)
-                        for name, p in self.module.named_parameters()}
+                copy = {}
+                for name, p in self.module.named_parameters():
+                    w = p.detach().clone()
+                    if ahead and name in last[1]:
+                        w.add_(last[1][name], alpha=lag)
+                    copy[name] = w.requires_grad_(p.requires_grad)
             self._stash = (version, copy)
         return self._stash[1]
 
+    def before_step(self) -> None:
+        """Called just before an optimizer step: the weights it starts from."""
+        with torch.no_grad():
+            self._pre_step = (_version(self.module), {
+                n: p.detach().clone() for n, p in self.module.named_parameters()})
+
     def stepped(self) -> list[str]:
-        """The weights took an optimizer step: microbatches whose forward is now more than
-        ``max_staleness`` steps old are dropped (returns their ids; their backward gets
-        ``unknown_microbatch`` and the trainer restarts them)."""
+        """The weights took an optimizer step (after ``before_step``): its change is kept for
+        the prediction; microbatches whose forward is now more than ``max_staleness`` steps
+        old are dropped (returns their ids; their backward gets ``unknown_microbatch`` and
+        the trainer restarts them)."""
         self.steps += 1
+        pre, self._pre_step = self._pre_step, None
+        self._last_step = None
+        if pre is not None:
+            with torch.no_grad():
+                self._last_step = (_version(self.module), {
+                    n: p.detach() - pre[1][n] for n, p in self.module.named_parameters()
+                    if n in pre[1]})
         gone = [k for k, v in self._saved.items() if self.steps - v.step > self.max_staleness]
         for k in gone:
             del self._saved[k]
@@ -203,6 +253,7 @@ class StageWorker:
         return saved is not None and mb_id in saved.grads
 
     def _run_backward(self, saved: _Saved) -> dict[str, torch.Tensor]:
+        self.lag += LAG_EMA * ((self.steps - saved.step) - self.lag)
         for mb in saved.rows:
             self._saved.pop(mb, None)
         parts = [saved.grads[mb].to(self.device, saved.outputs.dtype) if mb in saved.grads
@@ -215,8 +266,16 @@ class StageWorker:
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
 
     def _backward(self, saved: _Saved, grad: torch.Tensor) -> None:
-        """Back-propagate through the stashed weights the forward used; their gradients are
-        added to the live parameters' (what the next step applies)."""
+        """Back-propagate through the stashed weights the forward used (``current``: when
+        the weights changed since, through a forward run again on the current ones); their
+        gradients are added to the live parameters' (what the next step applies)."""
+        if self.backward_with == "current" and saved.version != _version(self.module):
+            weights = self._weights()
+            inputs = saved.inputs.detach().requires_grad_(True)
+            with torch.enable_grad():
+                outputs = functional_call(self.module, weights, (inputs,))
+            saved.inputs, saved.outputs, saved.weights = inputs, outputs, weights
+            self.recomputed += 1
         live = dict(self.module.named_parameters())
         names = [n for n, w in saved.weights.items() if w.requires_grad]
         found = torch.autograd.grad(saved.outputs, [saved.inputs, *(saved.weights[n]

@@ -159,6 +159,7 @@ async def _run_steps(trainer: Any, corpus: Any, config: Any, plan: _Plan, shown:
     with shown:
         if plan.schedule == "sync":
             in_flight = config.training.in_flight or plan.microbatches
+            trainer.stats.in_flight_target = in_flight
             for step in range(1, plan.steps + 1):
                 batches = [draw() for _ in range(plan.microbatches)]
                 if await stepped(step, await trainer.train_step(batches, in_flight)):
