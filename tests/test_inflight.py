@@ -79,3 +79,9 @@ def test_fixed_pins_the_ceiling() -> None:
     for i in range(RATE_SPAN + 2):
         window.completed(float(i), 0.5)
     assert window.target == 16 and window.rate == pytest.approx(1.0)
+
+
+def test_a_latency_bound_pipeline_fills_within_a_few_round_trips() -> None:
+    window = InFlight(floor=4, ceiling=64)
+    targets = _simulate(window, rtt=0.3, capacity=40.0, rounds=6)
+    assert max(targets[:4]) > 0.3 * 40.0  # past the bandwidth-delay product in 4 rounds

@@ -9,9 +9,10 @@ Both are measured by the trainer, like BBR measures a TCP path: the round trip a
 shortest life of a microbatch seen so far (its first forward sent -> its input gradient back:
 every hop's wire time and compute, without the queueing that a fuller pipeline adds), the
 throughput as the highest completion rate over a recent window (what the pipeline delivers
-when it is kept full). The target is ``GAIN`` x their product plus a step's microbatches: while
+when it is kept full). The target is a gain x their product plus a step's microbatches: while
 the pipeline is latency-bound the completion rate grows with what is in flight and the target
-grows with it (by ``GAIN`` each round trip); once the slowest stage's compute is the limit the
+grows with it (by ``STARTUP_GAIN`` each round trip while the recent lives stay near the
+shortest, i.e. nothing queues yet; ``GAIN`` once they grow); once the slowest stage's compute is the limit the
 rate stops growing and the target settles, a little above the product (what queues is then at
 most ``GAIN - 1`` of it plus a step; where a step's microbatches already queue, the shortest
 round trip seen includes that queue and the target settles near ``(1 + GAIN)`` x ``floor``:
@@ -28,6 +29,13 @@ from dataclasses import dataclass, field
 
 #: target = GAIN x throughput x round trip + floor
 GAIN = 1.25
+#: the gain while microbatches come back about as fast as the shortest round trip (nothing
+#: queues yet: the pipeline is latency-bound), so that it fills in a few round trips
+STARTUP_GAIN = 2.0
+#: "about as fast": the recent average life within this factor of the shortest
+QUEUE_FREE = 1.25
+#: weight of each completion in the recent average life
+LIFE_EMA = 0.2
 #: completions over which one rate sample is measured
 RATE_SPAN = 8
 #: rate samples (one per completion) over which the highest is kept
@@ -62,6 +70,8 @@ class InFlight:
     fixed: bool = False
     round_trip_s: float | None = None
     rate: float | None = None
+    #: the recent average life of a microbatch (EMA)
+    life_s: float | None = None
     _done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SPAN + 1))
     _rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
 
@@ -74,6 +84,8 @@ class InFlight:
         if math.isfinite(life_s) and life_s > 0:
             self.round_trip_s = life_s if self.round_trip_s is None else min(
                 self.round_trip_s, life_s)
+            self.life_s = life_s if self.life_s is None else (
+                self.life_s + LIFE_EMA * (life_s - self.life_s))
         self._done_at.append(now)
         if len(self._done_at) == self._done_at.maxlen:
             span = self._done_at[-1] - self._done_at[0]
@@ -86,7 +98,16 @@ class InFlight:
         if self.fixed:
             return self.ceiling
         return target_in_flight(self.rate, self.round_trip_s, floor=self.floor,
-                                ceiling=self.ceiling)
+                                ceiling=self.ceiling, gain=self.gain)
+
+    @property
+    def gain(self) -> float:
+        """``STARTUP_GAIN`` while nothing queues (recent lives near the shortest), else
+        ``GAIN``."""
+        if self.life_s is not None and self.round_trip_s is not None and \
+                self.life_s < QUEUE_FREE * self.round_trip_s:
+            return STARTUP_GAIN
+        return GAIN
 
     def shown(self) -> dict[str, float | int | None]:
         """What the trainer's progress and metrics show."""
