@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.pipeline.inflight import GAIN, RATE_SPAN, InFlight, target_in_flight
+from swarmd.pipeline.inflight import GAIN, InFlight, target_in_flight
 
 
 def test_unknown_measurements_give_the_floor() -> None:
@@ -76,12 +76,37 @@ def test_a_compute_bound_pipeline_stays_near_the_floor() -> None:
 def test_fixed_pins_the_ceiling() -> None:
     window = InFlight(floor=4, ceiling=16, fixed=True)
     assert window.target == 16
-    for i in range(RATE_SPAN + 2):
-        window.completed(float(i), 0.5)
-    assert window.target == 16 and window.rate == pytest.approx(1.0)
+    for i in range(10):
+        window.completed(i * 0.1, 0.5)
+    assert window.target == 16 and window.rate == pytest.approx(10.0)
+
+
+def test_a_burst_of_completions_is_not_taken_for_a_rate() -> None:
+    """Ten a second, then eight processed at once (the compute thread was busy): the rate
+    over the window stays near ten, and so does the target."""
+    window = InFlight(floor=4, ceiling=64)
+    now = 0.0
+    for _ in range(20):
+        now += 0.1
+        window.completed(now, 0.3)
+    for _ in range(8):
+        window.completed(now + 1e-4, 0.3)
+    assert window.rate is not None and window.rate < 20.0
+    assert window.target <= 4 + 2.0 * 20.0 * 0.3 + 1
 
 
 def test_a_latency_bound_pipeline_fills_within_a_few_round_trips() -> None:
     window = InFlight(floor=4, ceiling=64)
     targets = _simulate(window, rtt=0.3, capacity=40.0, rounds=6)
     assert max(targets[:4]) > 0.3 * 40.0  # past the bandwidth-delay product in 4 rounds
+
+
+def test_busy_lowers_the_target_which_grows_back() -> None:
+    window = InFlight(floor=4, ceiling=32, fixed=False)
+    window.rate, window.round_trip_s = 100.0, 0.5  # a target at the ceiling
+    assert window.target == 32
+    window.busy(20)
+    assert window.target == 15
+    for i in range(8):
+        window.completed(float(i), 10.0)
+    assert window.target == 17

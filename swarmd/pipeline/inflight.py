@@ -36,10 +36,15 @@ STARTUP_GAIN = 2.0
 QUEUE_FREE = 1.25
 #: weight of each completion in the recent average life
 LIFE_EMA = 0.2
-#: completions over which one rate sample is measured
-RATE_SPAN = 8
-#: rate samples (one per completion) over which the highest is kept
-RATE_WINDOW = 64
+#: the completion rate is measured over the completions of the last
+#: max(RATE_MIN_S, RATE_ROUND_TRIPS x round trip) seconds (completions come in bursts when
+#: the trainer's compute thread was busy: a short window would see rates no pipeline has)
+RATE_MIN_S = 1.0
+RATE_ROUND_TRIPS = 2.0
+#: at least this many completions in the window before a rate is said
+RATE_MIN_COUNT = 4
+#: completion times kept (bounds the memory whatever the rate)
+RATE_KEEP = 512
 
 
 def target_in_flight(rate: float | None, round_trip_s: float | None, *, floor: int,
@@ -72,8 +77,11 @@ class InFlight:
     rate: float | None = None
     #: the recent average life of a microbatch (EMA)
     life_s: float | None = None
-    _done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SPAN + 1))
-    _rates: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    #: set by ``busy`` (a stage peer refused a forward: its queue is full): the target stays
+    #: at most this, which grows back by one every ``floor`` completions
+    cap: int | None = None
+    _since_busy: int = 0
+    _done_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_KEEP))
 
     def __post_init__(self) -> None:
         if self.floor < 1 or self.ceiling < 1:
@@ -86,19 +94,33 @@ class InFlight:
                 self.round_trip_s, life_s)
             self.life_s = life_s if self.life_s is None else (
                 self.life_s + LIFE_EMA * (life_s - self.life_s))
+        self._since_busy += 1
+        if self.cap is not None and self._since_busy % self.floor == 0:
+            self.cap += 1
+            if self.cap >= self.ceiling:
+                self.cap = None
         self._done_at.append(now)
-        if len(self._done_at) == self._done_at.maxlen:
-            span = self._done_at[-1] - self._done_at[0]
-            if span > 0:
-                self._rates.append((len(self._done_at) - 1) / span)
-                self.rate = max(self._rates)
+        window = max(RATE_MIN_S, RATE_ROUND_TRIPS * (self.round_trip_s or 0.0))
+        while self._done_at and self._done_at[0] < now - window:
+            self._done_at.popleft()
+        span = now - self._done_at[0]
+        if len(self._done_at) >= RATE_MIN_COUNT and span > 0:
+            self.rate = (len(self._done_at) - 1) / span
+
+    def busy(self, in_flight: int) -> None:
+        """A stage peer answered ``busy`` with ``in_flight`` microbatches out: more than its
+        queue holds; stay below that for a while (multiplicative decrease, additive
+        increase, as TCP does)."""
+        self.cap = max(min(self.floor, self.ceiling), int(0.75 * in_flight))
+        self._since_busy = 0
 
     @property
     def target(self) -> int:
         if self.fixed:
             return self.ceiling
-        return target_in_flight(self.rate, self.round_trip_s, floor=self.floor,
-                                ceiling=self.ceiling, gain=self.gain)
+        n = target_in_flight(self.rate, self.round_trip_s, floor=self.floor,
+                             ceiling=self.ceiling, gain=self.gain)
+        return n if self.cap is None else max(min(self.floor, self.ceiling), min(n, self.cap))
 
     @property
     def gain(self) -> float:

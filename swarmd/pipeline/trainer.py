@@ -184,9 +184,13 @@ class Trainer:
         still in flight then finishes, and its gradients are dropped)."""
         total, launched, done, stop = steps * microbatches, 0, 0, False
         losses: list[float] = []
+        busy = self.counters["hop_busy"]
         running = self._running
         try:
             while running or (launched < total and not stop):
+                if self.counters["hop_busy"] > busy:  # a stage's queue was full
+                    busy = self.counters["hop_busy"]
+                    window.busy(len(running))
                 while not stop and launched < total and len(running) < window.target:
                     x, y = next_batch()
                     running.add(asyncio.create_task(self._microbatch(x, y, float(x.shape[0]))))
