@@ -76,9 +76,16 @@ def test_a_compute_bound_pipeline_stays_near_the_floor() -> None:
 def test_fixed_pins_the_ceiling() -> None:
     window = InFlight(floor=4, ceiling=16, fixed=True)
     assert window.target == 16
-    for i in range(10):
+    for i in range(11):
         window.completed(i * 0.1, 0.5)
     assert window.target == 16 and window.rate == pytest.approx(10.0)
+
+
+def test_the_first_microbatches_coming_back_together_say_no_rate() -> None:
+    window = InFlight(floor=4, ceiling=32)
+    for _ in range(4):
+        window.completed(1.0, 1.0)
+    assert window.rate is None and window.target == 4
 
 
 def test_a_burst_of_completions_is_not_taken_for_a_rate() -> None:

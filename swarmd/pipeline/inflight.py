@@ -41,7 +41,8 @@ LIFE_EMA = 0.2
 #: the trainer's compute thread was busy: a short window would see rates no pipeline has)
 RATE_MIN_S = 1.0
 RATE_ROUND_TRIPS = 2.0
-#: at least this many completions in the window before a rate is said
+#: at least this many completions in the window, spread over at least half of it, before a
+#: rate is said (the first ones come back together)
 RATE_MIN_COUNT = 4
 #: completion times kept (bounds the memory whatever the rate)
 RATE_KEEP = 512
@@ -104,7 +105,7 @@ class InFlight:
         while self._done_at and self._done_at[0] < now - window:
             self._done_at.popleft()
         span = now - self._done_at[0]
-        if len(self._done_at) >= RATE_MIN_COUNT and span > 0:
+        if len(self._done_at) >= RATE_MIN_COUNT and span >= 0.5 * window:
             self.rate = (len(self._done_at) - 1) / span
 
     def busy(self, in_flight: int) -> None:
