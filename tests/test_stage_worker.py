@@ -154,3 +154,64 @@ def test_a_batch_whose_member_never_comes_back_is_finished_without_it() -> None:
         w.backward_joined("b", torch.randn(2, 5, W), now=0.0)
     with pytest.raises(ValueError):
         w.forward_many([("c", torch.randn(1, 5, W)), ("d", torch.randn(1, 4, W))], now=0.0)
+
+
+def test_a_step_between_forward_and_backward_uses_the_weights_the_forward_used() -> None:
+    """Weight stashing: a step in place while a microbatch is in flight breaks nothing; its
+    gradient is the one of the weights its forward ran with; the next forward uses the new."""
+    module, ref = blocks(3), blocks(3)
+    w = StageWorker(module, width=W, max_tokens=100)
+    x, g = torch.randn(2, 3, W), torch.randn(2, 3, W)
+    y = w.forward("old", x, now=0.0)
+    with torch.no_grad():  # an optimizer step, in place
+        for p in module.parameters():
+            p.add_(0.5)
+    gx = w.backward("old", g, now=0.0)
+    # the reference: the old weights
+    xr = x.clone().requires_grad_(True)
+    yr = ref(xr)
+    assert torch.allclose(y, yr.detach(), atol=1e-6)
+    yr.backward(g)
+    assert torch.allclose(gx, xr.grad, atol=1e-6)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    # a new forward runs on the stepped weights
+    with torch.no_grad():
+        for q in ref.parameters():
+            q.add_(0.5)
+        assert torch.allclose(w.forward("new", x, now=0.0), ref(x), atol=1e-6)
+
+
+def test_microbatches_older_than_the_staleness_bound_are_dropped() -> None:
+    w = StageWorker(blocks(0), width=W, max_tokens=100, max_staleness=2)
+    w.forward("a", torch.randn(1, 2, W), now=0.0)
+    assert w.stepped() == [] and w.stepped() == []
+    w.forward("b", torch.randn(1, 2, W), now=0.0)
+    assert w.stepped() == ["a"] and w.holds("b") and not w.holds("a")
+    with pytest.raises(UnknownMicrobatch):
+        w.backward("a", torch.ones(1, 2, W), now=0.0)
+    w.backward("b", torch.ones(1, 2, W), now=0.0)
+
+
+def test_backward_with_current_weights_runs_the_forward_again_after_a_step() -> None:
+    """SWARM's answer, kept as an option: the gradient is the current weights' on the input
+    kept; without a step in between the kept graph is used as is."""
+    module, ref = blocks(4), blocks(4)
+    w = StageWorker(module, width=W, max_tokens=100, backward_with="current")
+    x, g = torch.randn(2, 3, W), torch.randn(2, 3, W)
+    w.forward("m", x, now=0.0)
+    with torch.no_grad():
+        for p, q in zip(module.parameters(), ref.parameters()):
+            p.add_(0.5)
+            q.add_(0.5)
+    gx = w.backward("m", g, now=0.0)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    assert torch.allclose(gx, xr.grad, atol=1e-6) and w.recomputed == 1
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    w.forward("n", x, now=0.0)
+    w.backward("n", g, now=0.0)
+    assert w.recomputed == 1
+    with pytest.raises(ValueError):
+        StageWorker(blocks(0), width=W, max_tokens=100, backward_with="later")

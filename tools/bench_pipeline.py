@@ -10,7 +10,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 - ``swarm_tokens_per_s``: a local swarm of 2 stages with one peer each (two ``swarmd join``
   processes, ``swarmd.local.swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
   wire codec, driven by ``swarmd.training.run.train()`` in this process (the trainer: embedding,
-  head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, all in flight).
+  head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, pipelined: as many in flight as the trainer measures it needs, ``Trainer.train``).
   Every process of the swarm runs one torch thread (``model.threads = 1``, as in
   ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
   ``--trainer-threads`` override it). The first ``warmup_steps`` steps (connections, stream pool,
@@ -68,9 +68,9 @@ after each reference block, from the trainer's ``host.counters`` and each daemon
     wire_bytes = sum over the three hosts of delta bytes_sent
 
 summed over the swarm blocks, which counts every frame exactly once, headers and ``ok``
-replies included. At a step boundary nothing of the pipeline is in flight (``train_step``
-returns once every microbatch's forward and backward chain replied), so snapshots there split
-the traffic cleanly; the only other traffic in the window is membership (pulls and
+replies included. At a block's boundary nothing of the pipeline is in flight (the pipelined
+schedule is let settle there, ``Trainer.settle``: every microbatch in flight comes back and no
+new one starts until the next block opens), so snapshots there split the traffic cleanly; the only other traffic in the window is membership (pulls and
 announcements, well under 2 KB/s per peer), which is included: ``messages_per_microbatch`` is
 a little over the 12 frames a microbatch needs (6 tensors, 6 ``ok``). Bytes below the framing
 (Noise, yamux, TCP/IP) are counted by nobody, nor here. The daemons-only sum (sent + received)
@@ -426,6 +426,13 @@ def _probed_trainer(base: type, probe: _Probe) -> type:
             loss = await super().train_step(batches, concurrency)
             await probe.at_step(self)
             return loss
+
+        async def _pipelined_step(self, losses: Any, window: Any) -> Any:
+            out = await super()._pipelined_step(losses, window)
+            if self.step in probe.marks:  # a quiet boundary: what is in flight comes back
+                await self.settle(60.0)
+            await probe.at_step(self)
+            return out
 
     return ProbedTrainer
 

@@ -14,7 +14,7 @@ part                                    its job
 ``batching.Batcher``                   forward batching, joined backward
 ``batching.Throughput``                the throughput average membership announces
 ``stepping.Stepper``                   the optimizer math (in the compute thread)
-``stepping.Gate``                      no forwards while a step waits to change weights
+``stepping.Gate``                      steps between compute calls; drains for a restore
 ``router.Router``                      choosing, dialing and judging the next hop
 ``averaging.stage_sync.StageSync``     when the stage steps, and averaging
 =====================================  ===========================================
@@ -162,8 +162,8 @@ class StageServer:
         return await self.gate.retire(timeout_s)
 
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` (which changes the weights) once no microbatch waits here for its
-        backward (``stepping.Gate``)."""
+        """Run ``fn`` (which replaces the weights, e.g. a downloaded state) once no microbatch
+        waits here for its backward (``stepping.Gate``); optimizer steps do not drain."""
         return await self.gate.when_drained(fn, *args)
 
     def rounds_held(self) -> Any:
@@ -205,7 +205,8 @@ class _SyncPort:
         return await self._s.compute.run(self._s._take_gradient)
 
     async def apply(self, vector: torch.Tensor) -> None:
-        await self._s.gate.when_drained(self._s._apply_gradient, vector)
+        # no drain: microbatches in flight finish on their stashed weights (worker.py)
+        await self._s.gate.between(self._s._apply_gradient, vector)
 
     async def give_back(self, vector: torch.Tensor, samples: int) -> None:
         await self._s.compute.run(self._s.stepper.give_back, vector, samples)
@@ -214,7 +215,7 @@ class _SyncPort:
         return self._s.worker.samples_accumulated
 
     async def step_alone(self) -> None:
-        await self._s.gate.when_drained(self._s.stepper.step_alone)
+        await self._s.gate.between(self._s.stepper.step_alone)
 
     def stepped(self) -> None:
         for listener in list(self._s._step_listeners):

@@ -1,5 +1,11 @@
-"""A stage peer's optimizer step: the gradient math (in the compute thread) and the gate that
-keeps forwards out while a step waits for the microbatches in flight here.
+"""A stage peer's optimizer step: the gradient math (in the compute thread) and the gate.
+
+A step does not wait for the microbatches in flight here (docs/pipeline.md, "Latency hiding"):
+it runs in the compute thread between two forwards or backwards (``Gate.between``), and the
+microbatches forwarded before it finish their backward on the weights they were forwarded with
+(``StageWorker``'s weight stashing); their gradients count toward the next step. Only
+replacing the weights wholesale (a state download) and leaving the stage still drain
+(``Gate.when_drained``, ``Gate.retire``).
 
 Gradients are sums over samples everywhere (docs/pipeline.md, "Stepping"). A peer alone in its
 stage divides by its samples and steps (``step_alone``); otherwise its mean gradient is taken
@@ -60,10 +66,11 @@ class Stepper:
         kept = [p.grad for p in self._params]
         for p, g in self._unflatten(vector):
             p.grad = g
+        self.worker.before_step()
         self.optimizer.step()
         for p, g in zip(self._params, kept):
             p.grad = g
-        self.counters["optimizer_steps"] += 1
+        self._stepped()
 
     def step_alone(self) -> None:
         """A peer alone in its stage: its own mean gradient, without flattening it."""
@@ -71,9 +78,18 @@ class Stepper:
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples
+        self.worker.before_step()
         self.optimizer.step()
         self.worker.zero_grad()
+        self._stepped()
+
+    def _stepped(self) -> None:
         self.counters["optimizer_steps"] += 1
+        dropped = self.worker.stepped()
+        if dropped:  # their backward gets unknown_microbatch; the trainer restarts them
+            self.counters["dropped_stale"] += len(dropped)
+            log.warning("%d microbatch(es) more than %d steps old dropped", len(dropped),
+                        self.worker.max_staleness)
 
     def give_back(self, vector: torch.Tensor, samples: int) -> None:
         """Undo ``take_gradient`` (a round failed): add the snapshot back."""
@@ -103,13 +119,14 @@ class Stepper:
 
 
 class Gate:
-    """Keeps new forwards out while the weights are about to change, and knows when no
-    microbatch is in flight here (none saved for its backward, none between gate and forward).
+    """Runs what changes the weights, and knows when no microbatch is in flight here (none
+    saved for its backward, none between gate and forward).
 
-    The optimizer changes the weights in place, and a microbatch's backward needs the weights
-    its forward used: ``when_drained`` closes the gate, waits (at most ``DRAIN_S``) for those in
-    flight, drops the rest (their backward gets ``unknown_microbatch``; the trainer restarts
-    them), runs the step, and opens the gate again."""
+    An optimizer step goes ``between`` two compute calls: the worker stashes the weights each
+    forward used, so nothing waits. Replacing the weights wholesale (``when_drained``) closes
+    the gate to new forwards, waits (at most ``DRAIN_S``) for those in flight, drops the rest
+    (their backward gets ``unknown_microbatch``; the trainer restarts them), runs ``fn``, and
+    opens the gate again."""
 
     def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
                  stage: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -155,6 +172,10 @@ class Gate:
         self.retiring = True
         await self.drain(timeout_s)
         return self.worker.saved
+
+    async def between(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` (an optimizer step) in the compute thread, without draining."""
+        return await self.compute.run(fn, *args)
 
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._open.clear()

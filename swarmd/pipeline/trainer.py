@@ -9,6 +9,14 @@ start (``restarted``). Gradients are added to the parameters only once a microba
 succeeded, so a restart never counts twice. ``lost`` counts microbatches given up; while some
 stage has no peer the trainer waits and says which.
 
+Two schedules. ``train`` (``swarmd train``) keeps the pipeline full across step boundaries
+(docs/pipeline.md, "Latency hiding"): up to ``InFlight.target`` microbatches in flight at any
+time, the next step's starting while the last ones of the previous step are still on their way
+back; a step is taken once ``microbatches`` more have come back whole, so a microbatch's
+gradient may count toward the step after the one it was sent in (staleness bounded by what is
+in flight). ``train_step`` is the synchronous schedule: a step's microbatches, then the step,
+nothing in flight across it (the exactness test and anything that needs quiet step boundaries).
+
 Gradients are sums over samples everywhere (each microbatch's mean loss is scaled by its
 sample count): a stage peer divides by the samples it accumulated and its stage averages those
 means weighted by samples (``swarmd.averaging.stage_sync``); the trainer divides by its step's samples.
@@ -29,6 +37,7 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdError
+from swarmd.pipeline.inflight import InFlight
 from swarmd.pipeline.messages import Backward, Forward, parse_grad, parse_result
 from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
 from swarmd.pipeline.server import protocols
@@ -71,6 +80,10 @@ class TrainStats:
     microbatches: int = 0
     tokens: int = 0
     missing_stage: int | None = None
+    #: microbatches in flight now, and the number the trainer aims for (``InFlight``)
+    in_flight: int = 0
+    in_flight_target: int = 0
+    round_trip_ms: float | None = None
     losses: list[float] = field(default_factory=list)
     #: per stage, how many microbatches each peer served (route statistics)
     routes: list[Counter[str]] = field(default_factory=list)
@@ -125,6 +138,10 @@ class Trainer:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
         self._waiting: dict[tuple[str, str], _Expected] = {}
         self._counter = 0
+        #: samples whose gradients were added since the last step
+        self._samples = 0
+        #: the pipelined schedule's microbatches in flight
+        self._running: set[asyncio.Task[tuple[float, list[torch.Tensor], float, int]]] = set()
         #: sends whose answer already arrived, finishing in the background
         self._late: set[asyncio.Future[Any]] = set()
 
@@ -175,7 +192,70 @@ class Trainer:
             expected.future.set_result(tensor)
         return Message(kind="ok")
 
-    # ---- one step ---------------------------------------------------------------------------
+    # ---- the pipelined schedule ------------------------------------------------------------
+    async def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
+                    steps: int, microbatches: int, window: InFlight,
+                    on_step: Callable[[int, float], Awaitable[bool]]) -> None:
+        """``steps`` steps of ``microbatches`` microbatches each (``next_batch()`` draws one),
+        with ``window.target`` of them in flight all the time. A step is taken every
+        ``microbatches`` microbatches that came back whole, whichever step they were sent in;
+        then ``await on_step(step, its mean loss)``, which returns True to stop early (what is
+        still in flight then finishes, and its gradients are dropped)."""
+        total, launched, done, stop = steps * microbatches, 0, 0, False
+        losses: list[float] = []
+        busy = self.counters["hop_busy"]
+        running = self._running
+        try:
+            while running or (launched < total and not stop):
+                if self.counters["hop_busy"] > busy:  # a stage's queue was full
+                    busy = self.counters["hop_busy"]
+                    window.busy(len(running))
+                while not stop and launched < total and len(running) < window.target:
+                    x, y = next_batch()
+                    running.add(asyncio.create_task(self._microbatch(x, y, float(x.shape[0]))))
+                    launched += 1
+                self._show(window, len(running))
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                running -= finished
+                for task in finished:
+                    loss, grads, life, samples = task.result()  # a lost microbatch raises
+                    window.completed(time.monotonic(), life)
+                    if stop:
+                        continue
+                    done += 1
+                    losses.append(loss)
+                    await self._run(self._add, grads, samples)
+                    if done % microbatches == 0:
+                        stop = bool(await on_step(*await self._pipelined_step(losses, window)))
+                        losses = []
+        finally:
+            for task in running:
+                task.cancel()
+            running.clear()
+            self._show(window, 0)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every microbatch in flight came back; ``train``
+        still counts them when it goes on. For a caller of ``on_step`` that needs the pipeline
+        quiet (a benchmark's measurement boundary): no new microbatch starts meanwhile."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=timeout_s)
+
+    async def _pipelined_step(self, losses: list[float], window: InFlight
+                              ) -> tuple[int, float]:
+        await self._run(self._step_and_zero)
+        self.step += 1
+        loss = sum(losses) / len(losses)
+        self.stats.losses.append(loss)
+        self._show(window, self.stats.in_flight)
+        return self.step, loss
+
+    def _show(self, window: InFlight, running: int) -> None:
+        self.stats.in_flight, self.stats.in_flight_target = running, window.target
+        self.stats.round_trip_ms = (None if window.round_trip_s is None
+                                    else window.round_trip_s * 1e3)
+
+    # ---- one step (the synchronous schedule) ---------------------------------------------------
     async def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                          concurrency: int = 4) -> list[float]:
         """Forward and backward every microbatch through the swarm; gradients of the mean loss
@@ -184,7 +264,9 @@ class Trainer:
 
         async def one(x: torch.Tensor, y: torch.Tensor) -> float:
             async with gate:  # gradients are sums over samples everywhere (see the module doc)
-                return await self._microbatch(x, y, float(x.shape[0]))
+                loss, grads, _, samples = await self._microbatch(x, y, float(x.shape[0]))
+            self._add(grads, samples)  # nothing else touches the gradients meanwhile
+            return loss
 
         return list(await asyncio.gather(*(one(x, y) for x, y in batches)))
 
@@ -193,8 +275,7 @@ class Trainer:
         """``accumulate``, then step the embedding and head (stage peers step on their own
         once their stage holds ``averaging.target_batch_size`` samples)."""
         losses = await self.accumulate(batches, concurrency)
-        await self._run(self._step, sum(int(x.shape[0]) for x, _ in batches))
-        self.optimizer.zero_grad(set_to_none=True)
+        await self._run(self._step_and_zero)
         self.step += 1
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
@@ -212,14 +293,16 @@ class Trainer:
         out, _, _ = await self._forward(h, eval_only=True)
         return await self._run(self._eval_loss, out, y)
 
-    async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> float:
-        loss, grads, path = await self._with_restarts(lambda: self._attempt(x, y, scale))
-        for p, g in zip(self.params, grads):  # only now: a restart never counts twice
-            p.grad = g if p.grad is None else p.grad + g
+    async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float
+                          ) -> tuple[float, list[torch.Tensor], float, int]:
+        """One microbatch, restarted as needed: (loss, gradients of the embedding and head,
+        its round trip in seconds, samples). The caller adds the gradients (``_add``): only
+        once it fully succeeded, so a restart never counts twice."""
+        loss, grads, path, life = await self._with_restarts(lambda: self._attempt(x, y, scale))
         self.stats.microbatches += 1
         self.stats.tokens += x.numel()
         self._route(path)
-        return loss
+        return loss, grads, life, int(x.shape[0])
 
     async def _with_restarts(self, attempt: Callable[[], Awaitable[Any]]) -> Any:
         """``attempt()``, run again from the start when the chain broke (``restarted``); a
@@ -253,8 +336,9 @@ class Trainer:
             self.stats.routes[stage][peer] += 1
 
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float
-                       ) -> tuple[float, list[torch.Tensor], tuple[str, ...]]:
-        h = await self._run(self._embed, x, True)  # (B, T, width), keeps its graph
+                       ) -> tuple[float, list[torch.Tensor], tuple[str, ...], float]:
+        h, versions = await self._run(self._embed_kept, x)  # (B, T, width), keeps its graph
+        sent = time.monotonic()
         out, mb, path = await self._forward(h, eval_only=False)
         loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
         if overflow:  # float16: this step is skipped here and by the stages of the path
@@ -269,8 +353,9 @@ class Trainer:
                 timeout=HOP_TIMEOUT_S), arrival)
         finally:
             self._waiting.pop(("grad", mb), None)
-        g_emb = await self._run(self._embed_backward, h, g_h)
-        return loss, self._gradients(g_emb, g_head), path
+        life = time.monotonic() - sent
+        g_emb = await self._run(self._embed_backward, x, h, versions, g_h)
+        return loss, self._gradients(g_emb, g_head), path, life
 
     # ---- compute (in the compute thread, never on the event loop) ----------------------------
     @property
@@ -278,10 +363,17 @@ class Trainer:
         """The loss is multiplied by this before backward (float16; else 1)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _step(self, samples: int) -> None:
+    def _add(self, grads: list[torch.Tensor], samples: int) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g if p.grad is None else p.grad + g
+        self._samples += samples
+
+    def _step_and_zero(self) -> None:
+        """The step over the gradients added since the last (their mean over samples), skipped
+        when one overflowed (float16: the loss scale backs off); then zero them."""
         for p in self.params:  # the sums over samples become the batch's mean gradient
             if p.grad is not None:
-                p.grad /= samples
+                p.grad /= max(1, self._samples)
         if self._overflow:
             self.optimizer.skip_next()
         self.optimizer.scale = self.loss_scale
@@ -289,10 +381,28 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.update(not stepped)
         self._overflow = False
+        self.optimizer.zero_grad(set_to_none=True)
+        self._samples = 0
 
     def _embed(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
             return self.parts.embed(x.to(self.device))
+
+    def _embed_kept(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The embedding with its graph, and its weights' versions (see ``_embed_backward``)."""
+        return self._embed(x, True), [p._version for p in self.params]
+
+    def _embed_backward(self, x: torch.Tensor, h: torch.Tensor, versions: list[int],
+                        g_h: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each parameter's gradient through the embedding (None where it plays no part). When
+        a step changed the weights since ``h`` was made (the pipelined schedule), the forward
+        is run again on the current weights: the graph kept may hold weights that changed in
+        place (cheap: the embedding is a lookup)."""
+        if versions != [p._version for p in self.params]:
+            h = self._embed(x, True)
+            self.counters["embedding_recomputed"] += 1
+        return list(torch.autograd.grad(h, self.params, g_h.to(self.device, h.dtype),
+                                        allow_unused=True))
 
     def _head_backward(self, out: torch.Tensor, y: torch.Tensor, scale: float
                        ) -> tuple[float, torch.Tensor, list[torch.Tensor | None], bool]:
@@ -311,10 +421,6 @@ class Trainer:
         with torch.no_grad():
             out = out.to(self.device, self.dtype)
             return float(self.parts.loss(self.parts.head(out), y.to(self.device)))
-
-    def _embed_backward(self, h: torch.Tensor, g_h: torch.Tensor) -> list[torch.Tensor | None]:
-        return list(torch.autograd.grad(h, self.params, g_h.to(self.device, h.dtype),
-                                        allow_unused=True))
 
     def _gradients(self, g_emb: list[torch.Tensor | None], g_head: list[torch.Tensor | None]
                    ) -> list[torch.Tensor]:

@@ -7,6 +7,15 @@ worker back-propagates through its blocks, which accumulates the parameters' gra
 returns the gradient with respect to its input for the previous stage. This is exactly the chain
 rule of the single-process model cut at stage boundaries (see tests/test_stage_worker.py).
 
+Weight stashing (docs/pipeline.md, "Latency hiding"): a stage steps while microbatches are
+still in flight here, so each forward runs on a snapshot of the weights of its step (one copy
+per distinct set of weights, shared by every forward that used it), and its backward runs on
+that same snapshot: the gradient is the one of the weights the forward used, added to the
+live parameters' gradients for the next step to apply (a delayed gradient, at most
+``max_staleness`` steps old: ``stepped`` drops older microbatches, whose backward then gets
+``unknown_microbatch`` and which the trainer restarts). With no step in between this is
+exactly the single-process chain rule.
+
 What is kept is bounded (``max_saved``: a full worker refuses new forwards with ``StageBusy``, so
 the sender routes elsewhere; nothing is evicted under load) and expires (``ttl_s``: a microbatch
 whose backward never comes is dropped by ``expire``). Everything that arrives is checked before
@@ -19,9 +28,24 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
 from swarmd.training.model import wire_tensor
+
+#: a microbatch whose backward comes more than this many optimizer steps after its forward
+#: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept
+MAX_STALENESS = 16
+#: what a backward differentiates when a step came between it and its forward: the weights
+#: the forward used (``stashed``) or the current ones, the forward run again (``current``)
+BACKWARD_WITH = "stashed"
+#: weight of each backward's lateness (in steps) in the average the prediction uses
+LAG_EMA = 0.1
+
+
+def _version(module: nn.Module) -> int:
+    """Changes whenever any parameter is changed in place (autograd's version counters)."""
+    return sum(p._version for p in module.parameters())
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +57,11 @@ class _Saved:
     #: microbatch id -> its rows of inputs and outputs, in order
     rows: dict[str, slice]
     expires_at: float
+    #: the weights the forward used (leaves; name -> tensor) and the step they belong to
+    weights: dict[str, torch.Tensor]
+    step: int
+    #: the live weights' version when the forward ran (``_version``)
+    version: int
     #: gradients arrived so far; members that will never send one (forgotten)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
@@ -46,9 +75,12 @@ class StageWorker:
     def __init__(self, module: nn.Module, *, width: int, max_tokens: int,
                  max_saved: int = 64, ttl_s: float = 120.0,
                  dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1:
-            raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1")
+                 device: torch.device | str = "cpu",
+                 max_staleness: int = MAX_STALENESS,
+                 backward_with: str = BACKWARD_WITH) -> None:
+        if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1 or max_staleness < 0:
+            raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1"
+                             ", max_staleness >= 0")
         self.module = module
         self.width = width
         self.max_tokens = max_tokens
@@ -56,7 +88,24 @@ class StageWorker:
         self.ttl_s = ttl_s
         self.dtype = dtype
         self.device = torch.device(device)
+        self.max_staleness = max_staleness
         self._saved: dict[str, _Saved] = {}
+        #: optimizer steps so far (``stepped``); a microbatch's staleness is counted in these
+        self.steps = 0
+        #: the stash forwards use now: (weights' in-place version sum, name -> leaf copy)
+        self._stash: tuple[int, dict[str, torch.Tensor]] | None = None
+        #: weight prediction: the weights before the step being taken, the last step's
+        #: change (each with the weights' version it belongs to), and how many steps late
+        #: backwards arrive (average)
+        if backward_with not in ("stashed", "current"):
+            raise ValueError(f"backward_with {backward_with!r}: 'stashed' or 'current'")
+        self.backward_with = backward_with
+        self.predict = backward_with == "stashed"
+        self._pre_step: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._last_step: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.lag = 0.0
+        #: backwards that ran the forward again on the current weights (``current``)
+        self.recomputed = 0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
 
@@ -100,13 +149,60 @@ class StageWorker:
             start += int(x.shape[0])
         joined = items[0][1] if len(items) == 1 else torch.cat([x for _, x in items])
         inputs = joined.to(self.device, self.dtype).detach().requires_grad_(True)
+        weights = self._weights()
         with torch.enable_grad():
-            outputs = self.module(inputs)
-        saved = _Saved(inputs, outputs, rows, now + self.ttl_s)
+            outputs = functional_call(self.module, weights, (inputs,))
+        saved = _Saved(inputs, outputs, rows, now + self.ttl_s, weights, self.steps,
+                       self._stash[0] if self._stash is not None else 0)
         for mb_id in rows:
             self._saved[mb_id] = saved
         out = outputs.detach()
         return [wire_tensor(out[r]) for r in rows.values()]
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The stash of the current weights: made once after each change of the weights (an
+        optimizer step, a state loaded), then shared by every forward until the next. After
+        our own steps, with microbatches coming back ``lag`` steps late on average, it holds
+        the weights predicted for when their gradient is applied: live + lag x the last
+        step's change (linear weight prediction, docs/pipeline.md)."""
+        version = _version(self.module)
+        if self._stash is None or self._stash[0] != version:
+            lag = round(self.lag, 2) if self.predict else 0.0
+            last = self._last_step
+            ahead = lag > 0 and last is not None and last[0] == version
+            with torch.no_grad():
+                copy = {}
+                for name, p in self.module.named_parameters():
+                    w = p.detach().clone()
+                    if ahead and name in last[1]:
+                        w.add_(last[1][name], alpha=lag)
+                    copy[name] = w.requires_grad_(p.requires_grad)
+            self._stash = (version, copy)
+        return self._stash[1]
+
+    def before_step(self) -> None:
+        """Called just before an optimizer step: the weights it starts from."""
+        with torch.no_grad():
+            self._pre_step = (_version(self.module), {
+                n: p.detach().clone() for n, p in self.module.named_parameters()})
+
+    def stepped(self) -> list[str]:
+        """The weights took an optimizer step (after ``before_step``): its change is kept for
+        the prediction; microbatches whose forward is now more than ``max_staleness`` steps
+        old are dropped (returns their ids; their backward gets ``unknown_microbatch`` and
+        the trainer restarts them)."""
+        self.steps += 1
+        pre, self._pre_step = self._pre_step, None
+        self._last_step = None
+        if pre is not None:
+            with torch.no_grad():
+                self._last_step = (_version(self.module), {
+                    n: p.detach() - pre[1][n] for n, p in self.module.named_parameters()
+                    if n in pre[1]})
+        gone = [k for k, v in self._saved.items() if self.steps - v.step > self.max_staleness]
+        for k in gone:
+            del self._saved[k]
+        return gone
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only (validation): nothing is kept."""
@@ -157,16 +253,41 @@ class StageWorker:
         return saved is not None and mb_id in saved.grads
 
     def _run_backward(self, saved: _Saved) -> dict[str, torch.Tensor]:
+        self.lag += LAG_EMA * ((self.steps - saved.step) - self.lag)
         for mb in saved.rows:
             self._saved.pop(mb, None)
         parts = [saved.grads[mb].to(self.device, saved.outputs.dtype) if mb in saved.grads
                  else torch.zeros_like(saved.outputs[r]) for mb, r in saved.rows.items()]
-        torch.autograd.backward(saved.outputs, parts[0] if len(parts) == 1 else torch.cat(parts))
+        self._backward(saved, parts[0] if len(parts) == 1 else torch.cat(parts))
         self.samples_accumulated += sum(r.stop - r.start for mb, r in saved.rows.items()
                                         if mb in saved.grads)
         assert saved.inputs.grad is not None
         g = saved.inputs.grad
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
+
+    def _backward(self, saved: _Saved, grad: torch.Tensor) -> None:
+        """Back-propagate through the stashed weights the forward used (``current``: when
+        the weights changed since, through a forward run again on the current ones); their
+        gradients are added to the live parameters' (what the next step applies)."""
+        if self.backward_with == "current" and saved.version != _version(self.module):
+            weights = self._weights()
+            inputs = saved.inputs.detach().requires_grad_(True)
+            with torch.enable_grad():
+                outputs = functional_call(self.module, weights, (inputs,))
+            saved.inputs, saved.outputs, saved.weights = inputs, outputs, weights
+            self.recomputed += 1
+        live = dict(self.module.named_parameters())
+        names = [n for n, w in saved.weights.items() if w.requires_grad]
+        found = torch.autograd.grad(saved.outputs, [saved.inputs, *(saved.weights[n]
+                                                                    for n in names)],
+                                    grad, allow_unused=True)
+        saved.inputs.grad = found[0]
+        with torch.no_grad():
+            for name, g in zip(names, found[1:]):
+                if g is None:
+                    continue
+                p = live[name]
+                p.grad = g if p.grad is None else p.grad + g
 
     def forget(self, mb_id: str) -> None:
         """Drop a microbatch whose chain failed further on: its backward will never come."""

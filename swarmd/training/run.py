@@ -5,6 +5,12 @@ The trainer is a libp2p peer with its home's identity, announced in membership w
 peer, says which stage is missing while one is, then trains: fixed held-out batches measure
 validation loss before and after; each step sends ``microbatches`` microbatches through the
 swarm; one JSON line per step is appended to ``<home>/train-metrics.jsonl``.
+
+The steps are pipelined (``Trainer.train``, docs/pipeline.md "Latency hiding"): the trainer
+keeps as many microbatches in flight as the measured round trip and throughput call for
+(``swarmd.pipeline.inflight``), at most ``training.in_flight`` (0: ``MAX_IN_FLIGHT``), and
+the number is shown in the progress and in every metrics line. ``schedule="sync"`` is the
+synchronous schedule (a step's microbatches, then the step; nothing in flight across it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from swarmd.errors import ModelMismatch, StageUnavailable
 #: fixed validation batches (same for every evaluation of a run)
 VAL_BATCHES = 4
 VIEW_TIMEOUT_S = 120.0
+#: at most this many microbatches in flight when ``training.in_flight`` is 0 (each holds its
+#: activations on every stage peer it passed, and its weights' stash: bounded by memory and
+#: by the stages' staleness limit, ``swarmd.pipeline.worker.MAX_STALENESS`` steps)
+MAX_IN_FLIGHT = 32
+SCHEDULES = ("pipelined", "sync")
 
 
 @dataclass(frozen=True)
@@ -47,25 +58,31 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 data_path: Path | None = None, home: Path | None = None,
                 listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                 microbatches: int | None = None, progress: Callable[[str], None] = print,
-                bar: bool = True, until: Callable[[], bool] | None = None) -> TrainResult:
+                bar: bool = True, until: Callable[[], bool] | None = None,
+                schedule: str = "pipelined", fixed_in_flight: int | None = None
+                ) -> TrainResult:
     """Train through the swarm until the trainer's step reaches ``steps``, or fewer: ``until``
     (when given) is asked after every step and ends the run early once it returns true.
 
     With a ``home``, the trainer is the home's identity (created when missing) and its state
     (``swarmd.training.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
     and at the end; a restarted trainer resumes its step, weights, optimizer and data.
-    ``microbatches`` overrides ``training.microbatches``. With ``bar``, a progress bar goes to
-    stderr when that is a terminal; otherwise (or without a terminal) ``progress`` gets a line
-    every 5% of the run."""
+    ``microbatches`` overrides ``training.microbatches``. ``schedule`` is ``pipelined`` or
+    ``sync`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
+    (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
+    otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     from swarmd.training.batches import make_batches
     from transport.memory import keep_freed_memory
 
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     keep_freed_memory()
     seam, tokenizer = config.model_seam()
     seq_len = min(config.model.seq_len, seam.max_seq_len)
     plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
                  batch=config.training.batch_size, seq=seq_len, home=home,
-                 every=config.checkpoint.every_steps,
+                 every=config.checkpoint.every_steps, schedule=schedule,
+                 fixed_in_flight=fixed_in_flight,
                  metrics_file=home / "train-metrics.jsonl" if home is not None else None)
     batches = make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
                            seq_len=seq_len, val_batches=VAL_BATCHES)
@@ -88,6 +105,8 @@ class _Plan:
     home: Path | None = None
     #: save the trainer state every this many steps (0: only at the end)
     every: int = 0
+    schedule: str = "pipelined"
+    fixed_in_flight: int | None = None
 
 
 @contextlib.contextmanager
@@ -187,28 +206,30 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
                      until: Callable[[], bool] | None, resumed: int = 0) -> TrainResult:
     """Validation before, the steps (one metrics line each, the state saved every
     ``plan.every`` steps and at the end), validation after."""
-    in_flight = config.training.in_flight or plan.microbatches
     initial = await trainer.evaluate(batches.val)
     shown.say(f"initial validation loss {initial:.4f}")
     t0 = time.monotonic()
     saved = trainer.step
+
+    async def stepped(step: int, loss: float) -> bool:
+        nonlocal saved
+        s = trainer.stats
+        rate = s.tokens / (time.monotonic() - t0)
+        _write_metrics(plan.metrics_file, {
+            "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
+            "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
+            "in_flight": s.in_flight, "in_flight_target": s.in_flight_target,
+            "round_trip_ms": s.round_trip_ms,
+            "time": time.time()})  # a record's timestamp for people, not a timer
+        shown.stepped(step - resumed, loss, rate, s)
+        if plan.every and step % plan.every == 0:
+            await _save(trainer, batches, plan.home)
+            saved = step
+        return until is not None and until()
+
     try:
         with shown:
-            while trainer.step < plan.steps:
-                step_batches = [batches.next() for _ in range(plan.microbatches)]
-                loss = await trainer.train_step(step_batches, concurrency=in_flight)
-                step, s = trainer.step, trainer.stats
-                rate = s.tokens / (time.monotonic() - t0)
-                _write_metrics(plan.metrics_file, {
-                    "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
-                    "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
-                    "time": time.time()})  # a record's timestamp for people, not a timer
-                shown.stepped(step - resumed, loss, rate, s)
-                if plan.every and step % plan.every == 0:
-                    await _save(trainer, batches, plan.home)
-                    saved = step
-                if until is not None and until():
-                    break
+            await _steps(trainer, batches, config, plan, stepped)
     finally:
         if trainer.step != saved:  # the steps done are kept, whatever ended the run
             await _save(trainer, batches, plan.home)
@@ -221,6 +242,31 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
                        restarted=s.restarted, lost=s.lost, seconds=seconds,
                        metrics_file=str(plan.metrics_file) if plan.metrics_file else None,
                        resumed_from=resumed, skipped_steps=trainer.optimizer.skipped)
+
+
+async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
+                 stepped: Callable[[int, float], Awaitable[bool]]) -> None:
+    """The steps left until ``plan.steps``, in ``plan.schedule``; ``stepped(step, loss)``
+    after each returns True to stop early."""
+    from swarmd.pipeline.inflight import InFlight
+
+    left = plan.steps - trainer.step
+    if left <= 0:
+        return
+    if plan.schedule == "sync":
+        in_flight = config.training.in_flight or plan.microbatches
+        trainer.stats.in_flight_target = in_flight
+        for _ in range(left):
+            step_batches = [batches.next() for _ in range(plan.microbatches)]
+            loss = await trainer.train_step(step_batches, concurrency=in_flight)
+            if await stepped(trainer.step, loss):
+                return
+        return
+    ceiling = plan.fixed_in_flight or config.training.in_flight or MAX_IN_FLIGHT
+    window = InFlight(floor=plan.microbatches, ceiling=ceiling,
+                      fixed=plan.fixed_in_flight is not None)
+    await trainer.train(batches.next, steps=left, microbatches=plan.microbatches,
+                        window=window, on_step=stepped)
 
 
 def _write_metrics(path: Path | None, line: dict[str, Any]) -> None:
@@ -250,12 +296,13 @@ class _Progress:
         routes = "/".join(str(n) for n in s.peers_used())
         if not self.bar.disable:
             self.bar.set_postfix_str(
-                f"loss {loss:.3f}  {rate:,.0f} tok/s  peers {routes}  rerouted {s.rerouted}  "
+                f"loss {loss:.3f}  {rate:,.0f} tok/s  in flight {s.in_flight_target}  "
+                f"peers {routes}  rerouted {s.rerouted}  "
                 f"restarted {s.restarted}  lost {s.lost}", refresh=False)
             self.bar.update(1)
         elif step % self.every == 0 or step == self.steps:
-            self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tok/s  peers "
-                     f"per stage {routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
+            self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tok/s  in "
+                     f"flight {s.in_flight_target}  peers per stage {routes}  rerouted {s.rerouted}  restarted {s.restarted}  "
                      f"lost {s.lost}")
 
 

@@ -1,0 +1,117 @@
+"""Training quality of the pipelined schedule against the synchronous one, at equal tokens.
+
+    python tools/bench_schedules.py --json                 # sync, then pipelined at 16 and 32
+    python tools/bench_schedules.py --json --in-flight 8,24 --steps 200
+
+Each run starts a fresh local swarm (2 stages, one ``swarmd join`` per stage on 127.0.0.1,
+the demo model, int8 on the wire, as ``tools/bench_pipeline.py``), trains ``--steps`` steps of
+``training.microbatches`` microbatches with ``swarmd.training.run.train()`` (same seed: the
+same batches in the same order, the same initial weights) and reports the validation loss on
+the same fixed held-out batches before and after. The synchronous schedule (``sync``: a step's
+microbatches, then the step) is the reference; each pipelined run pins the number in flight
+(``fixed_in_flight``) to the figure given, so its staleness is what a WAN run that keeps that
+many in flight has (about in_flight / microbatches steps), whatever this machine's latency.
+
+Target (issue 11): ``final_val_loss`` of every pipelined run within 3% of the synchronous
+run's (``val_loss_ratio_vs_sync`` <= 1.03). Throughput here is not the point (loopback, shared
+cores); it is reported for information. Every daemon is stopped in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+TARGET = 1.03
+
+
+def say(text: str) -> None:
+    print(f"[bench_schedules] {text}", file=sys.stderr, flush=True)
+
+
+def one_run(env: dict[str, str], steps: int, schedule: str,
+            in_flight: int | None) -> dict[str, Any]:
+    import uvloop
+
+    from swarmd.config import load_config
+    from swarmd.local.swarm import DaemonProcess, stop_all
+    from swarmd.training.run import train
+
+    config = load_config(None, {**os.environ, **env})
+    with tempfile.TemporaryDirectory(prefix="swarmd-bench-schedules-") as root:
+        daemons: list[DaemonProcess] = []
+        try:
+            first = DaemonProcess(Path(root) / "stage0", "--stage", "0", env=env)
+            daemons.append(first)
+            first.wait_started()
+            second = DaemonProcess(Path(root) / "stage1", "--stage", "1", "--bootstrap",
+                                   first.addr, env=env)
+            daemons.append(second)
+            second.wait_started()
+            home = Path(root) / "trainer"
+            home.mkdir()
+            result = uvloop.run(train(config, bootstrap=[first.addr], steps=steps, home=home,
+                                      bar=False, schedule=schedule, fixed_in_flight=in_flight,
+                                      progress=lambda s: say(f"{schedule} {in_flight}: {s}")))
+            lines = [json.loads(x) for x in (home / "train-metrics.jsonl").read_text()
+                     .splitlines() if x.strip()]
+            stale = {name: int(d.get("/api/v0/status")["counters"].get(
+                "stage.dropped_stale", 0)) for name, d in (("stage0", first), ("stage1", second))}
+        finally:
+            stop_all(daemons)
+    tail = lines[len(lines) // 2:]
+    return {"schedule": schedule, "in_flight": in_flight, "steps": result.steps,
+            "tokens": result.steps * config.training.microbatches * config.training.batch_size
+            * config.model_config().seq_len,
+            "initial_val_loss": result.initial_val_loss, "final_val_loss": result.final_val_loss,
+            "train_loss_last_half": sum(x["loss"] for x in tail) / max(1, len(tail)),
+            "tokens_per_s": result.tokens_per_s, "restarted": result.restarted,
+            "lost": result.lost, "dropped_stale": stale, "seconds": result.seconds}
+
+
+def measure(steps: int, in_flights: list[int]) -> dict[str, Any]:
+    from bench_pipeline import bench_env
+
+    t0 = time.monotonic()
+    env = bench_env("demo")
+    runs = [one_run(env, steps, "sync", None)]
+    say(f"sync: final validation loss {runs[0]['final_val_loss']:.4f}")
+    for n in in_flights:
+        runs.append(one_run(env, steps, "pipelined", n))
+        say(f"pipelined, {n} in flight: final validation loss {runs[-1]['final_val_loss']:.4f}")
+    ref = runs[0]["final_val_loss"]
+    for r in runs:
+        r["val_loss_ratio_vs_sync"] = r["final_val_loss"] / ref
+    return {"runs": runs, "targets": {
+        f"val_loss_within_3pct_in_flight_{r['in_flight']}": r["val_loss_ratio_vs_sync"] <= TARGET
+        for r in runs[1:]}, "seconds": time.monotonic() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    parser.add_argument("--in-flight", default="16,32",
+                        help="comma-separated numbers in flight for the pipelined runs")
+    args = parser.parse_args(argv)
+    in_flights = [int(v) for v in args.in_flight.split(",") if v]
+    if args.steps < 2 or any(n < 1 for n in in_flights):
+        parser.error("--steps must be at least 2 and every --in-flight at least 1")
+    result = measure(args.steps, in_flights)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
