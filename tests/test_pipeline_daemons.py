@@ -138,14 +138,21 @@ def test_two_trainers_feed_one_swarm(daemons: Any) -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=one) for _ in range(2)]
-    for t in threads:
-        t.start()
+    threads[0].start()
+    # the second joins a trainer that trains: it takes that one's embedding and head
+    wait_until(lambda: d1.get("/api/v0/stage")["step"] >= 2 or errors, 120,
+               "the first trainer's steps")
+    threads[1].start()
     for t in threads:
         t.join(240)
     assert not errors, errors
     assert len(results) == 2
     for r in results:
         assert r.lost == 0 and r.final_val_loss < r.initial_val_loss
+    first, second = sorted(results, key=lambda r: r.parts_from != "own")
+    assert (first.parts_from, second.parts_from) == ("own", "trainers")
+    # and they averaged their embedding and head with each other while both trained
+    assert first.trainer_rounds >= 1 and second.trainer_rounds >= 1, results
     # the last stage served both trainers' microbatches and stepped on them
     counters = d1.get("/api/v0/status")["counters"]
     assert counters["stage.backward"] >= 2 * 15 * config.training.microbatches

@@ -339,6 +339,15 @@ class MembershipService:
         """The step each routable other peer of ``stage`` last announced."""
         return {a.peer_id: a.step for a in self._others_of(stage, {None})}
 
+    def trainers(self) -> dict[str, tuple[str, ...]]:
+        """The other trainers: {peer_id: addrs} of peers announced online with no stage and
+        our model (``swarmd.training.trainer_sync``)."""
+        now = time.time()
+        return {a.peer_id: a.addrs for a in self.view.announcements(now)
+                if a.stage is None and a.state is PeerState.ONLINE
+                and a.peer_id != self.host.peer_id
+                and self.view.why_not(a.peer_id, now) == "no_stage"}
+
     def state_sources(self, stage: int) -> list[tuple[str, tuple[str, ...]]]:
         """Peers to ask for ``stage``'s state: online peers of the stage with our model, even
         ones whose next announcement is overdue (a fresh view is often a little stale, and

@@ -140,6 +140,8 @@ class Trainer:
         self._counter = 0
         #: samples whose gradients were added since the last step
         self._samples = 0
+        #: told the samples of every step once it is taken (``TrainerSync.stepped``)
+        self.after_step: Callable[[int], None] | None = None
         #: the pipelined schedule's microbatches in flight
         self._running: set[asyncio.Task[tuple[float, list[torch.Tensor], float, int]]] = set()
         #: sends whose answer already arrived, finishing in the background
@@ -243,12 +245,18 @@ class Trainer:
 
     async def _pipelined_step(self, losses: list[float], window: InFlight
                               ) -> tuple[int, float]:
-        await self._run(self._step_and_zero)
-        self.step += 1
+        await self._stepped()
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         self._show(window, self.stats.in_flight)
         return self.step, loss
+
+    async def _stepped(self) -> None:
+        samples = self._samples
+        await self._run(self._step_and_zero)
+        self.step += 1
+        if self.after_step is not None:
+            self.after_step(samples)
 
     def _show(self, window: InFlight, running: int) -> None:
         self.stats.in_flight, self.stats.in_flight_target = running, window.target
@@ -275,8 +283,7 @@ class Trainer:
         """``accumulate``, then step the embedding and head (stage peers step on their own
         once their stage holds ``averaging.target_batch_size`` samples)."""
         losses = await self.accumulate(batches, concurrency)
-        await self._run(self._step_and_zero)
-        self.step += 1
+        await self._stepped()
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         return loss

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -52,6 +53,10 @@ class TrainResult:
     resumed_from: int = 0
     #: steps skipped because a float16 gradient overflowed
     skipped_steps: int = 0
+    #: where the embedding and head came from: "own" (initial or the home's) or "trainers"
+    #: (taken from another trainer training then); rounds averaged with other trainers
+    parts_from: str = "own"
+    trainer_rounds: int = 0
 
 
 async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
@@ -72,6 +77,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     from swarmd.training.batches import make_batches
+    from swarmd.training.trainer_sync import trainer_sync
     from transport.memory import keep_freed_memory
 
     if schedule not in SCHEDULES:
@@ -87,12 +93,17 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     batches = make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
                            seq_len=seq_len, val_batches=VAL_BATCHES)
     with _home_lock(home) if home is not None else contextlib.nullcontext():
-        async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m):
+        async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
+                trainer_sync(trainer.host, trainer, m, config) as parts:
             resumed = _resume(trainer, batches, home, progress)
             await _wait_for_stages(m, config.swarm.stages, progress,
                                    _mismatch_explainer(trainer.host, m, config))
-            return await _run_steps(trainer, batches, config, plan, _Progress(
+            if await parts.join() == "trainers":
+                progress("took the embedding and head of the trainers training now")
+            result = await _run_steps(trainer, batches, config, plan, _Progress(
                 max(0, steps - resumed), progress, bar), until, resumed)
+            return dataclasses.replace(result, parts_from=parts.parts_from,
+                                       trainer_rounds=parts.rounds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,95 @@
+"""The trainers' shared embedding and head: what a round does to one trainer's weights."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
+from swarmd.training.trainer_sync import TRAINERS_STAGE, TrainerSync
+
+
+class _Host:
+    peer_id = "me"
+
+    def set_request_handler(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def set_handler(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def remove_handler(self, *a: Any) -> None:
+        pass
+
+
+def _trainer(dtype: torch.dtype) -> Any:
+    module = torch.nn.Linear(3, 2).to(dtype)
+    params = list(module.parameters())
+    optimizer = SwarmOptimizer(params, OptimSettings(name="adamw", lr=0.1), dtype=dtype)
+
+    async def run(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    return SimpleNamespace(parts=module, params=params, optimizer=optimizer, _run=run)
+
+
+def _sync(trainer: Any) -> TrainerSync:
+    return TrainerSync(_Host(), trainer, swarm="t", model_hash="h", mates=lambda: {},
+                       averager=None)
+
+
+def _step(trainer: Any) -> None:
+    for p in trainer.params:
+        p.grad = torch.ones_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+
+
+def test_a_round_sets_the_average_and_keeps_the_steps_taken_while_it_ran() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        trainer = _trainer(dtype)
+        sync = _sync(trainer)
+        sync._samples = 8  # as after a step (stepped() would start a round)
+
+        async def scenario() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+            taken, samples = await sync._snapshot()
+            before = sync._weights()
+            _step(trainer)                      # our own step while the round runs
+            delta = sync._weights() - before
+            average = torch.zeros_like(taken)   # what the round agreed on
+            await sync._apply(average)
+            return sync._weights(), delta, average, samples
+
+        after, delta, average, samples = asyncio.run(scenario())
+        assert samples == 8 and sync._samples == 0
+        assert torch.allclose(after, average + delta, atol=1e-6), dtype
+        if dtype == torch.bfloat16:  # the masters moved, and the module's weights follow them
+            master = trainer.optimizer.master
+            assert all(m.dtype == torch.float32 for m in master.masters)
+            for p, m in zip(master.params, master.masters):
+                assert torch.equal(p, m.to(p.dtype))
+
+
+def test_a_failed_round_changes_no_weight_and_returns_its_samples() -> None:
+    trainer = _trainer(torch.float32)
+    sync = _sync(trainer)
+    sync._samples = 5
+
+    async def scenario() -> torch.Tensor:
+        taken, samples = await sync._snapshot()
+        sync._samples += 3
+        await sync._give_back(taken, samples)
+        return taken
+
+    taken = asyncio.run(scenario())
+    assert torch.equal(sync._weights(), taken) and sync._samples == 8
+
+
+def test_a_mate_ahead_in_rounds_is_followed_without_a_download() -> None:
+    sync = _sync(_trainer(torch.float32))
+    sync._behind("other", 7)
+    sync._behind("other", 3)  # never backwards
+    assert sync.sync.step == 7 and sync.sync.stage == TRAINERS_STAGE
