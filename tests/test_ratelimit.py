@@ -54,6 +54,8 @@ def test_a_3_mb_send_at_1_mb_s_takes_about_2_s_of_bucket_time():
         now += b.take(n, now)
         sent += n
     assert now >= (3_000_000 - b.burst) / 1_000_000 - 1e-9
+    assert b.started_at == 0.0 and b.paid_until == pytest.approx(now)
+    assert b.granted_bytes == 3_000_000
 
 
 @pytest.mark.parametrize("rate, burst", [(0, 10), (-1, 10), (float("nan"), 10),
@@ -105,6 +107,9 @@ def test_bytes_granted_by_any_time_never_exceed_burst_plus_rate_times_t(rate, bu
         granted += n
         assert granted <= burst + rate * (at - t0) + 1e-6 * max(1.0, granted)
     assert b.granted_bytes == sum(n for n, _ in seq)
+    assert b.started_at == t0
+    assert b.paid_until == pytest.approx(max(at for at, _ in grants))
+    assert b.granted_bytes <= burst + rate * (b.paid_until - t0) + 1e-6 * max(1.0, granted)
     # and over any window: what is granted after one grant and up to a later one fits in one
     # burst plus the rate times the time between them (the bucket never holds more than a burst)
     for i in range(len(grants)):

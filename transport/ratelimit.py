@@ -36,7 +36,7 @@ class TokenBucket:
     """Bytes per second with a burst allowance. Not thread-safe: one owner (the trio thread)."""
 
     __slots__ = ("rate", "burst", "_tokens", "_last", "granted_bytes", "throttled_bytes",
-                 "waited_s", "takes")
+                 "waited_s", "takes", "started_at", "paid_until")
 
     def __init__(self, rate_bytes_s: float, burst: int | None = None) -> None:
         if not (isinstance(rate_bytes_s, (int, float)) and math.isfinite(rate_bytes_s)
@@ -57,10 +57,15 @@ class TokenBucket:
         #: sum of the waits returned
         self.waited_s = 0.0
         self.takes = 0
+        #: the ``now`` of the first take (None before it)
+        self.started_at: float | None = None
+        #: when the last reservation is paid: ``granted_bytes <= burst + rate * (paid_until -
+        #: started_at)``, so a capped transfer of N bytes spans at least (N - burst) / rate
+        self.paid_until: float | None = None
 
     def _refill(self, now: float) -> None:
         if self._last is None:
-            self._last = now
+            self._last = self.started_at = now
             return
         if now > self._last:
             self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
@@ -74,11 +79,12 @@ class TokenBucket:
         self.takes += 1
         self.granted_bytes += n
         self._tokens -= n
-        if self._tokens >= 0:
-            return 0.0
-        wait = -self._tokens / self.rate
-        self.throttled_bytes += n
-        self.waited_s += wait
+        now = self._last  # a clock that went back counts as the last time seen
+        wait = 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+        if wait > 0:
+            self.throttled_bytes += n
+            self.waited_s += wait
+        self.paid_until = max(self.paid_until or now, now + wait)
         return wait
 
     def available(self, now: float) -> float:

@@ -69,4 +69,5 @@ def _bucket_status(bucket: TokenBucket | None) -> dict[str, Any]:
         return {"bytes_s": None}
     return {"bytes_s": int(bucket.rate), "burst_bytes": bucket.burst,
             "bytes": bucket.granted_bytes, "throttled_bytes": bucket.throttled_bytes,
-            "waited_s": round(bucket.waited_s, 3)}
+            "waited_s": round(bucket.waited_s, 3),
+            "span_s": round((bucket.paid_until or 0.0) - (bucket.started_at or 0.0), 3)}
