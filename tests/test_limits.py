@@ -83,3 +83,74 @@ def test_a_download_capped_host_reads_at_its_cap_and_the_sender_is_held_back() -
 def test_host_options_refuse_caps_that_are_not_positive_integers(name: str, value: object):
     with pytest.raises(LocalUsageError, match=name):
         HostOptions(**{name: value})
+
+
+# ---- the stage worker's byte bound (limits.saved_activation_bytes) --------------------------
+
+from torch import nn  # noqa: E402
+
+from swarmd.errors import StageBusy  # noqa: E402
+from swarmd.pipeline.worker import StageWorker  # noqa: E402
+
+W = 16
+
+
+def _blocks(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W), nn.LayerNorm(W))
+
+
+def test_saved_bytes_are_measured_and_a_forward_over_the_bound_gets_busy() -> None:
+    x = torch.randn(4, 8, W)
+    probe = StageWorker(_blocks(0), width=W, max_tokens=1000, max_saved_bytes=1 << 40)
+    probe.forward("a", x, now=0.0)
+    one = probe.saved_bytes
+    # at least the input, the output and the 4W-wide hidden activations of 32 tokens
+    assert one >= 32 * (W + W + 4 * W) * 4
+    w = StageWorker(_blocks(0), width=W, max_tokens=1000, max_saved_bytes=one + one // 2)
+    w.forward("a", x, now=0.0)
+    assert w.saved_bytes == one
+    with pytest.raises(StageBusy, match="saved_activation_bytes"):
+        w.forward("b", x, now=0.0)
+    assert w.refused_for_bytes == 1 and w.saved == 1
+    w.forward("small", torch.randn(1, 4, W), now=0.0)  # an eighth of the tokens still fits
+    w.backward("a", torch.ones(4, 8, W), now=1.0)
+    w.backward("small", torch.ones(1, 4, W), now=1.0)
+    assert w.saved_bytes == 0
+    w.forward("b", x, now=2.0)  # room again once the backward freed it
+    assert w.saved == 1
+
+
+def test_an_empty_worker_takes_one_microbatch_however_small_the_bound() -> None:
+    w = StageWorker(_blocks(0), width=W, max_tokens=1000, max_saved_bytes=1)
+    w.forward("a", torch.randn(2, 8, W), now=0.0)
+    with pytest.raises(StageBusy):
+        w.forward("b", torch.randn(2, 8, W), now=0.0)
+    w.expire(now=1e9)
+    assert w.saved_bytes == 0
+    w.forward("c", torch.randn(2, 8, W), now=1e9)
+
+
+def test_measuring_what_autograd_saves_changes_no_gradient() -> None:
+    x, g = torch.randn(3, 5, W), torch.randn(3, 5, W)
+    plain, bounded = _blocks(7), _blocks(7)
+    results = []
+    for module, cap in ((plain, None), (bounded, 1 << 30)):
+        w = StageWorker(module, width=W, max_tokens=1000, max_saved_bytes=cap)
+        y = w.forward("a", x, now=0.0)
+        results.append((y, w.backward("a", g, now=1.0)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    for p, q in zip(plain.parameters(), bounded.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_batch_is_bounded_as_a_whole() -> None:
+    x = torch.randn(2, 8, W)
+    probe = StageWorker(_blocks(0), width=W, max_tokens=1000, max_saved_bytes=1 << 40)
+    probe.forward("p", x, now=0.0)
+    w = StageWorker(_blocks(0), width=W, max_tokens=1000, max_saved_bytes=probe.saved_bytes * 2)
+    w.forward("a", x, now=0.0)
+    with pytest.raises(StageBusy):
+        w.forward_many([("b", x), ("c", x)], now=0.0)
+    assert w.saved == 1

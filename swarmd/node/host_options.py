@@ -1,4 +1,5 @@
-"""From configuration to the transport: ``[network]`` and ``[wire]`` become ``HostOptions``.
+"""From configuration to the transport: ``[network]``, ``[wire]`` and the rate caps of ``[limits]``
+become ``HostOptions``.
 
 Kept apart from ``swarmd.config`` so that loading configuration (``swarmd --help``, ``swarmd id``)
 never imports torch or trio.
@@ -38,6 +39,8 @@ def host_options(config: Config, listen: Sequence[str] | None = None) -> HostOpt
         limits=config.wire_limits(),
         codec=codec_spec(config),
         relay=relay_options(config),
+        upload_bytes_s=config.limits.upload,
+        download_bytes_s=config.limits.download,
     )
 
 

@@ -7,9 +7,13 @@ worker back-propagates through its blocks, which accumulates the parameters' gra
 returns the gradient with respect to its input for the previous stage. This is exactly the chain
 rule of the single-process model cut at stage boundaries (see tests/test_stage_worker.py).
 
-What is kept is bounded (``max_saved``: a full worker refuses new forwards with ``StageBusy``, so
-the sender routes elsewhere; nothing is evicted under load) and expires (``ttl_s``: a microbatch
-whose backward never comes is dropped by ``expire``). Everything that arrives is checked before
+What is kept is bounded (``max_saved`` microbatches and, when given, ``max_saved_bytes``: a full
+worker refuses new forwards with ``StageBusy``, so the sender routes elsewhere; nothing is evicted
+under load) and expires (``ttl_s``: a microbatch whose backward never comes is dropped by
+``expire``). With a byte bound, each forward's saved tensors are measured as autograd saves them
+(their storages, parameters excluded); a new forward is refused when what is kept plus what it
+is predicted to keep (bytes per token of the last forward) would pass the bound, unless nothing
+is kept at all (a stage always takes one microbatch, however large). Everything that arrives is checked before
 use: wrong shape, dtype or non-finite values raise ``BadActivation`` (the sender's fault).
 """
 
@@ -33,6 +37,8 @@ class _Saved:
     #: microbatch id -> its rows of inputs and outputs, in order
     rows: dict[str, slice]
     expires_at: float
+    #: bytes autograd keeps for this forward's backward (0: not measured, no byte bound)
+    nbytes: int = 0
     #: gradients arrived so far; members that will never send one (forgotten)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
@@ -46,9 +52,11 @@ class StageWorker:
     def __init__(self, module: nn.Module, *, width: int, max_tokens: int,
                  max_saved: int = 64, ttl_s: float = 120.0,
                  dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", max_saved_bytes: int | None = None) -> None:
         if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1:
             raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1")
+        if max_saved_bytes is not None and max_saved_bytes < 1:
+            raise ValueError("StageWorker max_saved_bytes must be None (no bound) or >= 1")
         self.module = module
         self.width = width
         self.max_tokens = max_tokens
@@ -57,12 +65,34 @@ class StageWorker:
         self.dtype = dtype
         self.device = torch.device(device)
         self._saved: dict[str, _Saved] = {}
+        #: bound on the bytes of what is kept (``limits.saved_activation_bytes``); None: none
+        self.max_saved_bytes = max_saved_bytes
+        #: bytes kept per token by the last measured forward (the prediction for the next)
+        self._bytes_per_token = 0.0
+        #: forwards refused because of ``max_saved_bytes``
+        self.refused_for_bytes = 0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
 
     @property
     def saved(self) -> int:
         return len(self._saved)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes kept for backward passes to come (measured only under a byte bound)."""
+        return sum({id(v): v.nbytes for v in self._saved.values()}.values())
+
+    def _check_bytes(self, tokens: int) -> None:
+        cap = self.max_saved_bytes
+        if cap is None or not self._saved:
+            return
+        kept, more = self.saved_bytes, int(self._bytes_per_token * tokens)
+        if kept + more > cap:
+            self.refused_for_bytes += 1
+            raise StageBusy(f"{kept} bytes of activations kept here and ~{more} more for this "
+                            f"microbatch would pass limits.saved_activation_bytes ({cap}); "
+                            f"route elsewhere")
 
     def holds(self, mb_id: str) -> bool:
         """Whether a forward of ``mb_id`` is kept here for its backward."""
@@ -79,6 +109,7 @@ class StageWorker:
         if len(self._saved) >= self.max_saved:
             raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
         self._check(x, "activations")
+        self._check_bytes(int(x.shape[0]) * int(x.shape[1]))
 
     def forward_many(self, items: list[tuple[str, torch.Tensor]], now: float
                      ) -> list[torch.Tensor]:
@@ -94,19 +125,49 @@ class StageWorker:
             self.check_forward(mb_id, x)
         if len(self._saved) + len(items) > self.max_saved:
             raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
+        self._check_bytes(sum(int(x.shape[0]) * int(x.shape[1]) for _, x in items))
         rows, start = {}, 0
         for mb_id, x in items:
             rows[mb_id] = slice(start, start + int(x.shape[0]))
             start += int(x.shape[0])
         joined = items[0][1] if len(items) == 1 else torch.cat([x for _, x in items])
         inputs = joined.to(self.device, self.dtype).detach().requires_grad_(True)
-        with torch.enable_grad():
-            outputs = self.module(inputs)
-        saved = _Saved(inputs, outputs, rows, now + self.ttl_s)
+        if self.max_saved_bytes is None:
+            with torch.enable_grad():
+                outputs = self.module(inputs)
+            nbytes = 0
+        else:
+            outputs, nbytes = self._measured_forward(inputs)
+            self._bytes_per_token = nbytes / max(1, int(inputs.shape[0]) * int(inputs.shape[1]))
+        saved = _Saved(inputs, outputs, rows, now + self.ttl_s, nbytes)
         for mb_id in rows:
             self._saved[mb_id] = saved
         out = outputs.detach()
         return [wire_tensor(out[r]) for r in rows.values()]
+
+    def _measured_forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Run the module, adding up the storages autograd saves for backward (each once;
+        the parameters' own storages are not activations)."""
+        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        kept: dict[int, int] = {}
+
+        def keep(t: torch.Tensor) -> None:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage (e.g. sparse): not counted
+                return
+            if storage.data_ptr() not in params:
+                kept[storage.data_ptr()] = storage.nbytes()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            keep(t)
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            outputs = self.module(inputs)
+        keep(inputs)
+        keep(outputs)
+        return outputs, sum(kept.values())
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only (validation): nothing is kept."""
@@ -202,3 +263,6 @@ class StageWorker:
         if not bool(torch.isfinite(x).all()):
             raise BadActivation("not_finite", f"{what} contain NaN or Inf")
 
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
