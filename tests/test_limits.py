@@ -154,3 +154,132 @@ def test_a_batch_is_bounded_as_a_whole() -> None:
     with pytest.raises(StageBusy):
         w.forward_many([("b", x), ("c", x)], now=0.0)
     assert w.saved == 1
+
+
+# ---- [limits] in the configuration ---------------------------------------------------------
+
+from swarmd.config import Config, ConfigError, LimitsConfig, load_config  # noqa: E402
+from swarmd.config.limits import parse_bytes  # noqa: E402
+from swarmd.node.host_options import host_options  # noqa: E402
+
+
+def _error(tmp_path, text: str = "", env: dict[str, str] | None = None) -> str:
+    path = tmp_path / "swarmd.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env or {})
+    return str(info.value)
+
+
+def test_limits_are_off_by_default_and_reach_the_transport_when_set(tmp_path) -> None:
+    config = Config()
+    assert config.limits == LimitsConfig()
+    assert (config.limits.upload, config.limits.download, config.limits.saved_activations,
+            config.limits.device_memory, config.limits.threads) == (None,) * 5
+    options = host_options(config)
+    assert options.upload_bytes_s is None and options.download_bytes_s is None
+    path = tmp_path / "swarmd.toml"
+    path.write_text('[limits]\nupload_bytes_s = "1MB"\ndownload_bytes_s = 2500000\n'
+                    'saved_activation_bytes = "2GiB"\ncpu_threads = 2\n')
+    config = load_config(path, {"SWARMD_LIMITS_DEVICE_MEMORY_BYTES": "8GB"})
+    assert config.limits.upload == 1_000_000 and config.limits.download == 2_500_000
+    assert config.limits.saved_activations == 2 << 30
+    assert config.limits.device_memory == 8 * 10**9 and config.limits.threads == 2
+    options = host_options(config)
+    assert (options.upload_bytes_s, options.download_bytes_s) == (1_000_000, 2_500_000)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", '"0"', '"-2MB"', "0.4"])
+@pytest.mark.parametrize("key", ["upload_bytes_s", "download_bytes_s", "saved_activation_bytes",
+                                 "device_memory_bytes", "cpu_threads"])
+def test_a_cap_of_0_or_less_says_to_write_off(tmp_path, key: str, value: str) -> None:
+    message = _error(tmp_path, f"[limits]\n{key} = {value}\n")
+    assert f"limits.{key}" in message and str(tmp_path) in message
+    assert 'write "off"' in message and "does not mean unlimited" in message
+
+
+@pytest.mark.parametrize("value", ['"fast"', "true", "[1]", '"1 parsec"', '"1e"'])
+def test_a_cap_that_is_no_number_is_refused_saying_what_is_expected(tmp_path, value) -> None:
+    message = _error(tmp_path, f"[limits]\nupload_bytes_s = {value}\n")
+    assert "limits.upload_bytes_s" in message and 'expected "off" or a number' in message
+
+
+def test_environment_and_flags_parse_caps_too() -> None:
+    config = load_config(None, {"SWARMD_LIMITS_UPLOAD_BYTES_S": "512KiB",
+                                "SWARMD_LIMITS_CPU_THREADS": "off"},
+                         {"limits.download_bytes_s": "3MB/s"})
+    assert config.limits.upload == 512 << 10 and config.limits.threads is None
+    assert config.limits.download == 3_000_000
+    with pytest.raises(ConfigError, match="SWARMD_LIMITS_UPLOAD_BYTES_S.*write \"off\""):
+        load_config(None, {"SWARMD_LIMITS_UPLOAD_BYTES_S": "0"})
+    with pytest.raises(ConfigError, match="limits.cpu_threads"):
+        load_config(None, {"SWARMD_LIMITS_CPU_THREADS": "2000"})
+
+
+def test_cpu_threads_and_model_threads_must_agree(tmp_path) -> None:
+    message = _error(tmp_path, "[limits]\ncpu_threads = 2\n[model]\nthreads = 3\n")
+    assert "limits.cpu_threads" in message and "model.threads" in message
+    both = tmp_path / "both.toml"
+    both.write_text("[limits]\ncpu_threads = 2\n[model]\nthreads = 2\n")
+    assert load_config(both, {}).limits.threads == 2
+
+
+def test_parse_bytes_units() -> None:
+    assert parse_bytes("1MB") == 10**6 and parse_bytes("1 MiB") == 1 << 20
+    assert parse_bytes("2.5kb") == 2500 and parse_bytes("7") == 7
+    assert parse_bytes("1e6") == 10**6 and parse_bytes("1MB/s") == 10**6
+    for bad in ("", "MB", "1 XB", "1..2", "-1"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+# ---- what a capped peer announces (swarmd.node.caps) ----------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from swarmd.node import caps  # noqa: E402
+
+
+def test_wire_bytes_per_value_follow_the_codec() -> None:
+    assert caps.wire_bytes_per_value("none") == 4.0
+    assert caps.wire_bytes_per_value("fp16+zstd") == 2.0
+    assert caps.wire_bytes_per_value("int8", block_size=64) == pytest.approx(1 + 2 / 64)
+    assert caps.wire_bytes_per_value("int8", block_size=64, scale_dtype="float32") == \
+        pytest.approx(1 + 4 / 64)
+    with pytest.raises(ValueError):
+        caps.wire_bytes_per_value("gzip")
+
+
+def test_a_capped_peer_announces_what_its_upload_can_carry() -> None:
+    # 128 tokens x width 128, int8: ~17 kB per sample each way, ~34 kB a sample in all
+    per_sample = caps.upload_bytes_per_sample(tokens=128, width=128,
+                                              bytes_per_value=caps.wire_bytes_per_value("int8"))
+    assert per_sample == pytest.approx(2 * 128 * 128 * (1 + 2 / 64))
+    capped = caps.capped_throughput(100.0, 1_000_000, per_sample, batch_size=8)
+    assert 14.0 < capped < 1_000_000 / per_sample
+    assert caps.capped_throughput(5.0, 1_000_000, per_sample) == 5.0  # the cap is not binding
+    assert caps.capped_throughput(100.0, None, per_sample) == 100.0  # no cap
+
+
+@settings(max_examples=200, deadline=None)
+@given(measured=st.floats(0, 1e6), cap=st.integers(1, 10**12),
+       per_sample=st.floats(1, 1e9), batch=st.integers(1, 4096))
+def test_announced_throughput_never_exceeds_the_measured_one_nor_the_cap(measured, cap,
+                                                                          per_sample, batch):
+    got = caps.capped_throughput(measured, cap, per_sample, batch_size=batch)
+    assert 0.0 <= got <= measured
+    assert got * per_sample <= cap * (1 + 1e-9)
+    assert caps.capped_throughput(measured, cap * 2, per_sample, batch_size=batch) >= got
+
+
+def test_a_stage_that_does_not_fit_the_device_memory_cap_is_refused_with_the_numbers() -> None:
+    assert caps.device_memory_refusal(stage=1, param_bytes=10**9, optimizer="adamw",
+                                      cap_bytes=None, device="cuda:0") is None
+    assert caps.device_memory_refusal(stage=1, param_bytes=10**9, optimizer="adamw",
+                                      cap_bytes=4 * 10**9, device="cuda:0") is None
+    why = caps.device_memory_refusal(stage=1, param_bytes=10**9, optimizer="adamw",
+                                     cap_bytes=3 * 10**9, device="cuda:0")
+    assert why is not None
+    assert "stage 1 needs 4.00 GB on cuda:0" in why and "1.00 GB of parameters" in why
+    assert "limits.device_memory_bytes = 3000000000" in why

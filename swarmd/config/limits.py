@@ -22,8 +22,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*?)(?:/s)?")
-_ZERO = ('{value} is not a cap: 0 or less does not mean unlimited here; write "off" (or leave '
-         'the key out) for no cap')
+_ZERO = ('{value} is not a cap: a cap is at least 1, and 0 does not mean unlimited here; write '
+         '"off" (or leave the key out) for no cap')
 
 
 def parse_bytes(text: str) -> int:
