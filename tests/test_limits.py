@@ -283,3 +283,75 @@ def test_a_stage_that_does_not_fit_the_device_memory_cap_is_refused_with_the_num
     assert why is not None
     assert "stage 1 needs 4.00 GB on cuda:0" in why and "1.00 GB of parameters" in why
     assert "limits.device_memory_bytes = 3000000000" in why
+
+
+# ---- a daemon with [limits] -----------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from daemon_harness import ROOT, DaemonProcess, stop_all, wait_until  # noqa: E402
+from swarmd.local.demo import DEMO_ENV  # noqa: E402
+
+DAEMON_ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+              "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "limits-test",
+              "SWARMD_LIMITS_UPLOAD_BYTES_S": "1MB", "SWARMD_LIMITS_DOWNLOAD_BYTES_S": "off",
+              "SWARMD_LIMITS_SAVED_ACTIVATION_BYTES": "64MiB", "SWARMD_LIMITS_CPU_THREADS": "1"}
+
+
+@pytest.mark.integration
+def test_a_daemon_shows_its_caps_in_status_and_announces_its_capped_throughput(tmp_path) -> None:
+    d = DaemonProcess(tmp_path / "home", "--stage", "0", env=DAEMON_ENV)
+    try:
+        d.wait_started()
+        status = wait_until(lambda: (s := d.get("/api/v0/status"))["limits"].get("upload", {})
+                            .get("announced_throughput") is not None and s, 30,
+                            "the stage server's announced throughput in status")
+        limits = status["limits"]
+        assert limits["upload"]["bytes_s"] == 1_000_000
+        assert limits["download"] == {"bytes_s": None}
+        assert limits["saved_activations"]["bytes"] == 64 << 20
+        assert limits["cpu_threads"] == {"set": 1, "torch": 1}
+        assert limits["device_memory_bytes"] is None
+        assert limits["upload"]["announced_throughput"] <= limits["upload"]["measured_throughput"]
+        text = subprocess.run([sys.executable, "-m", "swarmd", "status", "--home", str(d.home)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60,
+                              env={**os.environ, **DAEMON_ENV})
+        assert text.returncode == 0, text.stderr
+        assert "limits      upload 1.0 MB/s (throttled" in text.stdout
+        assert "download off" in text.stdout and "saved activations 67.1 MB" in text.stdout
+        as_json = subprocess.run([sys.executable, "-m", "swarmd", "status", "--json", "--home",
+                                  str(d.home)], capture_output=True, text=True, cwd=ROOT,
+                                 timeout=60, env={**os.environ, **DAEMON_ENV})
+        assert json.loads(as_json.stdout)["limits"]["upload"]["bytes_s"] == 1_000_000
+    finally:
+        stop_all([d])
+    assert "Traceback" not in d.stderr_path.read_text()
+
+
+@pytest.mark.integration
+def test_a_stage_over_the_device_memory_cap_is_refused_with_the_numbers(tmp_path) -> None:
+    d = DaemonProcess(tmp_path / "home", "--stage", "0",
+                      env={**DAEMON_ENV, "SWARMD_LIMITS_DEVICE_MEMORY_BYTES": "100kB"})
+    try:
+        code = d.wait(90)
+    finally:
+        stop_all([d])
+    err = d.stderr_path.read_text()
+    assert code != 0
+    assert "limits.device_memory_bytes = 100000" in err and "stage 0 needs" in err, err[-2000:]
+    assert "Traceback" not in err
+    assert not (d.home / "api").exists()
+
+
+@pytest.mark.integration
+def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path) -> None:
+    home = tmp_path / "home"
+    out = subprocess.run([sys.executable, "-m", "swarmd", "join", "--home", str(home)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "SWARMD_LIMITS_UPLOAD_BYTES_S": "0"})
+    assert out.returncode == 2
+    assert "SWARMD_LIMITS_UPLOAD_BYTES_S" in out.stderr and 'write "off"' in out.stderr
+    assert "Traceback" not in out.stderr

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from swarmd import __version__
 from swarmd.api.types import ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo
 from swarmd.config import Config
+from swarmd.errors import SwarmdError
 from swarmd.node.host_options import announced_throughput, apply_stage_limits, limits_status
 from swarmd.node.reconnect import Backoff, Redialer
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
@@ -173,7 +174,10 @@ class Daemon:
             token = create_token(home)
             async with Host(identity, host_options(self.config, self.options.listen)) as host:
                 self.host = host
-                await self._run_services(identity, token, on_started)
+                try:
+                    await self._run_services(identity, token, on_started)
+                except* SwarmdError as group:  # a task's typed failure: its message, no trace
+                    raise group.exceptions[0] from None
 
     async def _run_services(self, identity: Any, token: str,
                             on_started: Callable[[Started], None] | None) -> None:
