@@ -355,3 +355,47 @@ def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path)
     assert out.returncode == 2
     assert "SWARMD_LIMITS_UPLOAD_BYTES_S" in out.stderr and 'write "off"' in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.integration
+def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_rate(tmp_path):
+    """Two peers serve the one stage, one of them with its upload capped: training loses
+    nothing, the capped peer carries microbatches, its upload bucket throttled them, and what
+    its stage-mate sees it announce is within what the cap can carry."""
+    from swarmd.training.run import train
+
+    base = {k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")}
+    cap = 200_000
+    free = DaemonProcess(tmp_path / "free", "--stage", "0", env=base)
+    started = [free]
+    try:
+        free.wait_started()
+        capped = DaemonProcess(tmp_path / "capped", "--stage", "0", "--bootstrap", free.addr,
+                               env={**base, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
+        started.append(capped)
+        capped.wait_started()
+        wait_until(lambda: free.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2, 30,
+                   "both peers of the stage routable")
+        config = load_config(None, {**os.environ, **base})
+        result = uvloop.run(asyncio.wait_for(
+            train(config, bootstrap=[free.addr], steps=8, progress=lambda line: None,
+                  bar=False), 240))
+        assert result.lost == 0
+        status = capped.get("/api/v0/status")
+        assert status["counters"].get("stage.forward", 0) >= 1  # routing still uses it
+        upload = status["limits"]["upload"]
+        assert upload["bytes_s"] == cap and upload["throttled_bytes"] > 0
+        from swarmd.node.host_options import upload_bytes_per_sample
+
+        seam, _ = config.model_seam()
+        most = cap / upload_bytes_per_sample(config, seam)
+        assert upload["announced_throughput"] <= most
+
+        def seen() -> float | None:
+            rows = free.get("/api/v0/swarm")["stages"][0]["peers"]
+            return next((p["throughput"] for p in rows if p["peer_id"] == capped.peer_id), None)
+
+        wait_until(lambda: (t := seen()) is not None and 0 < t <= most, 30,
+                   "the capped peer's announced throughput, within its cap, in its mate's view")
+    finally:
+        stop_all(started)
