@@ -399,3 +399,24 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
                    "the capped peer's announced throughput, within its cap, in its mate's view")
     finally:
         stop_all(started)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rate=st.integers(1, 1 << 50), size=st.integers(1, 1 << 60),
+       threads=st.one_of(st.just("off"), st.integers(1, 1024)))
+def test_caps_round_trip_through_the_rendered_file(tmp_path_factory, rate, size, threads):
+    from swarmd.config import render_toml
+
+    config = Config(limits=LimitsConfig(upload_bytes_s=rate, saved_activation_bytes=size,
+                                        cpu_threads=threads))
+    path = tmp_path_factory.mktemp("rt") / "swarmd.toml"
+    path.write_text(render_toml(config))
+    assert load_config(path, {}) == config
+
+
+@settings(max_examples=100, deadline=None)
+@given(value=st.one_of(st.integers(max_value=0), st.floats(max_value=0.99, allow_nan=False,
+                                                          allow_infinity=False)))
+def test_no_cap_below_1_is_ever_accepted(value):
+    with pytest.raises(ConfigError, match='write "off"'):
+        LimitsConfig(download_bytes_s=value)
