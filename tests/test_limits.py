@@ -260,6 +260,7 @@ def test_a_capped_peer_announces_what_its_upload_can_carry() -> None:
     assert 14.0 < capped < 1_000_000 / per_sample
     assert caps.capped_throughput(5.0, 1_000_000, per_sample) == 5.0  # the cap is not binding
     assert caps.capped_throughput(100.0, None, per_sample) == 100.0  # no cap
+    assert caps.tighter_cap(None, 5, 3) == 3 and caps.tighter_cap(None, None) is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -306,8 +307,8 @@ def test_a_daemon_shows_its_caps_in_status_and_announces_its_capped_throughput(t
     d = DaemonProcess(tmp_path / "home", "--stage", "0", env=DAEMON_ENV)
     try:
         d.wait_started()
-        status = wait_until(lambda: (s := d.get("/api/v0/status"))["limits"].get("upload", {})
-                            .get("announced_throughput") is not None and s, 30,
+        status = wait_until(lambda: (s := d.get("/api/v0/status"))["limits"]
+                        .get("announced_throughput") is not None and s, 30,
                             "the stage server's announced throughput in status")
         limits = status["limits"]
         assert limits["upload"]["bytes_s"] == 1_000_000
@@ -315,7 +316,7 @@ def test_a_daemon_shows_its_caps_in_status_and_announces_its_capped_throughput(t
         assert limits["saved_activations"]["bytes"] == 64 << 20
         assert limits["cpu_threads"] == {"set": 1, "torch": 1}
         assert limits["device_memory_bytes"] is None
-        assert limits["upload"]["announced_throughput"] <= limits["upload"]["measured_throughput"]
+        assert limits["announced_throughput"] <= limits["measured_throughput"]
         text = subprocess.run([sys.executable, "-m", "swarmd", "status", "--home", str(d.home)],
                               capture_output=True, text=True, cwd=ROOT, timeout=60,
                               env={**os.environ, **DAEMON_ENV})
@@ -389,7 +390,7 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
 
         seam, _ = config.model_seam()
         most = cap / upload_bytes_per_sample(config, seam)
-        assert upload["announced_throughput"] <= most
+        assert status["limits"]["announced_throughput"] <= most
 
         def seen() -> float | None:
             rows = free.get("/api/v0/swarm")["stages"][0]["peers"]

@@ -105,10 +105,10 @@ def _limits_lines(limits: dict) -> list[str]:
         throttled = _size(d.get("throttled_bytes", 0))
         text = (f"{direction} {_size(d['bytes_s'])}/s (throttled {throttled}, waited "
                 f"{d.get('waited_s', 0):.1f} s")
-        if "announced_throughput" in d:
-            text += (f", announcing {_rate(d['announced_throughput'])} of "
-                     f"{_rate(d.get('measured_throughput', 0))} samples/s")
         parts.append(text + ")")
+    if "announced_throughput" in limits:
+        parts.append(f"announcing {_rate(limits['announced_throughput'])} of "
+                     f"{_rate(limits.get('measured_throughput', 0))} samples/s measured")
     saved = limits.get("saved_activations") or {}
     cap = saved.get("bytes")
     second = [f"saved activations {_size(cap) if cap else 'off'}"

@@ -3,14 +3,15 @@
 * The throughput a peer announces (samples per second, what routing and balancing weigh) is at
   most what its upload cap lets it send: per sample, a stage sends its output activations
   forward and the gradient of its input backward, each ``tokens x width`` values as the wire
-  codec encodes them. ``capped_throughput`` takes the smaller of the measured rate and that.
+  codec encodes them (and receives as much: a download cap binds the same way).
+  ``capped_throughput`` takes the smaller of the measured rate and that.
 * A stage whose parameters and optimizer state do not fit ``limits.device_memory_bytes`` is not
   served (``device_memory_refusal`` says why, with the numbers).
 """
 
 from __future__ import annotations
 
-__all__ = ["wire_bytes_per_value", "upload_bytes_per_sample", "capped_throughput",
+__all__ = ["wire_bytes_per_value", "upload_bytes_per_sample", "capped_throughput", "tighter_cap",
            "stage_memory_bytes", "device_memory_refusal"]
 
 #: activations travel as float32 (``swarmd.training.model.wire_tensor``) before the codec
@@ -41,14 +42,21 @@ def upload_bytes_per_sample(*, tokens: int, width: int, bytes_per_value: float) 
     return 2.0 * tokens * width * bytes_per_value
 
 
-def capped_throughput(measured: float, upload_bytes_s: int | None, bytes_per_sample: float,
+def capped_throughput(measured: float, cap_bytes_s: int | None, bytes_per_sample: float,
                       *, batch_size: int = 1) -> float:
-    """The throughput to announce: ``measured`` (samples/s), or less when the upload cap
-    cannot carry it. ``batch_size`` samples travel per message (one message overhead each)."""
-    if upload_bytes_s is None or bytes_per_sample <= 0:
+    """The throughput to announce: ``measured`` (samples/s), or less when the cap (bytes per
+    second, the tighter of upload and download) cannot carry it. ``batch_size`` samples travel
+    per message (one message overhead each)."""
+    if cap_bytes_s is None or bytes_per_sample <= 0:
         return measured
     per_sample = bytes_per_sample + 2.0 * MESSAGE_OVERHEAD_BYTES / max(1, batch_size)
-    return max(0.0, min(measured, upload_bytes_s / per_sample))
+    return max(0.0, min(measured, cap_bytes_s / per_sample))
+
+
+def tighter_cap(*caps: int | None) -> int | None:
+    """The smallest of the caps that are set (None: none is)."""
+    set_caps = [c for c in caps if c is not None]
+    return min(set_caps) if set_caps else None
 
 
 def stage_memory_bytes(param_bytes: int, *, optimizer: str, grad: bool = True) -> int:

@@ -72,13 +72,13 @@ def upload_bytes_per_sample(config: Config, seam: Any) -> float:
 
 
 def announced_throughput(config: Config, server: Any) -> float:
-    """The stage server's measured throughput, capped to what ``limits.upload_bytes_s`` can
-    carry (``swarmd.node.caps.capped_throughput``): what membership announces and routing
-    weighs."""
-    from swarmd.node.caps import capped_throughput
+    """The stage server's measured throughput, capped to what ``limits.upload_bytes_s`` and
+    ``limits.download_bytes_s`` can carry (``swarmd.node.caps.capped_throughput``): what
+    membership announces and routing weighs."""
+    from swarmd.node.caps import capped_throughput, tighter_cap
 
     measured = float(server.throughput)
-    cap = config.limits.upload
+    cap = tighter_cap(config.limits.upload, config.limits.download)
     if cap is None:
         return measured
     return capped_throughput(measured, cap, upload_bytes_per_sample(config, server.seam),
@@ -114,7 +114,7 @@ def limits_status(config: Config, host: Any, server: Any) -> dict[str, Any]:
     import torch
 
     status["cpu_threads"] = {"set": limits.threads, "torch": torch.get_num_threads()}
-    if server is not None and limits.upload is not None:
-        status["upload"]["announced_throughput"] = announced_throughput(config, server)
-        status["upload"]["measured_throughput"] = float(server.throughput)
+    if server is not None and (limits.upload is not None or limits.download is not None):
+        status["announced_throughput"] = announced_throughput(config, server)
+        status["measured_throughput"] = float(server.throughput)
     return status
