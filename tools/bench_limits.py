@@ -15,6 +15,12 @@ Prints one JSON object:
 - ``uncapped``: the same transfer with no cap for ``reference_seconds`` (3 s), MB/s: what the
   cap is taken out of.
 
+With ``--routing``: instead, two daemons serve the one stage of a small model, one of them with
+its upload capped at ``--routing-cap`` (200 kB/s), and a trainer trains ``--steps`` steps
+through them. Reported: each peer's forwards, the capped peer's share of them, the throughput
+each announces as its stage-mate sees it, and the capped peer's share of that announced
+throughput (what routing is expected to follow; target: forward share within 2x of it).
+
 ``targets``: ``{"name": {"value", "target", "ok"}}``. Every loop is bounded in count and time.
 """
 
@@ -99,13 +105,68 @@ def run(cap: int, seconds: float, streams: int, reference_s: float) -> dict[str,
             "download": down, "uncapped": uncapped, "targets": targets}
 
 
+def routing(cap: int, steps: int) -> dict[str, Any]:
+    """Two daemons of one stage, one capped; a trainer trains through them (real processes)."""
+    import os
+    import tempfile
+
+    from swarmd.config import load_config
+    from swarmd.local.demo import DEMO_ENV
+    from swarmd.local.swarm import DaemonProcess, stop_all, wait_until
+    from swarmd.training.run import train
+
+    env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+           "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "bench-limits"}
+    with tempfile.TemporaryDirectory(prefix="bench-limits-") as root:
+        free = DaemonProcess(Path(root) / "free", "--stage", "0", env=env)
+        started = [free]
+        try:
+            free.wait_started()
+            capped = DaemonProcess(Path(root) / "capped", "--stage", "0", "--bootstrap",
+                                   free.addr, env={**env, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
+            started.append(capped)
+            capped.wait_started()
+            wait_until(lambda: free.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2,
+                       60, "both peers of the stage routable")
+            config = load_config(None, {**os.environ, **env})
+            result = uvloop.run(asyncio.wait_for(train(
+                config, bootstrap=[free.addr], steps=steps, progress=lambda line: None,
+                bar=False), 600))
+            forwards = {name: d.get("/api/v0/status")["counters"].get("stage.forward", 0)
+                        for name, d in (("capped", capped), ("free", free))}
+            announced = {("capped" if p["peer_id"] == capped.peer_id else "free"): p["throughput"]
+                         for p in free.get("/api/v0/swarm")["stages"][0]["peers"]}
+            limits = capped.get("/api/v0/status")["limits"]
+        finally:
+            stop_all(started)
+    total_fw, total_an = sum(forwards.values()), sum(announced.values())
+    share = forwards["capped"] / total_fw if total_fw else 0.0
+    expected = announced.get("capped", 0.0) / total_an if total_an else 0.0
+    ok = expected > 0 and 0.5 <= share / expected <= 2.0
+    return {"cap_Bps": cap, "steps": steps, "lost": result.lost, "forwards": forwards,
+            "capped_forward_share": round(share, 4), "announced": announced,
+            "capped_announced_share": round(expected, 4), "capped_limits": limits,
+            "targets": {"forward_share_follows_announced_share": {
+                "value": round(share / expected, 3) if expected else None,
+                "target": "0.5..2", "ok": ok}}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cap", type=int, default=1_000_000, help="bytes per second")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="5 s runs, 1 s reference")
+    parser.add_argument("--routing", action="store_true",
+                        help="train through a capped and an uncapped peer of one stage instead")
+    parser.add_argument("--routing-cap", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    if args.routing:
+        if args.routing_cap < 1 or not 1 <= args.steps <= 1000:
+            parser.error("--routing-cap must be >= 1 and --steps from 1 to 1000")
+        print(json.dumps(routing(args.routing_cap, args.steps)))
+        return
     if args.cap < 1 or args.seconds <= 0 or not 1 <= args.streams <= 16:
         parser.error("--cap must be >= 1, --seconds > 0 and --streams from 1 to 16")
     seconds, reference = (5.0, 1.0) if args.quick else (args.seconds, 3.0)
