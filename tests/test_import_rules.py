@@ -41,6 +41,8 @@ CORES = frozenset({
     "transport.codecs",
     "swarmd.models.seam",
     "swarmd.pipeline.inflight",
+    "transport.ratelimit",
+    "swarmd.node.caps",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

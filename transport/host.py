@@ -44,6 +44,7 @@ from transport.options import HostOptions
 from transport.pubsub import PubsubBridge, Subscription
 from transport.relay.node import RelayNode
 from transport.stream import Stream
+from transport.throttle import Throttle
 
 log = logging.getLogger("transport.host")
 
@@ -64,6 +65,9 @@ class Host:
         self.options = options or HostOptions()
         self.peer_id: str = identity.peer_id
         self.counters = Counters()
+        #: the upload and download caps every stream shares (``HostOptions.*_bytes_s``)
+        self.throttle = Throttle(self.options.upload_bytes_s, self.options.download_bytes_s,
+                                 self.options.rate_burst_bytes, self.counters)
         self.bridge = TrioThread(name=f"libp2p-{self.peer_id[-6:]}")
         self._handlers: dict[str, Handler] = {}
         self._addrs: list[str] = []

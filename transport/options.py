@@ -60,6 +60,14 @@ class HostOptions:
     batch_window_updates: bool = True
     #: None: no relay protocols at all (neither relayed connections nor hole punching)
     relay: RelayOptions | None = None
+    #: bytes per second this host writes on its framed streams, all streams together (one
+    #: token bucket, ``transport.ratelimit``); None: unlimited
+    upload_bytes_s: int | None = None
+    #: bytes per second it reads from them; reading slower makes yamux flow control slow the
+    #: senders down; None: unlimited
+    download_bytes_s: int | None = None
+    #: burst of both buckets (None: a quarter second of the rate, at least 16 KiB)
+    rate_burst_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -71,3 +79,9 @@ class HostOptions:
                      "idle_stream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise LocalUsageError(f"HostOptions.{name} must be positive")
+        for name in ("upload_bytes_s", "download_bytes_s", "rate_burst_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise LocalUsageError(f"HostOptions.{name} must be a positive integer or None "
+                                      f"(unlimited), got {value!r}")

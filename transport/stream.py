@@ -89,6 +89,7 @@ class Stream:
 
     async def _t_write_raw(self, data: bytes) -> None:
         try:
+            await self._host.throttle.t_before_write(len(data))
             await self._ns.write(data)
         except Exception as exc:
             raise _map_io_error(exc, self, "writing") from None
@@ -245,16 +246,20 @@ class Stream:
 
     # ---- trio side ---------------------------------------------------------------------
     async def _t_write(self, frame: OutgoingFrame) -> None:
-        ns = self._ns
+        ns, throttle = self._ns, self._host.throttle
         try:
             if frame.total_bytes <= SMALL_FRAME_BYTES:
+                await throttle.t_before_write(frame.total_bytes)
                 await ns.write(frame.head + b"".join(frame.parts))
                 return
+            await throttle.t_before_write(len(frame.head))
             await ns.write(frame.head)
-            chunk = self._host.write_chunk_bytes
+            chunk = throttle.write_piece(self._host.write_chunk_bytes)
             for part in frame.parts:
                 for offset in range(0, len(part), chunk):
-                    await ns.write(part[offset:offset + chunk])
+                    piece = part[offset:offset + chunk]
+                    await throttle.t_before_write(len(piece))
+                    await ns.write(piece)
         except Exception as exc:
             raise _map_io_error(exc, self, "writing") from None
 
@@ -294,6 +299,7 @@ class Stream:
                 raise MalformedFrame("libp2p returned more bytes than asked")  # defensive
             view[got:got + n] = data
             got += n
+            await self._host.throttle.t_after_read(n)
 
 
 async def _t_close(ns: Any) -> None:

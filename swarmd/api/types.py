@@ -130,6 +130,9 @@ class StatusInfo:
     #: the deadline policy and, per peer, measured round trip and bandwidth and the deadlines
     #: derived from them (swarmd.links)
     links: dict[str, Any] = field(default_factory=dict)
+    #: ``[limits]`` as set and what the caps did: upload/download (cap, bytes through the bucket,
+    #: bytes throttled, seconds waited), saved activations, device memory, cpu threads
+    limits: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:

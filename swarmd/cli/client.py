@@ -75,6 +75,7 @@ def text_status(st) -> str:
              + (f" (relays: {', '.join(r[-8:] for r in st.relays)})" if st.relays else "")]
     if st.reachability_hint:
         lines.append(f"            {st.reachability_hint}")
+    lines += _limits_lines(st.limits)
     if st.counters:
         width = max(len(name) for name in st.counters)
         for i, (name, value) in enumerate(sorted(st.counters.items())):
@@ -82,6 +83,43 @@ def text_status(st) -> str:
     else:
         lines.append("counters    (none)")
     return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _limits_lines(limits: dict) -> list[str]:
+    """``[limits]`` as status shows it: each cap (or off) and what it throttled."""
+    if not limits:
+        return []
+    parts = []
+    for direction in ("upload", "download"):
+        d = limits.get(direction) or {}
+        if not d.get("bytes_s"):
+            parts.append(f"{direction} off")
+            continue
+        throttled = _size(d.get("throttled_bytes", 0))
+        text = (f"{direction} {_size(d['bytes_s'])}/s (throttled {throttled}, waited "
+                f"{d.get('waited_s', 0):.1f} s")
+        parts.append(text + ")")
+    if "announced_throughput" in limits:
+        parts.append(f"announcing {_rate(limits['announced_throughput'])} of "
+                     f"{_rate(limits.get('measured_throughput', 0))} samples/s measured")
+    saved = limits.get("saved_activations") or {}
+    cap = saved.get("bytes")
+    second = [f"saved activations {_size(cap) if cap else 'off'}"
+              + (f" (kept {_size(saved.get('kept_bytes', 0))}, refused {saved.get('refused', 0)})"
+                 if cap else "")]
+    memory = limits.get("device_memory_bytes")
+    second.append(f"device memory {_size(memory) if memory else 'off'}")
+    threads = limits.get("cpu_threads") or {}
+    second.append(f"cpu threads {threads.get('set') or 'off'}"
+                  + (f" (torch uses {threads['torch']})" if threads.get("torch") else ""))
+    return [f"limits      {', '.join(parts)}", f"            {'; '.join(second)}"]
 
 
 def cmd_peers(args: argparse.Namespace):

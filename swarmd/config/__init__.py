@@ -12,12 +12,13 @@ from swarmd.config.sections import (CODECS, DTYPES, ENV_PREFIX, RESERVED_ENV, Da
                                     HttpConfig, LogConfig, ModelSection, NetworkConfig,
                                     SwarmConfig, TrainingConfig, WireConfig)
 from swarmd.config.fields import FieldSpec
+from swarmd.config.limits import LimitsConfig
 from swarmd.config.stage import AveragingConfig, CheckpointConfig
 from swarmd.errors import ConfigError
 
 __all__ = [
     "Config", "SwarmConfig", "ModelSection", "TrainingConfig", "DataConfig", "NetworkConfig",
     "WireConfig", "HttpConfig", "LogConfig", "AveragingConfig", "CheckpointConfig",
-    "FieldSpec", "ConfigError", "load_config", "render_toml", "render_default_toml",
+    "LimitsConfig", "FieldSpec", "ConfigError", "load_config", "render_toml", "render_default_toml",
     "field_specs", "ENV_PREFIX", "RESERVED_ENV", "CODECS", "DTYPES",
 ]

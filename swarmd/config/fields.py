@@ -33,13 +33,18 @@ class FieldSpec:
     expected: str
     #: raises ``_Invalid`` for a value of the right type that is still not acceptable
     check: Callable[[Any], None] | None = None
+    #: for a key of more than one type (``"off"`` or a number): takes any value (TOML, or the
+    #: text of an environment variable) and returns the normalised one or raises ``_Invalid``;
+    #: replaces the type check that the default's type implies
+    convert: Callable[[Any], Any] | None = None
 
 
-def _opt(default: Any, doc: str, expected: str, check: Callable[[Any], None] | None = None) -> Any:
+def _opt(default: Any, doc: str, expected: str, check: Callable[[Any], None] | None = None,
+         *, convert: Callable[[Any], Any] | None = None) -> Any:
     """Declare a configuration key: its default, doc line, expectation and validator."""
     if isinstance(default, list):
         default = tuple(default)
-    return field(default=default, metadata={"spec": FieldSpec(doc, expected, check)})
+    return field(default=default, metadata={"spec": FieldSpec(doc, expected, check, convert)})
 
 
 def _int_range(lo: int, hi: int | None = None) -> Callable[[Any], None]:
@@ -173,6 +178,12 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
     """Check the type of a typed value (TOML, override, constructor), normalise it, validate it."""
     default = f.default
     kind = type(default)
+    spec: FieldSpec = f.metadata["spec"]
+    if spec.convert is not None:
+        value = spec.convert(value)
+        if spec.check is not None:
+            spec.check(value)
+        return value
     wrong = _Invalid(f"it is {_type_name(value)}")
     if kind is bool:
         if not isinstance(value, bool):
@@ -198,7 +209,6 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
         value = tuple(value)
     else:  # pragma: no cover - a declaration with an unsupported default type
         raise TypeError(f"unsupported config type {kind}")
-    spec: FieldSpec = f.metadata["spec"]
     if spec.check is not None:
         spec.check(value)
     return value

@@ -21,6 +21,7 @@ from swarmd.config.fields import (FieldSpec, _Invalid, _Section, _convert, _inva
 from swarmd.config.sections import (ENV_PREFIX, RESERVED_ENV, DataConfig, HttpConfig, LogConfig,
                                     ModelSection, NetworkConfig, SwarmConfig, TrainingConfig,
                                     WireConfig, _cross_checks)
+from swarmd.config.limits import LimitsConfig
 from swarmd.config.stage import (AveragingConfig, BalancingSection, CheckpointConfig,
                                  ServingSection)
 from swarmd.errors import ConfigError
@@ -46,6 +47,7 @@ class Config:
     wire: WireConfig = field(default_factory=WireConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         for _key, message in _cross_checks(self.get, lambda *keys: keys[0]):
@@ -76,13 +78,15 @@ class Config:
 
     def torch_placement(self) -> tuple[Any, Any]:
         """``(device, dtype)`` from ``[model]``, checked against this machine; also applies
-        ``model.threads``. Raises ``ConfigError`` saying what to change."""
+        ``limits.cpu_threads`` (else ``model.threads``). Raises ``ConfigError`` saying what to
+        change."""
         import torch
 
         from swarmd.training.model import resolve_device, resolve_dtype
 
-        if self.model.threads:
-            torch.set_num_threads(self.model.threads)
+        threads = self.limits.threads or self.model.threads
+        if threads:
+            torch.set_num_threads(threads)
         try:
             return resolve_device(self.model.device), resolve_dtype(self.model.dtype)
         except ValueError as exc:
@@ -133,7 +137,8 @@ def _model_of(config: Config) -> tuple[Any, Any, Any]:
 _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
                                  AveragingConfig, CheckpointConfig, BalancingSection,
-                                 ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig)
+                                 ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig,
+                                 LimitsConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -398,6 +398,12 @@ def _cross_checks(get: Callable[[str], Any],
             f"no authentication: listen on 127.0.0.1, or set http.allow_non_loopback = true "
             f"to expose it anyway"
         )
+    threads, cpu_threads = get("model.threads"), get("limits.cpu_threads")
+    if threads and cpu_threads != "off" and threads != cpu_threads:
+        key = blame("limits.cpu_threads", "model.threads")
+        yield key, (f"{key} = {get(key)} is invalid: limits.cpu_threads ({cpu_threads}) and "
+                    f"model.threads ({threads}) disagree; set one of them (limits.cpu_threads "
+                    f"wins when model.threads is 0)")
     width, heads = get("model.width"), get("model.heads")
     if width % heads:
         key = blame("model.heads", "model.width")

@@ -21,6 +21,8 @@ from typing import Any, Callable
 from swarmd import __version__
 from swarmd.api.types import ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo
 from swarmd.config import Config
+from swarmd.errors import SwarmdError
+from swarmd.node.host_options import announced_throughput, apply_stage_limits, limits_status
 from swarmd.node.reconnect import Backoff, Redialer
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 
@@ -111,7 +113,8 @@ class Daemon:
             queue=queue, counters=counters,
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
-            links=self._links_status())
+            links=self._links_status(),
+            limits=limits_status(self.config, self.host, self.stage_server))
 
     def _links_status(self) -> dict[str, Any]:
         """Each link's measured round trip and bandwidth and the deadlines derived from them."""
@@ -171,7 +174,10 @@ class Daemon:
             token = create_token(home)
             async with Host(identity, host_options(self.config, self.options.listen)) as host:
                 self.host = host
-                await self._run_services(identity, token, on_started)
+                try:
+                    await self._run_services(identity, token, on_started)
+                except* SwarmdError as group:  # a task's typed failure: its message, no trace
+                    raise group.exceptions[0] from None
 
     async def _run_services(self, identity: Any, token: str,
                             on_started: Callable[[Started], None] | None) -> None:
@@ -242,7 +248,8 @@ class Daemon:
         server = self.stage_server
         if server is None:
             return LocalState(self.stage, self.state)
-        return LocalState(self.stage, self.state, server.throughput, server.queue, server.step)
+        return LocalState(self.stage, self.state, announced_throughput(self.config, server),
+                          server.queue, server.step)
 
     async def _serve_stage(self) -> None:
         """Serve ``self.stage``: take the newest state (checkpoint or peers), then forward,
@@ -278,6 +285,7 @@ class Daemon:
             max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
                 c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1,
             addrs_of=self._addrs_of)
+        apply_stage_limits(c, server)  # a stage that does not fit is refused here
         keeper = StageKeeper(
             self.host, server, swarm=c.swarm.name, home=self.options.home,
             model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,

@@ -1,4 +1,5 @@
-"""From configuration to the transport: ``[network]`` and ``[wire]`` become ``HostOptions``.
+"""From configuration to the transport: ``[network]``, ``[wire]`` and the rate caps of ``[limits]``
+become ``HostOptions``.
 
 Kept apart from ``swarmd.config`` so that loading configuration (``swarmd --help``, ``swarmd id``)
 never imports torch or trio.
@@ -38,6 +39,8 @@ def host_options(config: Config, listen: Sequence[str] | None = None) -> HostOpt
         limits=config.wire_limits(),
         codec=codec_spec(config),
         relay=relay_options(config),
+        upload_bytes_s=config.limits.upload,
+        download_bytes_s=config.limits.download,
     )
 
 
@@ -53,3 +56,65 @@ def relay_options(config: Config) -> Any:
         max_reservations=n.relay_max_reservations, max_circuits=n.relay_max_circuits,
         max_circuit_bytes=n.relay_max_circuit_bytes,
         max_circuit_duration_s=max(1.0, n.relay_max_circuit_s)))
+
+
+# ---- [limits] on a running daemon ------------------------------------------------------------
+
+def upload_bytes_per_sample(config: Config, seam: Any) -> float:
+    """What one sample costs a stage peer's upload with this configuration's wire codec."""
+    from swarmd.node.caps import upload_bytes_per_sample as per_sample
+    from swarmd.node.caps import wire_bytes_per_value
+
+    w = config.wire
+    tokens = min(int(getattr(seam, "max_seq_len", config.model.seq_len)), config.model.seq_len)
+    return per_sample(tokens=tokens, width=int(seam.width), bytes_per_value=wire_bytes_per_value(
+        w.codec, block_size=w.int8_block_size, scale_dtype=w.int8_scale_dtype))
+
+
+def announced_throughput(config: Config, server: Any) -> float:
+    """The stage server's measured throughput, capped to what ``limits.upload_bytes_s`` and
+    ``limits.download_bytes_s`` can carry (``swarmd.node.caps.capped_throughput``): what
+    membership announces and routing weighs."""
+    from swarmd.node.caps import capped_throughput, tighter_cap
+
+    measured = float(server.throughput)
+    cap = tighter_cap(config.limits.upload, config.limits.download)
+    if cap is None:
+        return measured
+    return capped_throughput(measured, cap, upload_bytes_per_sample(config, server.seam),
+                             batch_size=config.training.batch_size)
+
+
+def apply_stage_limits(config: Config, server: Any) -> None:
+    """Bound the stage worker's saved activations; refuse a stage that does not fit
+    ``limits.device_memory_bytes`` (``ConfigError`` with the numbers)."""
+    from swarmd.config import ConfigError
+    from swarmd.node.caps import device_memory_refusal
+
+    limits = config.limits
+    server.worker.max_saved_bytes = limits.saved_activations
+    param_bytes = sum(p.numel() * p.element_size() for p in server.module.parameters())
+    why = device_memory_refusal(stage=server.stage, param_bytes=param_bytes,
+                                optimizer=config.training.optimizer,
+                                cap_bytes=limits.device_memory, device=str(server.worker.device))
+    if why is not None:
+        raise ConfigError(why)
+
+
+def limits_status(config: Config, host: Any, server: Any) -> dict[str, Any]:
+    """``[limits]`` as set, and what the caps did (``StatusInfo.limits``)."""
+    limits = config.limits
+    status: dict[str, Any] = dict(host.throttle.status())
+    status["saved_activations"] = {
+        "bytes": limits.saved_activations,
+        "kept_bytes": server.worker.saved_bytes if server is not None else 0,
+        "kept_microbatches": server.worker.saved if server is not None else 0,
+        "refused": server.worker.refused_for_bytes if server is not None else 0}
+    status["device_memory_bytes"] = limits.device_memory
+    import torch
+
+    status["cpu_threads"] = {"set": limits.threads, "torch": torch.get_num_threads()}
+    if server is not None and (limits.upload is not None or limits.download is not None):
+        status["announced_throughput"] = announced_throughput(config, server)
+        status["measured_throughput"] = float(server.throughput)
+    return status

@@ -16,9 +16,13 @@ live parameters' gradients for the next step to apply (a delayed gradient, at mo
 ``unknown_microbatch`` and which the trainer restarts). With no step in between this is
 exactly the single-process chain rule.
 
-What is kept is bounded (``max_saved``: a full worker refuses new forwards with ``StageBusy``, so
-the sender routes elsewhere; nothing is evicted under load) and expires (``ttl_s``: a microbatch
-whose backward never comes is dropped by ``expire``). Everything that arrives is checked before
+What is kept is bounded (``max_saved`` microbatches and, when given, ``max_saved_bytes``: a full
+worker refuses new forwards with ``StageBusy``, so the sender routes elsewhere; nothing is evicted
+under load) and expires (``ttl_s``: a microbatch whose backward never comes is dropped by
+``expire``). With a byte bound, each forward's saved tensors are measured as autograd saves them
+(their storages, parameters excluded); a new forward is refused when what is kept plus what it
+is predicted to keep (bytes per token of the last forward) would pass the bound, unless nothing
+is kept at all (a stage always takes one microbatch, however large). Everything that arrives is checked before
 use: wrong shape, dtype or non-finite values raise ``BadActivation`` (the sender's fault).
 """
 
@@ -62,6 +66,8 @@ class _Saved:
     step: int
     #: the live weights' version when the forward ran (``_version``)
     version: int
+    #: bytes autograd keeps for this forward's backward (0: not measured, no byte bound)
+    nbytes: int = 0
     #: gradients arrived so far; members that will never send one (forgotten)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
@@ -77,10 +83,13 @@ class StageWorker:
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
                  max_staleness: int = MAX_STALENESS,
-                 backward_with: str = BACKWARD_WITH) -> None:
+                 backward_with: str = BACKWARD_WITH,
+                 max_saved_bytes: int | None = None) -> None:
         if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1 or max_staleness < 0:
             raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1"
                              ", max_staleness >= 0")
+        if max_saved_bytes is not None and max_saved_bytes < 1:
+            raise ValueError("StageWorker max_saved_bytes must be None (no bound) or >= 1")
         self.module = module
         self.width = width
         self.max_tokens = max_tokens
@@ -106,12 +115,34 @@ class StageWorker:
         self.lag = 0.0
         #: backwards that ran the forward again on the current weights (``current``)
         self.recomputed = 0
+        #: bound on the bytes of what is kept (``limits.saved_activation_bytes``); None: none
+        self.max_saved_bytes = max_saved_bytes
+        #: bytes kept per token by the last measured forward (the prediction for the next)
+        self._bytes_per_token = 0.0
+        #: forwards refused because of ``max_saved_bytes``
+        self.refused_for_bytes = 0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
 
     @property
     def saved(self) -> int:
         return len(self._saved)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes kept for backward passes to come (measured only under a byte bound)."""
+        return sum({id(v): v.nbytes for v in self._saved.values()}.values())
+
+    def _check_bytes(self, tokens: int) -> None:
+        cap = self.max_saved_bytes
+        if cap is None or not self._saved:
+            return
+        kept, more = self.saved_bytes, int(self._bytes_per_token * tokens)
+        if kept + more > cap:
+            self.refused_for_bytes += 1
+            raise StageBusy(f"{kept} bytes of activations kept here and ~{more} more for this "
+                            f"microbatch would pass limits.saved_activation_bytes ({cap}); "
+                            f"route elsewhere")
 
     def holds(self, mb_id: str) -> bool:
         """Whether a forward of ``mb_id`` is kept here for its backward."""
@@ -128,6 +159,7 @@ class StageWorker:
         if len(self._saved) >= self.max_saved:
             raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
         self._check(x, "activations")
+        self._check_bytes(int(x.shape[0]) * int(x.shape[1]))
 
     def forward_many(self, items: list[tuple[str, torch.Tensor]], now: float
                      ) -> list[torch.Tensor]:
@@ -143,6 +175,7 @@ class StageWorker:
             self.check_forward(mb_id, x)
         if len(self._saved) + len(items) > self.max_saved:
             raise StageBusy(f"{self.max_saved} microbatches in flight here; route elsewhere")
+        self._check_bytes(sum(int(x.shape[0]) * int(x.shape[1]) for _, x in items))
         rows, start = {}, 0
         for mb_id, x in items:
             rows[mb_id] = slice(start, start + int(x.shape[0]))
@@ -150,10 +183,15 @@ class StageWorker:
         joined = items[0][1] if len(items) == 1 else torch.cat([x for _, x in items])
         inputs = joined.to(self.device, self.dtype).detach().requires_grad_(True)
         weights = self._weights()
-        with torch.enable_grad():
-            outputs = functional_call(self.module, weights, (inputs,))
+        if self.max_saved_bytes is None:
+            with torch.enable_grad():
+                outputs = functional_call(self.module, weights, (inputs,))
+            nbytes = 0
+        else:
+            outputs, nbytes = self._measured_forward(inputs, weights)
+            self._bytes_per_token = nbytes / max(1, int(inputs.shape[0]) * int(inputs.shape[1]))
         saved = _Saved(inputs, outputs, rows, now + self.ttl_s, weights, self.steps,
-                       self._stash[0] if self._stash is not None else 0)
+                       self._stash[0] if self._stash is not None else 0, nbytes)
         for mb_id in rows:
             self._saved[mb_id] = saved
         out = outputs.detach()
@@ -203,6 +241,32 @@ class StageWorker:
         for k in gone:
             del self._saved[k]
         return gone
+
+    def _measured_forward(self, inputs: torch.Tensor, weights: dict[str, torch.Tensor]
+                          ) -> tuple[torch.Tensor, int]:
+        """Run the module on ``weights``, adding up the storages autograd saves for backward
+        (each once; the weights' own storages, stashed or live, are not activations)."""
+        params = {p.untyped_storage().data_ptr()
+                  for p in (*self.module.parameters(), *weights.values())}
+        kept: dict[int, int] = {}
+
+        def keep(t: torch.Tensor) -> None:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage (e.g. sparse): not counted
+                return
+            if storage.data_ptr() not in params:
+                kept[storage.data_ptr()] = storage.nbytes()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            keep(t)
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            outputs = functional_call(self.module, weights, (inputs,))
+        keep(inputs)
+        keep(outputs)
+        return outputs, sum(kept.values())
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only (validation): nothing is kept."""
@@ -323,3 +387,6 @@ class StageWorker:
         if not bool(torch.isfinite(x).all()):
             raise BadActivation("not_finite", f"{what} contain NaN or Inf")
 
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

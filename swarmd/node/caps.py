@@ -1,0 +1,87 @@
+"""What ``[limits]`` means for a stage peer, as arithmetic: no I/O, no torch.
+
+* The throughput a peer announces (samples per second, what routing and balancing weigh) is at
+  most what its upload cap lets it send: per sample, a stage sends its output activations
+  forward and the gradient of its input backward, each ``tokens x width`` values as the wire
+  codec encodes them (and receives as much: a download cap binds the same way).
+  ``capped_throughput`` takes the smaller of the measured rate and that.
+* A stage whose parameters and optimizer state do not fit ``limits.device_memory_bytes`` is not
+  served (``device_memory_refusal`` says why, with the numbers).
+"""
+
+from __future__ import annotations
+
+__all__ = ["wire_bytes_per_value", "upload_bytes_per_sample", "capped_throughput", "tighter_cap",
+           "stage_memory_bytes", "device_memory_refusal"]
+
+#: activations travel as float32 (``swarmd.training.model.wire_tensor``) before the codec
+_WIRE_FLOAT_BYTES = 4
+#: frame headers and message metadata per message, generously
+MESSAGE_OVERHEAD_BYTES = 512
+#: bytes of optimizer state per parameter byte (AdamW and LAMB: two moments) plus the gradient
+OPTIMIZER_STATE_FACTOR = {"adamw": 2, "lamb": 2}
+
+
+def wire_bytes_per_value(codec: str, *, block_size: int = 64, scale_dtype: str = "float16"
+                         ) -> float:
+    """Bytes one activation value takes on the wire with ``codec`` (``"int8+zstd"`` etc.;
+    zstd is counted as no gain, so a cap is never overestimated)."""
+    base = codec.split("+", 1)[0]
+    if base == "none":
+        return float(_WIRE_FLOAT_BYTES)
+    if base == "fp16":
+        return 2.0
+    if base == "int8":
+        scale = 2 if scale_dtype == "float16" else 4
+        return 1.0 + scale / max(1, block_size)
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def upload_bytes_per_sample(*, tokens: int, width: int, bytes_per_value: float) -> float:
+    """What a stage peer sends per sample: its output forward and its input's gradient back."""
+    return 2.0 * tokens * width * bytes_per_value
+
+
+def capped_throughput(measured: float, cap_bytes_s: int | None, bytes_per_sample: float,
+                      *, batch_size: int = 1) -> float:
+    """The throughput to announce: ``measured`` (samples/s), or less when the cap (bytes per
+    second, the tighter of upload and download) cannot carry it. ``batch_size`` samples travel
+    per message (one message overhead each)."""
+    if cap_bytes_s is None or bytes_per_sample <= 0:
+        return measured
+    per_sample = bytes_per_sample + 2.0 * MESSAGE_OVERHEAD_BYTES / max(1, batch_size)
+    return max(0.0, min(measured, cap_bytes_s / per_sample))
+
+
+def tighter_cap(*caps: int | None) -> int | None:
+    """The smallest of the caps that are set (None: none is)."""
+    set_caps = [c for c in caps if c is not None]
+    return min(set_caps) if set_caps else None
+
+
+def stage_memory_bytes(param_bytes: int, *, optimizer: str, grad: bool = True) -> int:
+    """Parameters, their gradients and the optimizer's state, in bytes."""
+    factor = 1 + (1 if grad else 0) + OPTIMIZER_STATE_FACTOR.get(optimizer, 2)
+    return factor * param_bytes
+
+
+def device_memory_refusal(*, stage: int, param_bytes: int, optimizer: str,
+                          cap_bytes: int | None, device: str) -> str | None:
+    """None when stage ``stage`` fits ``cap_bytes`` (or there is no cap), else why not."""
+    if cap_bytes is None:
+        return None
+    need = stage_memory_bytes(param_bytes, optimizer=optimizer)
+    if need <= cap_bytes:
+        return None
+    return (f"stage {stage} needs {_gb(need)} on {device} ({_gb(param_bytes)} of parameters, "
+            f"as much for their gradients and {OPTIMIZER_STATE_FACTOR.get(optimizer, 2)}x for "
+            f"{optimizer}'s state), more than limits.device_memory_bytes = {cap_bytes} "
+            f"({_gb(cap_bytes)}): raise the cap, or serve a smaller stage (more swarm.stages)")
+
+
+def _gb(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 10**9:.2f} GB"
+    if n >= 10**6:
+        return f"{n / 10**6:.1f} MB"
+    return f"{n} bytes"

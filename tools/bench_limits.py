@@ -1,0 +1,177 @@
+"""Resource caps benchmark: a host with its upload (then its download) capped at 1 MB/s sends
+for 20 s over real libp2p on 127.0.0.1, against an uncapped reference in the same run.
+
+    python tools/bench_limits.py [--cap 1000000] [--seconds 20] [--streams 2] [--quick]
+
+Prints one JSON object:
+
+- ``upload``: the sender has ``HostOptions.upload_bytes_s = cap``; ``streams`` concurrent
+  request streams (they share the one bucket) send 256 KiB messages back to back for
+  ``seconds``. ``measured_Bps``: frame bytes the *receiver* counted (``bytes_received``) from the
+  first acknowledged message to the end, over that time (MB = 10**6 bytes); ``ratio`` =
+  measured / cap (target: within 10% of 1). ``bucket``: the sender's own accounting.
+- ``download``: the same with the receiver's ``download_bytes_s = cap`` (the sender uncapped,
+  held back by yamux flow control); measured at the receiver likewise.
+- ``uncapped``: the same transfer with no cap for ``reference_seconds`` (3 s), MB/s: what the
+  cap is taken out of.
+
+With ``--routing``: instead, two daemons serve the one stage of a small model, one of them with
+its upload capped at ``--routing-cap`` (200 kB/s), and a trainer trains ``--steps`` steps
+through them. Reported: each peer's forwards, the capped peer's share of them, the throughput
+each announces as its stage-mate sees it, and the capped peer's share of that announced
+throughput (what routing is expected to follow; target: forward share within 2x of it).
+
+``targets``: ``{"name": {"value", "target", "ok"}}``. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import uvloop  # noqa: E402
+
+from transport import identity  # noqa: E402
+from transport.codecs import CodecSpec  # noqa: E402
+from transport.frames import Message  # noqa: E402
+from transport.host import Host, HostOptions  # noqa: E402
+
+SINK = "/bench/limits/sink/1"
+MESSAGE_BYTES = 256 * 1024
+#: most messages one run may send (a bound besides the time)
+MAX_MESSAGES = 100_000
+
+
+async def _transfer(sender_options: HostOptions, receiver_options: HostOptions, seconds: float,
+                    streams: int) -> dict[str, Any]:
+    async with Host(identity.generate(), sender_options) as a, \
+            Host(identity.generate(), receiver_options) as b:
+        async def sink(message: Message, peer: str) -> Message:
+            return Message(kind="ok")
+
+        b.set_request_handler(SINK, sink)
+        await a.dial(b.addrs[0])
+        payload = Message(kind="data", tensors=(torch.zeros(MESSAGE_BYTES, dtype=torch.uint8),))
+        none = CodecSpec(name="none")
+        await a.request(b.peer_id, SINK, payload, codec=none, timeout=60)  # warm the streams
+        start_bytes, start = b.counters.get("bytes_received"), time.monotonic()
+        deadline = start + seconds
+        sent = 0
+
+        async def send_loop() -> None:
+            nonlocal sent
+            while time.monotonic() < deadline and sent < MAX_MESSAGES:
+                await a.request(b.peer_id, SINK, payload, codec=none, timeout=60)
+                sent += 1
+
+        async with asyncio.timeout(seconds + 120):
+            await asyncio.gather(*(send_loop() for _ in range(streams)))
+        elapsed = time.monotonic() - start
+        got = b.counters.get("bytes_received") - start_bytes
+        return {"seconds": round(elapsed, 3), "messages": sent, "bytes": got,
+                "measured_Bps": round(got / elapsed), "sender": a.throttle.status(),
+                "receiver": b.throttle.status()}
+
+
+def run(cap: int, seconds: float, streams: int, reference_s: float) -> dict[str, Any]:
+    plain = dict(pubsub=None)
+    up = uvloop.run(_transfer(HostOptions(**plain, upload_bytes_s=cap), HostOptions(**plain),
+                              seconds, streams))
+    up["ratio"] = round(up["measured_Bps"] / cap, 4)
+    up["bucket"] = up.pop("sender")["upload"]
+    up.pop("receiver")
+    down = uvloop.run(_transfer(HostOptions(**plain), HostOptions(**plain, download_bytes_s=cap),
+                                seconds, streams))
+    down["ratio"] = round(down["measured_Bps"] / cap, 4)
+    down["bucket"] = down.pop("receiver")["download"]
+    down.pop("sender")
+    ref = uvloop.run(_transfer(HostOptions(**plain), HostOptions(**plain), reference_s, streams))
+    uncapped = {"seconds": ref["seconds"], "MBps": round(ref["measured_Bps"] / 1e6, 1)}
+    targets = {
+        "upload_within_10pct_of_cap": {"value": up["ratio"], "target": "0.9..1.1",
+                                       "ok": 0.9 <= up["ratio"] <= 1.1},
+        "download_within_10pct_of_cap": {"value": down["ratio"], "target": "0.9..1.1",
+                                         "ok": 0.9 <= down["ratio"] <= 1.1},
+    }
+    return {"cap_Bps": cap, "streams": streams, "message_bytes": MESSAGE_BYTES, "upload": up,
+            "download": down, "uncapped": uncapped, "targets": targets}
+
+
+def routing(cap: int, steps: int) -> dict[str, Any]:
+    """Two daemons of one stage, one capped; a trainer trains through them (real processes)."""
+    import os
+    import tempfile
+
+    from swarmd.config import load_config
+    from swarmd.local.demo import DEMO_ENV
+    from swarmd.local.swarm import DaemonProcess, stop_all, wait_until
+    from swarmd.training.run import train
+
+    env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+           "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "bench-limits"}
+    with tempfile.TemporaryDirectory(prefix="bench-limits-") as root:
+        free = DaemonProcess(Path(root) / "free", "--stage", "0", env=env)
+        started = [free]
+        try:
+            free.wait_started()
+            capped = DaemonProcess(Path(root) / "capped", "--stage", "0", "--bootstrap",
+                                   free.addr, env={**env, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
+            started.append(capped)
+            capped.wait_started()
+            wait_until(lambda: free.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2,
+                       60, "both peers of the stage routable")
+            config = load_config(None, {**os.environ, **env})
+            result = uvloop.run(asyncio.wait_for(train(
+                config, bootstrap=[free.addr], steps=steps, progress=lambda line: None,
+                bar=False), 600))
+            forwards = {name: d.get("/api/v0/status")["counters"].get("stage.forward", 0)
+                        for name, d in (("capped", capped), ("free", free))}
+            announced = {("capped" if p["peer_id"] == capped.peer_id else "free"): p["throughput"]
+                         for p in free.get("/api/v0/swarm")["stages"][0]["peers"]}
+            limits = capped.get("/api/v0/status")["limits"]
+        finally:
+            stop_all(started)
+    total_fw, total_an = sum(forwards.values()), sum(announced.values())
+    share = forwards["capped"] / total_fw if total_fw else 0.0
+    expected = announced.get("capped", 0.0) / total_an if total_an else 0.0
+    ok = expected > 0 and 0.5 <= share / expected <= 2.0
+    return {"cap_Bps": cap, "steps": steps, "lost": result.lost, "forwards": forwards,
+            "capped_forward_share": round(share, 4), "announced": announced,
+            "capped_announced_share": round(expected, 4), "capped_limits": limits,
+            "targets": {"forward_share_follows_announced_share": {
+                "value": round(share / expected, 3) if expected else None,
+                "target": "0.5..2", "ok": ok}}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cap", type=int, default=1_000_000, help="bytes per second")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="5 s runs, 1 s reference")
+    parser.add_argument("--routing", action="store_true",
+                        help="train through a capped and an uncapped peer of one stage instead")
+    parser.add_argument("--routing-cap", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    if args.routing:
+        if args.routing_cap < 1 or not 1 <= args.steps <= 1000:
+            parser.error("--routing-cap must be >= 1 and --steps from 1 to 1000")
+        print(json.dumps(routing(args.routing_cap, args.steps)))
+        return
+    if args.cap < 1 or args.seconds <= 0 or not 1 <= args.streams <= 16:
+        parser.error("--cap must be >= 1, --seconds > 0 and --streams from 1 to 16")
+    seconds, reference = (5.0, 1.0) if args.quick else (args.seconds, 3.0)
+    print(json.dumps(run(args.cap, seconds, args.streams, reference)))
+
+
+if __name__ == "__main__":
+    main()
