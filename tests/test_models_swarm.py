@@ -163,15 +163,18 @@ class _NoState:
 ])
 def test_bad_model_settings_reach_the_user_as_one_line(tmp_path: Path, env: dict[str, str],
                                                        expected: str) -> None:
-    for command in (["train", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/"
-                     "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--steps", "1"],
-                    ["join", "--stage", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]):
-        home = tmp_path / command[0]
-        subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(home)],
-                       check=True, capture_output=True, cwd=ROOT)
-        out = subprocess.run([sys.executable, "-m", "swarmd", command[0], "--home", str(home),
-                              *command[1:]], capture_output=True, text=True, cwd=ROOT,
-                             timeout=120, env={**os.environ, **ENV, **env})
+    commands = (["train", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/"
+                 "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--steps", "1"],
+                ["join", "--stage", "0", "--listen", "/ip4/127.0.0.1/tcp/0"])
+    subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(tmp_path / "join")],
+                   check=True, capture_output=True, cwd=ROOT)  # a trainer makes its own
+    running = [subprocess.Popen(  # both at once: each start is seconds of imports
+        [sys.executable, "-m", "swarmd", command[0], "--home", str(tmp_path / command[0]),
+         *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, **ENV, **env}) for command in commands]
+    for proc in running:
+        stdout, stderr = proc.communicate(timeout=120)
+        out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         assert out.returncode != 0
         lines = out.stderr.strip().splitlines()
         assert lines and lines[-1].startswith("swarmd: error: ") and expected in lines[-1], \
