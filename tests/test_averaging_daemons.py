@@ -38,15 +38,21 @@ def _stage(d: DaemonProcess) -> dict[str, Any]:
     return wait_until(lambda: d.get("/api/v0/stage", timeout=15), 60, "the stage info")
 
 
+def _state_lines(d: DaemonProcess) -> str:
+    """What the daemon's log says about where its state came from (for a failure)."""
+    return "\n".join(line for line in d.stderr().splitlines()
+                     if "swarmd.keeper" in line or "state" in line.lower())[-3000:]
+
+
 def _agree(peers: list[DaemonProcess], what: str) -> dict[str, Any]:
     """Wait until every peer is at the same step with the same weights; return one's info."""
     def same() -> dict[str, Any] | None:
-        infos = [d.get("/api/v0/stage") for d in peers]
+        infos = [d.get("/api/v0/stage", timeout=15) for d in peers]
         steps = {i["step"] for i in infos}
         digests = {i["params_digest"] for i in infos}
         return infos[0] if len(steps) == 1 and len(digests) == 1 else None
     try:
-        return wait_until(same, 30, what)
+        return wait_until(same, 60, what)  # a loaded machine answers 503 for a while
     except AssertionError as exc:  # say where each peer is and what its rounds did
         seen = [(d.get("/api/v0/stage")["step"], {
             k: v for k, v in d.get("/api/v0/status")["counters"].items()
@@ -117,7 +123,8 @@ def test_a_restarted_peer_resumes_from_its_peers_or_checkpoint(daemons: Any,
     try:
         b2.wait_started()
         info = _stage(b2)
-        assert info["state_from"] == "peers" and info["step"] == before["step"]
+        assert info["state_from"] == "peers" and info["step"] == before["step"], \
+            _state_lines(b2)
         assert info["params_digest"] == _stage(a)["params_digest"]
     finally:
         b2.stop()

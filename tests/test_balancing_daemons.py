@@ -115,7 +115,9 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
         info = wait_until(lambda: (lambda i: i if i["state"] == "online" else None)(
             mover.get("/api/v0/stage")), 60, "the mover online on its new stage")
         assert info["stage"] in (1, 2)
-        assert info["state_from"] == "peers"  # took the new stage's state from its peer
+        # took the new stage's state from its peer
+        assert info["state_from"] == "peers", "\n".join(
+            line for line in mover.stderr().splitlines() if "swarmd.keeper" in line)[-3000:]
         wait_until(lambda: sorted(s["routable_peers"] for s in
                                   d[0].get("/api/v0/swarm")["stages"]) == [1, 2, 2], 30,
                    "stages served by 2, 2 and 1 peers")
