@@ -40,6 +40,7 @@ CORES = frozenset({
     "swarmd.state.messages",
     "transport.codecs",
     "swarmd.models.seam",
+    "swarmd.node.shutdown",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

@@ -130,6 +130,8 @@ class StatusInfo:
     #: the deadline policy and, per peer, measured round trip and bandwidth and the deadlines
     #: derived from them (swarmd.links)
     links: dict[str, Any] = field(default_factory=dict)
+    #: while stopping (state ``leaving``): seconds of ``node.shutdown_grace_s`` left
+    grace_left_s: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:

@@ -65,7 +65,8 @@ def text_status(st) -> str:
     lines = [f"peer id     {st.peer_id}",
              f"swarm       {st.swarm}",
              f"version     {st.version}",
-             f"state       {st.state}",
+             f"state       {st.state}" + (f" ({st.grace_left_s:.1f} s of grace left)"
+                                             if st.grace_left_s is not None else ""),
              f"stage       {'none' if st.stage is None else st.stage}",
              f"uptime      {_duration(st.uptime_s)}",
              f"connected   {st.connected_peers} peer{'' if st.connected_peers == 1 else 's'}",

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from swarmd.config.fields import (FieldSpec, _Invalid, _Section, _convert, _invalid_message,
                                   _parse_text, _show, _toml_value)
 from swarmd.config.sections import (ENV_PREFIX, RESERVED_ENV, DataConfig, HttpConfig, LogConfig,
-                                    ModelSection, NetworkConfig, SwarmConfig, TrainingConfig,
-                                    WireConfig, _cross_checks)
+                                    ModelSection, NetworkConfig, NodeConfig, SwarmConfig,
+                                    TrainingConfig, WireConfig, _cross_checks)
 from swarmd.config.stage import (AveragingConfig, BalancingSection, CheckpointConfig,
                                  ServingSection)
 from swarmd.errors import ConfigError
@@ -46,6 +46,7 @@ class Config:
     wire: WireConfig = field(default_factory=WireConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
 
     def __post_init__(self) -> None:
         for _key, message in _cross_checks(self.get, lambda *keys: keys[0]):
@@ -133,7 +134,8 @@ def _model_of(config: Config) -> tuple[Any, Any, Any]:
 _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
                                  AveragingConfig, CheckpointConfig, BalancingSection,
-                                 ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig)
+                                 ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig,
+                                 NodeConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -2,8 +2,11 @@
 
 Owns, in this order (and tears down in reverse): the home lock, the libp2p host, membership,
 the local HTTP API. ``<home>/api`` is written only once the HTTP server is bound and removed on
-exit. SIGINT/SIGTERM start a graceful stop: announce ``leaving``, stop taking work, close
-everything, exit 0 within ``SHUTDOWN_BUDGET_S``.
+exit. SIGINT/SIGTERM or ``POST /api/v0/stop`` start a graceful stop within
+``node.shutdown_grace_s`` (phases and deadlines: ``swarmd.node.shutdown``): announce
+``leaving``, refuse new forwards with ``busy``, let the microbatches in flight here finish
+(hand back the rest), save the checkpoint by its deadline, close everything, exit 0. A second
+request stops at once; a watchdog ends a stop that overruns its budget.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from swarmd.api.types import ConnectedPeer, IdInfo, StageInfo, StatusInfo, Swarm
 from swarmd.config import Config
 from swarmd.node.reconnect import Backoff, Redialer
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
+from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 
 log = logging.getLogger("swarmd.node.daemon")
 
-#: a stop request must end the process within this many seconds
-SHUTDOWN_BUDGET_S = 8.0
+#: how long the ``leaving`` announcement is pushed to the connected peers, at most
+LEAVE_PUSH_S = 2.0
 #: with --stage auto, how long to wait for a first view before choosing a stage
 PLACEMENT_WAIT_S = 5.0
 #: how often connectivity is checked (bootstrap redial)
@@ -77,6 +81,13 @@ class Daemon:
         self._throughput_hint = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
+        #: set by a second stop request: stop at once
+        self._hurry = asyncio.Event()
+        self._stop_requests = StopRequests()
+        #: the deadlines of the stop under way (None until one is requested)
+        self.budget: StopBudget | None = None
+        #: called with each new budget (``run_join`` arms its watchdog with it)
+        self.on_budget: Callable[[StopBudget], None] | None = None
         self._rng = random.Random()
 
     # ---- DaemonApi ---------------------------------------------------------------------
@@ -111,7 +122,8 @@ class Daemon:
             queue=queue, counters=counters,
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
-            links=self._links_status())
+            links=self._links_status(),
+            grace_left_s=self.budget.left(time.monotonic()) if self.budget else None)
 
     def _links_status(self) -> dict[str, Any]:
         """Each link's measured round trip and bandwidth and the deadlines derived from them."""
@@ -148,9 +160,29 @@ class Daemon:
         self.request_stop()
 
     def request_stop(self) -> None:
-        if not self._stop.is_set():
-            log.info("stop requested")
+        """The first request begins a graceful stop within ``node.shutdown_grace_s``; the
+        second stops at once."""
+        what, now = self._stop_requests.request(), time.monotonic()
+        if what == BEGIN:
+            keeper = self.keeper
+            self.budget = plan_stop(self.config.node.shutdown_grace_s, now=now,
+                                    save_estimate_s=keeper.last_save_s if keeper else None)
+            log.info("stop requested: leaving within %.1f s", self.budget.left(now))
             self._stop.set()
+        elif what == HURRY and self.budget is not None:
+            log.warning("a second stop request: stopping at once")
+            self.budget = self.budget.hurried(now)
+            self._hurry.set()
+        else:
+            return
+        if self.on_budget is not None:
+            self.on_budget(self.budget)
+
+    def abandon_save(self) -> None:
+        """From any thread: a checkpoint save in progress stops (the previous one is kept)."""
+        keeper = self.keeper
+        if keeper is not None:
+            keeper.abandon()
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def run(self, on_started: Callable[[Started], None] | None = None) -> None:
@@ -217,9 +249,27 @@ class Daemon:
         if not self._stop.is_set():
             self._go_online(tasks, http_url, on_started)
         await stopping
-        self.state = "leaving"
-        await self.membership.leave()
+        await self._leave()
         raise _Stopping()
+
+    async def _leave(self) -> None:
+        """Announce ``leaving`` and refuse new microbatches at once; let those in flight here
+        finish their backward until the budget's ``drain_until`` and hand back the rest."""
+        assert self.budget is not None
+        self.state = "leaving"
+        now = time.monotonic()
+        server = self.stage_server
+        if server is not None:
+            server.gate.retiring = True  # before the announcement: a forward now is refused
+        announcing = asyncio.create_task(self.membership.leave(
+            timeout=max(0.0, min(LEAVE_PUSH_S, self.budget.drain_until - now))))
+        if server is not None:
+            held = server.in_flight
+            handed = await server.retire(max(0.0, self.budget.drain_until - now),
+                                         hurry=self._hurry)
+            log.info("leaving stage %s: %d microbatch(es) were in flight here, %d handed back "
+                     "to their senders", self.stage, held, handed)
+        await announcing  # bounded by its own timeout
 
     def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
                    on_started: Callable[[Started], None] | None) -> None:
@@ -294,9 +344,11 @@ class Daemon:
                  server.step, origin)
 
     async def _stop_serving(self) -> None:
+        stopping = self.budget if self._stop.is_set() else None  # else a move between stages
         if self.keeper is not None:
-            try:
-                await self.keeper.close()  # saves a checkpoint
+            try:  # saves a checkpoint (by the budget's deadline when stopping)
+                await self.keeper.close(stopping.save_until if stopping else None,
+                                        self._hurry if stopping else None)
             except Exception as exc:  # a failed save is reported, the stop goes on
                 log.error("stage %s: saving the checkpoint on shutdown failed: %s",
                           self.stage, exc)
@@ -457,7 +509,11 @@ def run_join(options: JoinOptions, on_started: Callable[[Started], None]) -> Non
     """Run a daemon in this process until SIGINT/SIGTERM or ``POST /api/v0/stop``."""
     import uvloop
 
+    from swarmd.node.watchdog import Watchdog
+
     daemon = Daemon(options)
+    watchdog = Watchdog(before_exit=daemon.abandon_save)
+    daemon.on_budget = lambda budget: watchdog.arm(budget.hard_until)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

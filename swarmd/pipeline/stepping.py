@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import torch
 
@@ -32,6 +32,8 @@ DRAIN_POLL_S = 0.002
 #: ``DRAIN_S``) must not hold new forwards past their senders' deadlines, which would lose
 #: them too and make the next step wait again
 GATE_WAIT_S = 2.0
+
+Handler = Callable[[Any, str], Awaitable[Any]]
 
 
 class Stepper:
@@ -121,6 +123,8 @@ class Gate:
         self._open = asyncio.Event()
         self._open.set()
         self._admitted = 0
+        #: forward and backward requests being handled here (``passing``)
+        self._passing = 0
         #: set once the peer leaves the stage: new forwards are refused with busy
         self.retiring = False
 
@@ -144,17 +148,47 @@ class Gate:
         finally:
             self._admitted -= 1
 
-    async def drain(self, timeout_s: float) -> None:
+    def passing(self, handler: Handler) -> Handler:
+        """``handler`` (a forward or backward request handler), counted while it runs: a peer
+        that retires waits for these too (a backward computed here may still be on its way
+        to the previous stage)."""
+        async def counted(message: Any, peer: str) -> Any:
+            self._passing += 1
+            try:
+                return await handler(message, peer)
+            finally:
+                self._passing -= 1
+        return counted
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches held here, at most: saved for their backward, admitted to a forward,
+        or being handled (a request in progress)."""
+        return self.worker.saved + self._admitted + self._passing
+
+    async def drain(self, timeout_s: float, *, requests: bool = False,
+                    hurry: asyncio.Event | None = None) -> None:
+        """Wait (at most ``timeout_s``, not at all once ``hurry`` is set) until no microbatch
+        is saved here or admitted to a forward (and, with ``requests``, no request handled)."""
         deadline = self._clock() + timeout_s
-        while (self.worker.saved or self._admitted) and self._clock() < deadline:
+        while (self.worker.saved or self._admitted or (requests and self._passing)) and (
+                self._clock() < deadline and not (hurry is not None and hurry.is_set())):
             await asyncio.sleep(DRAIN_POLL_S)
 
-    async def retire(self, timeout_s: float = DRAIN_S) -> int:
-        """Stop taking new microbatches and let those in flight finish their backward (at
-        most ``timeout_s``); returns how many did not (their senders restart them)."""
+    async def retire(self, timeout_s: float = DRAIN_S, *,
+                     hurry: asyncio.Event | None = None) -> int:
+        """Stop taking new microbatches (forwards are refused with busy) and let those in
+        flight finish their backward (at most ``timeout_s``, not once ``hurry`` is set). The
+        ones that did not are handed back: dropped here, so that their backward is refused
+        with ``unknown_microbatch`` and their senders restart them. Returns how many."""
         self.retiring = True
-        await self.drain(timeout_s)
-        return self.worker.saved
+        await self.drain(timeout_s, requests=True, hurry=hurry)
+        dropped = self.worker.expire(float("inf"))
+        self.counters["handed_back"] += len(dropped)
+        if dropped:
+            log.warning("stage %d: %d microbatch(es) did not come back in time; handed back "
+                        "to their senders", self.stage, len(dropped))
+        return len(dropped)
 
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._open.clear()
