@@ -298,3 +298,26 @@ def test_a_disarmed_watchdog_does_nothing() -> None:
     dog.disarm()
     timer.join(30)  # the timer's thread ends without calling exit
     assert not timer.is_alive() and seen == []
+
+
+# ---- the daemon's stop requests ------------------------------------------------------------
+
+def test_the_first_stop_request_plans_the_grace_the_second_hurries(tmp_path: Path) -> None:
+    from swarmd.config import load_config
+    from swarmd.node.daemon import Daemon, JoinOptions
+
+    config = load_config(None, {"SWARMD_NODE_SHUTDOWN_GRACE_S": "30"})
+    daemon = Daemon(JoinOptions(home=tmp_path, config=config))
+    budgets: list[Any] = []
+    daemon.on_budget = budgets.append
+    before = time.monotonic()
+    daemon.request_stop()
+    assert len(budgets) == 1 and daemon._stop.is_set() and not daemon._hurry.is_set()
+    first = budgets[0]
+    assert before <= first.started_at and first.close_until == pytest.approx(
+        first.started_at + 30)
+    daemon.request_stop()
+    assert len(budgets) == 2 and daemon._hurry.is_set()
+    assert budgets[1].close_until <= time.monotonic() + shutdown.HURRY_S
+    daemon.request_stop()  # a third changes nothing
+    assert len(budgets) == 2

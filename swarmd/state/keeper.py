@@ -340,6 +340,8 @@ class StageKeeper:
             except SaveAborted:
                 return None
             self.last_save_s = time.monotonic() - t0
+            log.debug("stage %d: checkpoint of step %d saved in %.2f s", self.stage, state.step,
+                      self.last_save_s)
             self._saved_step = state.step
             self._count("checkpoints_saved")
             return path
