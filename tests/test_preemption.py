@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ class _Preempter:
             line = _last_metrics(self.metrics)
             if line is not None and line["step"] >= self.after_steps:
                 self.restarted_before = line["restarted"]
+                self._until_busy(deadline)
                 t0 = time.monotonic()  # a deadline of the feature, not a benchmark
                 self.victim.signal(signal.SIGTERM)
                 try:
@@ -82,6 +84,16 @@ class _Preempter:
                 return
             time.sleep(0.02)
         self.error = f"the trainer never reached step {self.after_steps}"
+
+    def _until_busy(self, deadline: float) -> None:
+        """Until the victim holds a microbatch (or a while passed: then stop it anyway)."""
+        until = min(deadline, time.monotonic() + 10)
+        while time.monotonic() < until:
+            try:
+                if self.victim.get("/api/v0/status")["counters"].get("stage.in_flight"):
+                    return
+            except OSError:  # answering slowly under load: ask again
+                pass
 
 
 def test_a_peer_stopped_by_sigterm_mid_training_leaves_in_its_grace_and_loses_nothing(
@@ -119,3 +131,40 @@ def test_a_peer_stopped_by_sigterm_mid_training_leaves_in_its_grace_and_loses_no
     # the peer that stayed served the rest of the run
     assert keep.proc.poll() is None
     assert keep.get("/api/v0/stage")["step"] >= saved.step
+
+
+def test_a_peer_whose_trainer_froze_leaves_at_the_drain_deadline_and_the_run_goes_on(
+        daemons: Any, tmp_path: Path) -> None:
+    """The trainer (a ``swarmd train`` process) is frozen with SIGSTOP mid-step, so what the
+    leaving peer holds for it cannot finish: the peer waits out its drain, hands that back,
+    saves and exits 0 within the grace; the trainer, thawed, finishes without losing any."""
+    d0, keep, victim = daemons(0, 1, 1)
+    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
+               "two stage-1 peers routable")
+    home = tmp_path / "trainer"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "swarmd", "train", "--json", "--home", str(home), "--steps", "10",
+         "--bootstrap", d0.addr], env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+    try:
+        wait_until(lambda: (_last_metrics(home / "train-metrics.jsonl") or {}).get("step", 0)
+                   >= 3, 240, "three trainer steps")
+        trainer.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        victim.signal(signal.SIGTERM)
+        assert victim.wait(GRACE_S + 2) == 0, victim.stderr()[-3000:]
+        exit_s = time.monotonic() - t0
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+    out, _ = trainer.communicate(timeout=240)
+    assert trainer.returncode == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    held = HELD.search(victim.stderr())
+    assert held is not None, victim.stderr()[-3000:]
+    print(f"exit after {exit_s:.2f} s (grace {GRACE_S} s); in flight {held.group(1)}, handed "
+          f"back {held.group(2)}; restarted {result['restarted']}, lost {result['lost']}")
+    assert int(held.group(2)) <= int(held.group(1))
+    assert result["steps"] == 10 and result["lost"] == 0
+    assert result["final_val_loss"] < result["initial_val_loss"]
+    assert os.listdir(victim.home / "checkpoints") == ["stage-1.swst"]
+    assert keep.proc.poll() is None

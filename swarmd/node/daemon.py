@@ -104,6 +104,7 @@ class Daemon:
             counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
             counters.update({f"sync.{k}": v for k, v in self.stage_server.sync.counters.items()})
             counters["stage.step"] = self.stage_server.step
+            counters["stage.in_flight"] = self.stage_server.in_flight
         counters.update({f"balance.{k}": v for k, v in self.balance_counters.items()})
         if self.keeper is not None:
             counters.update({f"state.{k}": v for k, v in self.keeper.counters.items()})
@@ -169,6 +170,7 @@ class Daemon:
             self.budget = plan_stop(self.config.node.shutdown_grace_s, now=now,
                                     save_estimate_s=keeper.last_save_s if keeper else None)
             log.info("stop requested: leaving within %.1f s", self.budget.left(now))
+            self.state = "leaving"
             self._stop.set()
         elif what == HURRY and self.budget is not None:
             log.warning("a second stop request: stopping at once")
@@ -272,7 +274,12 @@ class Daemon:
                                          hurry=self._hurry)
             log.info("leaving stage %s: %d microbatch(es) were in flight here, %d handed back "
                      "to their senders", self.stage, held, handed)
-        await announcing  # bounded by its own timeout
+        hurry = asyncio.create_task(self._hurry.wait())
+        try:  # bounded by its own timeout; a second stop request does not wait for it
+            await asyncio.wait((announcing, hurry), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+            announcing.cancel()
         log.info("announced leaving; %.1f s into the stop", self._since_stop())
 
     def _since_stop(self) -> float:
