@@ -31,8 +31,6 @@ from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_st
 
 log = logging.getLogger("swarmd.node.daemon")
 
-#: how long the ``leaving`` announcement is pushed to the connected peers, at most
-LEAVE_PUSH_S = 2.0
 #: with --stage auto, how long to wait for a first view before choosing a stage
 PLACEMENT_WAIT_S = 5.0
 #: how often connectivity is checked (bootstrap redial)
@@ -258,29 +256,12 @@ class Daemon:
         raise _Stopping()
 
     async def _leave(self) -> None:
-        """Announce ``leaving`` and refuse new microbatches at once; let those in flight here
-        finish their backward until the budget's ``drain_until`` and hand back the rest."""
+        from swarmd.node.stopping import leave_stage
+
         assert self.budget is not None
         self.state = "leaving"
-        now = time.monotonic()
-        server = self.stage_server
-        if server is not None:
-            server.gate.retiring = True  # before the announcement: a forward now is refused
-        announcing = asyncio.create_task(self.membership.leave(
-            timeout=max(0.0, min(LEAVE_PUSH_S, self.budget.drain_until - now))))
-        if server is not None:
-            held = server.in_flight
-            handed = await server.retire(max(0.0, self.budget.drain_until - now),
-                                         hurry=self._hurry)
-            log.info("leaving stage %s: %d microbatch(es) were in flight here, %d handed back "
-                     "to their senders", self.stage, held, handed)
-        hurry = asyncio.create_task(self._hurry.wait())
-        try:  # bounded by its own timeout; a second stop request does not wait for it
-            await asyncio.wait((announcing, hurry), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hurry.cancel()
-            announcing.cancel()
-        log.info("announced leaving; %.1f s into the stop", self._since_stop())
+        await leave_stage(server=self.stage_server, membership=self.membership,
+                          budget=self.budget, hurry=self._hurry, stage=self.stage)
 
     def _since_stop(self) -> float:
         return time.monotonic() - self.budget.started_at if self.budget is not None else 0.0
