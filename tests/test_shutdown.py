@@ -321,3 +321,19 @@ def test_the_first_stop_request_plans_the_grace_the_second_hurries(tmp_path: Pat
     assert budgets[1].close_until <= time.monotonic() + shutdown.HURRY_S
     daemon.request_stop()  # a third changes nothing
     assert len(budgets) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "3600.5", "nan", "soon"])
+def test_a_bad_grace_is_a_config_error_naming_the_key(value: str) -> None:
+    from swarmd.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="node.shutdown_grace_s") as err:
+        load_config(None, {"SWARMD_NODE_SHUTDOWN_GRACE_S": value})
+    assert "SWARMD_NODE_SHUTDOWN_GRACE_S" in str(err.value)
+
+
+def test_the_grace_defaults_to_20_s_and_takes_up_to_an_hour() -> None:
+    from swarmd.config import Config, load_config
+
+    assert Config().node.shutdown_grace_s == 20.0
+    assert load_config(None, {"SWARMD_NODE_SHUTDOWN_GRACE_S": "3600"}).node.shutdown_grace_s == 3600

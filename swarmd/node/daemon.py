@@ -234,8 +234,10 @@ class Daemon:
             except* _Stopping:
                 pass
             finally:
-                remove_api_file(home, api.url)
-                await self._stop_serving()
+                try:  # `swarmd stop` waits for the api file to go: after the checkpoint
+                    await self._stop_serving()
+                finally:
+                    remove_api_file(home, api.url)
 
     async def _serve_until_stopped(self, tasks: asyncio.TaskGroup, http_url: str,
                                    on_started: Callable[[Started], None] | None) -> None:
