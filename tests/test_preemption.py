@@ -96,6 +96,7 @@ class _Preempter:
                 pass
 
 
+@pytest.mark.timeout(300)  # three daemon starts and a training run; slow on a loaded machine
 def test_a_peer_stopped_by_sigterm_mid_training_leaves_in_its_grace_and_loses_nothing(
         daemons: Any, tmp_path: Path) -> None:
     d0, keep, victim = daemons(0, 1, 1)
@@ -133,6 +134,7 @@ def test_a_peer_stopped_by_sigterm_mid_training_leaves_in_its_grace_and_loses_no
     assert keep.get("/api/v0/stage")["step"] >= saved.step
 
 
+@pytest.mark.timeout(300)  # three daemon starts and a training run; slow on a loaded machine
 def test_a_peer_whose_trainer_froze_leaves_at_the_drain_deadline_and_the_run_goes_on(
         daemons: Any, tmp_path: Path) -> None:
     """The trainer (a ``swarmd train`` process) is frozen with SIGSTOP mid-step, so what the
