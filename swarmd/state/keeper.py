@@ -292,6 +292,7 @@ class StageKeeper:
         if hurry is not None and hurry.is_set():
             return self._abandoned("a second stop request")
         saving = asyncio.ensure_future(self._save_now())
+        saving.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
         waiters: set[asyncio.Future[Any]] = {saving}
         if hurry is not None:
             waiters.add(asyncio.ensure_future(hurry.wait()))
@@ -299,6 +300,9 @@ class StageKeeper:
         try:
             done, _ = await asyncio.wait(waiters, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            saving.cancel()  # the write itself, if started, finishes (it is atomic)
+            raise
         finally:
             for waiter in waiters - {saving}:
                 waiter.cancel()
@@ -320,8 +324,8 @@ class StageKeeper:
     def _abandoned(self, why: str) -> None:
         self._abort.set()
         self._count("checkpoints_abandoned")
-        log.warning("stage %d: the checkpoint was not saved (%s); the previous one (step %d) "
-                    "is kept", self.stage, why, max(self._saved_step, 0))
+        log.warning("stage %d: the checkpoint at step %d was not saved (%s); the previous "
+                    "checkpoint, if any, is kept whole", self.stage, self.server.step, why)
         return None
 
     async def _save_now(self) -> Path | None:
