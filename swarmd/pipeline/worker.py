@@ -178,10 +178,11 @@ class StageWorker:
                     self._saved.pop(mb, None)
 
     def expire(self, now: float) -> list[str]:
-        """Drop microbatches whose backward did not come in time; returns their ids."""
-        gone = [k for k, v in self._saved.items() if v.expires_at <= now]
+        """Drop microbatches whose backward did not come in time; returns their ids. Safe
+        beside a backward in the compute thread (a stop's hand-back runs on the event loop)."""
+        gone = [k for k, v in list(self._saved.items()) if v.expires_at <= now]
         for k in gone:
-            del self._saved[k]
+            self._saved.pop(k, None)
         return gone
 
     def zero_grad(self) -> None:
