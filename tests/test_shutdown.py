@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from swarmd.node import shutdown
 from swarmd.node.shutdown import BEGIN, HURRY, IGNORE, StopRequests, plan_stop
 from swarmd.node.watchdog import Watchdog
+from swarmd.pipeline import stepping
 from swarmd.pipeline.stepping import Gate
 from swarmd.state import checkpoint as ckpt
 from swarmd.state import keeper as keeper_module
@@ -85,20 +86,27 @@ def test_stop_requests_begin_then_hurry_then_change_nothing() -> None:
 # ---- the retiring gate -------------------------------------------------------------------
 
 class _Worker:
-    def __init__(self, held: set[str]) -> None:
-        self.held = set(held)
+    """Microbatches held, by the time their forward ran."""
+
+    slowest_backward_s = 0.1
+
+    def __init__(self, held: set[str], age_s: float = 0.0) -> None:
+        self.held = {mb: time.monotonic() - age_s for mb in held}
 
     @property
     def saved(self) -> int:
         return len(self.held)
 
+    def saved_within(self, now: float, age_s: float) -> int:
+        return sum(1 for t in self.held.values() if now - t <= age_s)
+
     def expire(self, now: float) -> list[str]:
-        gone, self.held = sorted(self.held), set()
+        gone, self.held = sorted(self.held), {}
         return gone
 
 
-def _gate(held: set[str]) -> tuple[Gate, _Worker, Counter[str]]:
-    worker, counters = _Worker(held), Counter[str]()
+def _gate(held: set[str], age_s: float = 0.0) -> tuple[Gate, _Worker, Counter[str]]:
+    worker, counters = _Worker(held, age_s), Counter[str]()
     return Gate(worker, None, counters, stage=1), worker, counters  # type: ignore[arg-type]
 
 
@@ -108,7 +116,7 @@ def test_retiring_waits_for_the_backward_in_flight_then_hands_back_nothing() -> 
     async def scenario() -> int:
         async def backward_comes() -> None:
             await asyncio.sleep(0.05)
-            worker.held.discard("a")
+            worker.held.pop("a")
         task = asyncio.ensure_future(backward_comes())
         handed = await gate.retire(30.0)
         await task
@@ -122,6 +130,21 @@ def test_what_does_not_come_back_within_the_drain_is_handed_back() -> None:
     gate, worker, counters = _gate({"a", "b"})
     assert asyncio.run(gate.retire(0.05)) == 2
     assert worker.saved == 0 and counters["handed_back"] == 2
+
+
+def test_a_microbatch_too_old_to_be_alive_is_not_waited_for() -> None:
+    gate, worker, counters = _gate({"given-up"}, age_s=stepping.LIVE_MIN_S + 1)
+
+    async def scenario() -> int:
+        return await asyncio.wait_for(gate.retire(3600.0), 30)
+
+    assert asyncio.run(scenario()) == 1 and counters["handed_back"] == 1
+
+
+def test_a_microbatch_is_waited_for_until_it_is_too_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stepping, "LIVE_MIN_S", 0.1)  # its backward never comes
+    gate, worker, counters = _gate({"slow"})
+    assert asyncio.run(asyncio.wait_for(gate.retire(3600.0), 30)) == 1
 
 
 def test_a_second_request_hands_back_at_once() -> None:

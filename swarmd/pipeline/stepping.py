@@ -32,6 +32,11 @@ DRAIN_POLL_S = 0.002
 #: ``DRAIN_S``) must not hold new forwards past their senders' deadlines, which would lose
 #: them too and make the next step wait again
 GATE_WAIT_S = 2.0
+#: a retiring peer waits for a microbatch it holds until it is this many times older than the
+#: slowest recent forward-to-backward wait here (at least ``LIVE_MIN_S``): an older one was
+#: most likely given up by its trainer, and waiting for it would spend the grace for nothing
+LIVE_FACTOR = 3.0
+LIVE_MIN_S = 5.0
 
 Handler = Callable[[Any, str], Awaitable[Any]]
 
@@ -166,23 +171,31 @@ class Gate:
         or being handled (a request in progress)."""
         return self.worker.saved + self._admitted + self._passing
 
-    async def drain(self, timeout_s: float, *, requests: bool = False,
-                    hurry: asyncio.Event | None = None) -> None:
-        """Wait (at most ``timeout_s``, not at all once ``hurry`` is set) until no microbatch
-        is saved here or admitted to a forward (and, with ``requests``, no request handled)."""
+    async def drain(self, timeout_s: float) -> None:
         deadline = self._clock() + timeout_s
-        while (self.worker.saved or self._admitted or (requests and self._passing)) and (
-                self._clock() < deadline and not (hurry is not None and hurry.is_set())):
+        while (self.worker.saved or self._admitted) and self._clock() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+
+    def _live(self) -> bool:
+        """Whether a microbatch that may still finish is here: a request being handled, a
+        forward admitted, or one saved recently enough for its backward to come."""
+        if self._passing or self._admitted:
+            return True
+        age = max(LIVE_MIN_S, LIVE_FACTOR * self.worker.slowest_backward_s)
+        return self.worker.saved_within(self._clock(), age) > 0
 
     async def retire(self, timeout_s: float = DRAIN_S, *,
                      hurry: asyncio.Event | None = None) -> int:
         """Stop taking new microbatches (forwards are refused with busy) and let those in
-        flight finish their backward (at most ``timeout_s``, not once ``hurry`` is set). The
-        ones that did not are handed back: dropped here, so that their backward is refused
-        with ``unknown_microbatch`` and their senders restart them. Returns how many."""
+        flight finish their backward (at most ``timeout_s``, not once ``hurry`` is set; not
+        those too old to be alive: ``_live``). The ones that did not are handed back: dropped
+        here, so that their backward is refused with ``unknown_microbatch`` and their senders
+        restart them. Returns how many."""
         self.retiring = True
-        await self.drain(timeout_s, requests=True, hurry=hurry)
+        deadline = self._clock() + timeout_s
+        while self._live() and self._clock() < deadline and not (
+                hurry is not None and hurry.is_set()):
+            await asyncio.sleep(DRAIN_POLL_S)
         dropped = self.worker.expire(float("inf"))
         self.counters["handed_back"] += len(dropped)
         if dropped:

@@ -23,6 +23,9 @@ from torch import nn
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
 from swarmd.training.model import wire_tensor
 
+#: per backward, the slowest forward-to-backward wait remembered shrinks by this factor
+BACKWARD_DECAY = 0.98
+
 
 @dataclass(slots=True, eq=False)
 class _Saved:
@@ -57,6 +60,9 @@ class StageWorker:
         self.dtype = dtype
         self.device = torch.device(device)
         self._saved: dict[str, _Saved] = {}
+        #: the slowest recent wait from a forward to its backward here (a decaying maximum):
+        #: a stop waits this long, a few times over, for a microbatch it holds
+        self.slowest_backward_s = 0.0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
 
@@ -138,6 +144,8 @@ class StageWorker:
             raise BadActivation("shape", f"gradient of shape {tuple(grad.shape)} for an output "
                                          f"of shape {tuple(shape)}")
         self._check(grad, "gradient")
+        waited = now - (saved.expires_at - self.ttl_s)
+        self.slowest_backward_s = max(waited, BACKWARD_DECAY * self.slowest_backward_s)
         saved.grads[mb_id] = grad
         return self._run_backward(saved) if saved.complete else None
 
@@ -176,6 +184,12 @@ class StageWorker:
             if not (saved.rows.keys() - saved.dropped):  # nobody left in the batch
                 for mb in saved.rows:
                     self._saved.pop(mb, None)
+
+    def saved_within(self, now: float, age_s: float) -> int:
+        """Microbatches kept here whose forward ran at most ``age_s`` seconds before ``now``
+        (older ones are most likely given up by their trainer)."""
+        return sum(1 for v in list(self._saved.values()) if now - (v.expires_at - self.ttl_s)
+                   <= age_s)
 
     def expire(self, now: float) -> list[str]:
         """Drop microbatches whose backward did not come in time; returns their ids. Safe
