@@ -73,7 +73,7 @@ class _Preempter:
             line = _last_metrics(self.metrics)
             if line is not None and line["step"] >= self.after_steps:
                 self.restarted_before = line["restarted"]
-                self._until_busy(deadline)
+                _until_holding(self.victim)  # so that it has something to finish
                 t0 = time.monotonic()  # a deadline of the feature, not a benchmark
                 self.victim.signal(signal.SIGTERM)
                 try:
@@ -85,15 +85,16 @@ class _Preempter:
             time.sleep(0.02)
         self.error = f"the trainer never reached step {self.after_steps}"
 
-    def _until_busy(self, deadline: float) -> None:
-        """Until the victim holds a microbatch (or a while passed: then stop it anyway)."""
-        until = min(deadline, time.monotonic() + 10)
-        while time.monotonic() < until:
-            try:
-                if self.victim.get("/api/v0/status")["counters"].get("stage.in_flight"):
-                    return
-            except OSError:  # answering slowly under load: ask again
-                pass
+
+def _until_holding(victim: DaemonProcess) -> None:
+    """Until ``victim`` holds a microbatch (or 10 s passed: then go on anyway)."""
+    until = time.monotonic() + 10
+    while time.monotonic() < until:
+        try:
+            if victim.get("/api/v0/status")["counters"].get("stage.in_flight"):
+                return
+        except OSError:  # answering slowly under load: ask again
+            pass
 
 
 @pytest.mark.timeout(300)  # three daemon starts and a training run; slow on a loaded machine
@@ -151,6 +152,7 @@ def test_a_peer_whose_trainer_froze_leaves_at_the_drain_deadline_and_the_run_goe
     try:
         wait_until(lambda: (_last_metrics(home / "train-metrics.jsonl") or {}).get("step", 0)
                    >= 3, 240, "three trainer steps")
+        _until_holding(victim)
         trainer.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         victim.signal(signal.SIGTERM)
