@@ -43,6 +43,7 @@ CORES = frozenset({
     "swarmd.pipeline.inflight",
     "transport.ratelimit",
     "swarmd.node.caps",
+    "swarmd.node.shutdown",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

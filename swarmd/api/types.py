@@ -133,6 +133,8 @@ class StatusInfo:
     #: ``[limits]`` as set and what the caps did: upload/download (cap, bytes through the bucket,
     #: bytes throttled, seconds waited), saved activations, device memory, cpu threads
     limits: dict[str, Any] = field(default_factory=dict)
+    #: while stopping (state ``leaving``): seconds of ``node.shutdown_grace_s`` left
+    grace_left_s: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:

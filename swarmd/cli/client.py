@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from swarmd.cli.common import add_home_argument, home_from_args
 
 
+#: how long ``swarmd stop`` waits when the daemon does not say how much grace it has left
 STOP_TIMEOUT_S = 15.0
+#: waited beyond the grace the daemon reports (its watchdog's margin, and a little more)
+STOP_SLACK_S = 3.0
 
 
 def _daemon_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +68,8 @@ def text_status(st) -> str:
     lines = [f"peer id     {st.peer_id}",
              f"swarm       {st.swarm}",
              f"version     {st.version}",
-             f"state       {st.state}",
+             f"state       {st.state}" + (f" ({st.grace_left_s:.1f} s of grace left)"
+                                             if st.grace_left_s is not None else ""),
              f"stage       {'none' if st.stage is None else st.stage}",
              f"uptime      {_duration(st.uptime_s)}",
              f"connected   {st.connected_peers} peer{'' if st.connected_peers == 1 else 's'}",
@@ -186,9 +190,9 @@ class StopResult:
 
 def _stop_arguments(parser: argparse.ArgumentParser) -> None:
     add_home_argument(parser)
-    parser.add_argument("--timeout", metavar="SECONDS", type=float, default=STOP_TIMEOUT_S,
-                        help=f"how long to wait for the daemon to exit (default "
-                             f"{STOP_TIMEOUT_S:g})")
+    parser.add_argument("--timeout", metavar="SECONDS", type=float, default=None,
+                        help=f"how long to wait for the daemon to exit (default: the grace it "
+                             f"has left, node.shutdown_grace_s, plus {STOP_SLACK_S:g} s)")
 
 
 def cmd_stop(args: argparse.Namespace) -> StopResult:
@@ -199,12 +203,23 @@ def cmd_stop(args: argparse.Namespace) -> StopResult:
     home = home_from_args(args)
     client = _client(args)
     client.stop(read_token(home))
-    if not wait_gone(api_file_path(home), args.timeout):
+    timeout = args.timeout if args.timeout is not None else _grace_left(client) + STOP_SLACK_S
+    if not wait_gone(api_file_path(home), timeout):
         raise DaemonReplyError(
             f"the daemon at {client.url} accepted the stop request but has not exited within "
-            f"{args.timeout:g} s ({api_file_path(home)} is still there): wait a little and run "
+            f"{timeout:g} s ({api_file_path(home)} is still there): wait a little and run "
             f"`swarmd status --home {home}`; if it hangs, stop it with Ctrl-C or `kill`")
     return StopResult(url=client.url, stopped=True)
+
+
+def _grace_left(client) -> float:
+    """The grace the stopping daemon says it has left (it finishes its microbatches and saves
+    its checkpoint within it); ``STOP_TIMEOUT_S`` when it does not say."""
+    try:
+        left = client.status().grace_left_s
+    except Exception:  # gone already, or a daemon too old to say: the fixed wait
+        return STOP_TIMEOUT_S
+    return float(left) if left is not None else STOP_TIMEOUT_S
 
 
 def text_stop(result: StopResult) -> str:

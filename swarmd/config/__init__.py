@@ -10,6 +10,7 @@ the declarations' vocabulary.
 from swarmd.config.load import Config, field_specs, load_config, render_default_toml, render_toml
 from swarmd.config.sections import (CODECS, DTYPES, ENV_PREFIX, RESERVED_ENV, DataConfig,
                                     HttpConfig, LogConfig, ModelSection, NetworkConfig,
+                                    NodeConfig,
                                     SwarmConfig, TrainingConfig, WireConfig)
 from swarmd.config.fields import FieldSpec
 from swarmd.config.limits import LimitsConfig
@@ -19,6 +20,7 @@ from swarmd.errors import ConfigError
 __all__ = [
     "Config", "SwarmConfig", "ModelSection", "TrainingConfig", "DataConfig", "NetworkConfig",
     "WireConfig", "HttpConfig", "LogConfig", "AveragingConfig", "CheckpointConfig",
-    "LimitsConfig", "FieldSpec", "ConfigError", "load_config", "render_toml", "render_default_toml",
+    "LimitsConfig", "NodeConfig", "FieldSpec", "ConfigError", "load_config", "render_toml",
+    "render_default_toml",
     "field_specs", "ENV_PREFIX", "RESERVED_ENV", "CODECS", "DTYPES",
 ]

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from swarmd.config.fields import (FieldSpec, _Invalid, _Section, _convert, _invalid_message,
                                   _parse_text, _show, _toml_value)
 from swarmd.config.sections import (ENV_PREFIX, RESERVED_ENV, DataConfig, HttpConfig, LogConfig,
-                                    ModelSection, NetworkConfig, SwarmConfig, TrainingConfig,
-                                    WireConfig, _cross_checks)
+                                    ModelSection, NetworkConfig, NodeConfig, SwarmConfig,
+                                    TrainingConfig, WireConfig, _cross_checks)
 from swarmd.config.limits import LimitsConfig
 from swarmd.config.stage import (AveragingConfig, BalancingSection, CheckpointConfig,
                                  ServingSection)
@@ -48,6 +48,7 @@ class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
     log: LogConfig = field(default_factory=LogConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
 
     def __post_init__(self) -> None:
         for _key, message in _cross_checks(self.get, lambda *keys: keys[0]):
@@ -138,7 +139,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
                                  AveragingConfig, CheckpointConfig, BalancingSection,
                                  ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig,
-                                 LimitsConfig)
+                                 LimitsConfig, NodeConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -383,6 +383,24 @@ class LogConfig(_Section):
     )
 
 
+def _grace_seconds(value: float) -> None:
+    if not 0 < value <= 3600:
+        raise _Invalid("must be more than 0 and at most 3600")
+
+
+@dataclass(frozen=True)
+class NodeConfig(_Section):
+    SECTION: ClassVar[str] = "node"
+    DOC: ClassVar[str] = "The daemon's own lifecycle."
+
+    shutdown_grace_s: float = _opt(
+        20.0, "On SIGTERM, SIGINT or `swarmd stop`: seconds to finish the microbatches in "
+        "flight here (the rest are handed back to their senders) and save the checkpoint "
+        "before exiting 0; a second signal stops at once.",
+        "a number of seconds greater than 0 and at most 3600", _grace_seconds,
+    )
+
+
 def _cross_checks(get: Callable[[str], Any],
                   blame: Callable[..., str]) -> Iterator[tuple[str, str]]:
     """Checks spanning several keys: yields ``(key to blame, message)``.

@@ -2,13 +2,17 @@
 
 Owns, in this order (and tears down in reverse): the home lock, the libp2p host, membership,
 the local HTTP API. ``<home>/api`` is written only once the HTTP server is bound and removed on
-exit. SIGINT/SIGTERM start a graceful stop: announce ``leaving``, stop taking work, close
-everything, exit 0 within ``SHUTDOWN_BUDGET_S``.
+exit. SIGINT/SIGTERM or ``POST /api/v0/stop`` start a graceful stop within
+``node.shutdown_grace_s`` (phases and deadlines: ``swarmd.node.shutdown``): announce
+``leaving``, refuse new forwards with ``busy``, let the microbatches in flight here finish
+(hand back the rest), save the checkpoint by its deadline, close everything, exit 0. A second
+request stops at once; a watchdog ends a stop that overruns its budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import signal
@@ -25,11 +29,10 @@ from swarmd.errors import SwarmdError
 from swarmd.node.host_options import announced_throughput, apply_stage_limits, limits_status
 from swarmd.node.reconnect import Backoff, Redialer
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
+from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 
 log = logging.getLogger("swarmd.node.daemon")
 
-#: a stop request must end the process within this many seconds
-SHUTDOWN_BUDGET_S = 8.0
 #: with --stage auto, how long to wait for a first view before choosing a stage
 PLACEMENT_WAIT_S = 5.0
 #: how often connectivity is checked (bootstrap redial)
@@ -79,6 +82,13 @@ class Daemon:
         self._throughput_hint = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
+        #: set by a second stop request: stop at once
+        self._hurry = asyncio.Event()
+        self._stop_requests = StopRequests()
+        #: the deadlines of the stop under way (None until one is requested)
+        self.budget: StopBudget | None = None
+        #: called with each new budget (``run_join`` arms its watchdog with it)
+        self.on_budget: Callable[[StopBudget], None] | None = None
         self._rng = random.Random()
 
     # ---- DaemonApi ---------------------------------------------------------------------
@@ -94,6 +104,7 @@ class Daemon:
             counters.update({f"stage.{k}": v for k, v in self.stage_server.counters.items()})
             counters.update({f"sync.{k}": v for k, v in self.stage_server.sync.counters.items()})
             counters["stage.step"] = self.stage_server.step
+            counters["stage.in_flight"] = self.stage_server.in_flight
         counters.update({f"balance.{k}": v for k, v in self.balance_counters.items()})
         if self.keeper is not None:
             counters.update({f"state.{k}": v for k, v in self.keeper.counters.items()})
@@ -114,7 +125,8 @@ class Daemon:
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
             links=self._links_status(),
-            limits=limits_status(self.config, self.host, self.stage_server))
+            limits=limits_status(self.config, self.host, self.stage_server),
+            grace_left_s=self.budget.left(time.monotonic()) if self.budget else None)
 
     def _links_status(self) -> dict[str, Any]:
         """Each link's measured round trip and bandwidth and the deadlines derived from them."""
@@ -151,9 +163,30 @@ class Daemon:
         self.request_stop()
 
     def request_stop(self) -> None:
-        if not self._stop.is_set():
-            log.info("stop requested")
+        """The first request begins a graceful stop within ``node.shutdown_grace_s``; the
+        second stops at once."""
+        what, now = self._stop_requests.request(), time.monotonic()
+        if what == BEGIN:
+            keeper = self.keeper
+            self.budget = plan_stop(self.config.node.shutdown_grace_s, now=now,
+                                    save_estimate_s=keeper.last_save_s if keeper else None)
+            log.info("stop requested: leaving within %.1f s", self.budget.left(now))
+            self.state = "leaving"
             self._stop.set()
+        elif what == HURRY and self.budget is not None:
+            log.warning("a second stop request: stopping at once")
+            self.budget = self.budget.hurried(now)
+            self._hurry.set()
+        else:
+            return
+        if self.on_budget is not None:
+            self.on_budget(self.budget)
+
+    def abandon_save(self) -> None:
+        """From any thread: a checkpoint save in progress stops (the previous one is kept)."""
+        keeper = self.keeper
+        if keeper is not None:
+            keeper.abandon()
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def run(self, on_started: Callable[[Started], None] | None = None) -> None:
@@ -178,6 +211,8 @@ class Daemon:
                     await self._run_services(identity, token, on_started)
                 except* SwarmdError as group:  # a task's typed failure: its message, no trace
                     raise group.exceptions[0] from None
+        if self.budget is not None:
+            log.info("stopped %.1f s after the stop request", self._since_stop())
 
     async def _run_services(self, identity: Any, token: str,
                             on_started: Callable[[Started], None] | None) -> None:
@@ -205,8 +240,10 @@ class Daemon:
             except* _Stopping:
                 pass
             finally:
-                remove_api_file(home, api.url)
-                await self._stop_serving()
+                try:  # `swarmd stop` waits for the api file to go: after the checkpoint
+                    await self._stop_serving()
+                finally:
+                    remove_api_file(home, api.url)
 
     async def _serve_until_stopped(self, tasks: asyncio.TaskGroup, http_url: str,
                                    on_started: Callable[[Started], None] | None) -> None:
@@ -223,9 +260,19 @@ class Daemon:
         if not self._stop.is_set():
             self._go_online(tasks, http_url, on_started)
         await stopping
-        self.state = "leaving"
-        await self.membership.leave()
+        await self._leave()
         raise _Stopping()
+
+    async def _leave(self) -> None:
+        from swarmd.node.stopping import leave_stage
+
+        assert self.budget is not None
+        self.state = "leaving"
+        await leave_stage(server=self.stage_server, membership=self.membership,
+                          budget=self.budget, hurry=self._hurry, stage=self.stage)
+
+    def _since_stop(self) -> float:
+        return time.monotonic() - self.budget.started_at if self.budget is not None else 0.0
 
     def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
                    on_started: Callable[[Started], None] | None) -> None:
@@ -302,9 +349,11 @@ class Daemon:
                  server.step, origin)
 
     async def _stop_serving(self) -> None:
+        stopping = self.budget if self._stop.is_set() else None  # else a move between stages
         if self.keeper is not None:
-            try:
-                await self.keeper.close()  # saves a checkpoint
+            try:  # saves a checkpoint (by the budget's deadline when stopping)
+                await self.keeper.close(stopping.save_until if stopping else None,
+                                        self._hurry if stopping else None)
             except Exception as exc:  # a failed save is reported, the stop goes on
                 log.error("stage %s: saving the checkpoint on shutdown failed: %s",
                           self.stage, exc)
@@ -312,6 +361,8 @@ class Daemon:
             await self.stage_server.close()
         for task in list(self._tasks):
             task.cancel()
+        if stopping is not None:
+            log.info("stopped serving the stage %.1f s into the stop", self._since_stop())
 
     async def _wait_for_view(self) -> None:
         if not (self.options.bootstrap or self.config.network.bootstrap):
@@ -465,7 +516,11 @@ def run_join(options: JoinOptions, on_started: Callable[[Started], None]) -> Non
     """Run a daemon in this process until SIGINT/SIGTERM or ``POST /api/v0/stop``."""
     import uvloop
 
+    from swarmd.node.watchdog import Watchdog
+
     daemon = Daemon(options)
+    watchdog = Watchdog(before_exit=daemon.abandon_save)
+    daemon.on_budget = lambda budget: watchdog.arm(budget.hard_until)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -474,3 +529,6 @@ def run_join(options: JoinOptions, on_started: Callable[[Started], None]) -> Non
         await daemon.run(on_started)
 
     uvloop.run(main())
+    # the interpreter's last garbage collection walks every object libp2p and torch left:
+    # seconds on a loaded machine, out of the stop's budget; what is left is freed anyway
+    gc.freeze()

@@ -22,6 +22,7 @@ part                                    its job
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from typing import Any, Callable
@@ -116,8 +117,10 @@ class StageServer:
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone)
 
     def start(self) -> None:
-        self.host.set_request_handler(self.proto["forward"], self.handlers.on_forward)
-        self.host.set_request_handler(self.proto["backward"], self.handlers.on_backward)
+        self.host.set_request_handler(self.proto["forward"],
+                                      self.gate.passing(self.handlers.on_forward))
+        self.host.set_request_handler(self.proto["backward"],
+                                      self.gate.passing(self.handlers.on_backward))
         self.sync.start()
 
     async def close(self) -> None:
@@ -156,10 +159,17 @@ class StageServer:
     def throughput(self, value: float) -> None:
         self._throughput.value = float(value)
 
-    async def retire(self, timeout_s: float = DRAIN_S) -> int:
+    async def retire(self, timeout_s: float = DRAIN_S, *,
+                     hurry: asyncio.Event | None = None) -> int:
         """Stop taking new microbatches and let those in flight here finish their backward
-        (at most ``timeout_s``); returns how many did not (their senders restart them)."""
-        return await self.gate.retire(timeout_s)
+        (at most ``timeout_s``, not once ``hurry`` is set); the rest are handed back (their
+        senders restart them). Returns how many were handed back (``stepping.Gate``)."""
+        return await self.gate.retire(timeout_s, hurry=hurry)
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches held here, at most (``stepping.Gate.in_flight``)."""
+        return self.gate.in_flight
 
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` (which replaces the weights, e.g. a downloaded state) once no microbatch

@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import torch
 
@@ -38,6 +38,13 @@ DRAIN_POLL_S = 0.002
 #: ``DRAIN_S``) must not hold new forwards past their senders' deadlines, which would lose
 #: them too and make the next step wait again
 GATE_WAIT_S = 2.0
+#: a retiring peer waits for a microbatch it holds until it is this many times older than the
+#: slowest recent forward-to-backward wait here (at least ``LIVE_MIN_S``): an older one was
+#: most likely given up by its trainer, and waiting for it would spend the grace for nothing
+LIVE_FACTOR = 3.0
+LIVE_MIN_S = 5.0
+
+Handler = Callable[[Any, str], Awaitable[Any]]
 
 
 class Stepper:
@@ -138,6 +145,8 @@ class Gate:
         self._open = asyncio.Event()
         self._open.set()
         self._admitted = 0
+        #: forward and backward requests being handled here (``passing``)
+        self._passing = 0
         #: set once the peer leaves the stage: new forwards are refused with busy
         self.retiring = False
 
@@ -161,17 +170,55 @@ class Gate:
         finally:
             self._admitted -= 1
 
+    def passing(self, handler: Handler) -> Handler:
+        """``handler`` (a forward or backward request handler), counted while it runs: a peer
+        that retires waits for these too (a backward computed here may still be on its way
+        to the previous stage)."""
+        async def counted(message: Any, peer: str) -> Any:
+            self._passing += 1
+            try:
+                return await handler(message, peer)
+            finally:
+                self._passing -= 1
+        return counted
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches held here, at most: saved for their backward, admitted to a forward,
+        or being handled (a request in progress)."""
+        return self.worker.saved + self._admitted + self._passing
+
     async def drain(self, timeout_s: float) -> None:
         deadline = self._clock() + timeout_s
         while (self.worker.saved or self._admitted) and self._clock() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
 
-    async def retire(self, timeout_s: float = DRAIN_S) -> int:
-        """Stop taking new microbatches and let those in flight finish their backward (at
-        most ``timeout_s``); returns how many did not (their senders restart them)."""
+    def _live(self) -> bool:
+        """Whether a microbatch that may still finish is here: a request being handled, a
+        forward admitted, or one saved recently enough for its backward to come."""
+        if self._passing or self._admitted:
+            return True
+        age = max(LIVE_MIN_S, LIVE_FACTOR * self.worker.slowest_backward_s)
+        return self.worker.saved_within(self._clock(), age) > 0
+
+    async def retire(self, timeout_s: float = DRAIN_S, *,
+                     hurry: asyncio.Event | None = None) -> int:
+        """Stop taking new microbatches (forwards are refused with busy) and let those in
+        flight finish their backward (at most ``timeout_s``, not once ``hurry`` is set; not
+        those too old to be alive: ``_live``). The ones that did not are handed back: dropped
+        here, so that their backward is refused with ``unknown_microbatch`` and their senders
+        restart them. Returns how many."""
         self.retiring = True
-        await self.drain(timeout_s)
-        return self.worker.saved
+        deadline = self._clock() + timeout_s
+        while self._live() and self._clock() < deadline and not (
+                hurry is not None and hurry.is_set()):
+            await asyncio.sleep(DRAIN_POLL_S)
+        dropped = self.worker.expire(float("inf"))
+        self.counters["handed_back"] += len(dropped)
+        if dropped:
+            log.warning("stage %d: %d microbatch(es) did not come back in time; handed back "
+                        "to their senders", self.stage, len(dropped))
+        return len(dropped)
 
     async def between(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` (an optimizer step) in the compute thread, without draining."""

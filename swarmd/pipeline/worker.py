@@ -50,6 +50,8 @@ LAG_EMA = 0.1
 def _version(module: nn.Module) -> int:
     """Changes whenever any parameter is changed in place (autograd's version counters)."""
     return sum(p._version for p in module.parameters())
+#: per backward, the slowest forward-to-backward wait remembered shrinks by this factor
+BACKWARD_DECAY = 0.98
 
 
 @dataclass(slots=True, eq=False)
@@ -121,6 +123,9 @@ class StageWorker:
         self._bytes_per_token = 0.0
         #: forwards refused because of ``max_saved_bytes``
         self.refused_for_bytes = 0
+        #: the slowest recent wait from a forward to its backward here (a decaying maximum):
+        #: a stop waits this long, a few times over, for a microbatch it holds
+        self.slowest_backward_s = 0.0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
 
@@ -298,6 +303,8 @@ class StageWorker:
             raise BadActivation("shape", f"gradient of shape {tuple(grad.shape)} for an output "
                                          f"of shape {tuple(shape)}")
         self._check(grad, "gradient")
+        waited = now - (saved.expires_at - self.ttl_s)
+        self.slowest_backward_s = max(waited, BACKWARD_DECAY * self.slowest_backward_s)
         saved.grads[mb_id] = grad
         return self._run_backward(saved) if saved.complete else None
 
@@ -362,11 +369,18 @@ class StageWorker:
                 for mb in saved.rows:
                     self._saved.pop(mb, None)
 
+    def saved_within(self, now: float, age_s: float) -> int:
+        """Microbatches kept here whose forward ran at most ``age_s`` seconds before ``now``
+        (older ones are most likely given up by their trainer)."""
+        return sum(1 for v in list(self._saved.values()) if now - (v.expires_at - self.ttl_s)
+                   <= age_s)
+
     def expire(self, now: float) -> list[str]:
-        """Drop microbatches whose backward did not come in time; returns their ids."""
-        gone = [k for k, v in self._saved.items() if v.expires_at <= now]
+        """Drop microbatches whose backward did not come in time; returns their ids. Safe
+        beside a backward in the compute thread (a stop's hand-back runs on the event loop)."""
+        gone = [k for k, v in list(self._saved.items()) if v.expires_at <= now]
         for k in gone:
-            del self._saved[k]
+            self._saved.pop(k, None)
         return gone
 
     def zero_grad(self) -> None:

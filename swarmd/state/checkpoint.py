@@ -25,12 +25,13 @@ import secrets
 import struct
 import time
 from pathlib import Path
+from typing import Callable
 
 from swarmd.errors import SwarmdError
 from swarmd.state.encoding import MAX_STATE_BYTES, BadStageState, StageState, decode, encode
 
-__all__ = ["CorruptCheckpoint", "checkpoint_dir", "checkpoint_path", "save_checkpoint",
-           "load_checkpoint", "quarantine", "saved_stages"]
+__all__ = ["CorruptCheckpoint", "SaveAborted", "checkpoint_dir", "checkpoint_path",
+           "save_checkpoint", "load_checkpoint", "quarantine", "saved_stages"]
 
 MAGIC = b"SWCK"
 VERSION = 1
@@ -39,6 +40,8 @@ SUFFIX = ".swst"
 #: corrupt files set aside per stage; older ones are deleted
 KEEP_QUARANTINED = 3
 _NAME = re.compile(r"stage-(\d{1,6})\.swst")
+#: a save can be abandoned between two writes of this many bytes
+WRITE_CHUNK = 4 << 20
 
 
 class CorruptCheckpoint(SwarmdError):
@@ -53,6 +56,12 @@ class CorruptCheckpoint(SwarmdError):
                          f"stage state fetched from peers; or delete the file to do so by hand")
 
 
+class SaveAborted(SwarmdError):
+    """A save was abandoned (its deadline passed); the previous checkpoint is intact."""
+
+    code = "save_aborted"
+
+
 def checkpoint_dir(home: Path) -> Path:
     """Where a home keeps its checkpoints."""
     return Path(home) / "checkpoints"
@@ -64,13 +73,22 @@ def checkpoint_path(dir: Path, stage: int) -> Path:
     return Path(dir) / f"stage-{stage}{SUFFIX}"
 
 
-def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None) -> Path:
+def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
+                    abort: Callable[[], bool] | None = None) -> Path:
     """Write ``state`` as the checkpoint of its stage, atomically; returns its path.
 
     ``data`` may pass ``encode(state)`` when the caller has it already. Blocking I/O: call it
     from a worker thread in an event loop, one save per stage at a time. Raises ``OSError``
-    when the disk refuses (the previous checkpoint is then intact).
+    when the disk refuses (the previous checkpoint is then intact). ``abort()`` is asked
+    before the file is created and between chunks of ``WRITE_CHUNK`` bytes: once it says
+    true the temporary file is removed and ``SaveAborted`` raised (the previous checkpoint
+    is intact).
     """
+    def check() -> None:
+        if abort is not None and abort():
+            raise SaveAborted(f"saving the checkpoint of stage {state.stage} was abandoned; "
+                              f"the previous checkpoint is kept")
+
     dir = Path(dir)
     dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = checkpoint_path(dir, state.stage)
@@ -78,14 +96,20 @@ def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None) 
     header = HEADER.pack(MAGIC, VERSION, len(payload),
                          hashlib.blake2b(payload, digest_size=32).digest())
     _remove_stale_temps(dir, final.name)
+    check()
     tmp = dir / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as out:
             out.write(header)
-            out.write(payload)
+            view = memoryview(payload)
+            for start in range(0, len(view), WRITE_CHUNK):
+                check()
+                out.write(view[start:start + WRITE_CHUNK])
             out.flush()
+            check()
             os.fsync(out.fileno())
+        check()
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from swarmd.state.checkpoint import (CorruptCheckpoint, checkpoint_dir, checkpoint_path,
-                                     load_checkpoint, quarantine, save_checkpoint)
+from swarmd.state.checkpoint import (CorruptCheckpoint, SaveAborted, checkpoint_dir,
+                                     checkpoint_path, load_checkpoint, quarantine,
+                                     save_checkpoint)
 from swarmd.state.encoding import (NonFiniteState, StageState, StateMismatch, capture,
                                    check_finite_state, restore, state_bytes_bound)
 from swarmd.state.messages import SizeBound
@@ -50,6 +52,8 @@ LOAD_ATTEMPTS = 3
 LOAD_RETRY_S = 1.0
 #: how often a serving peer compares its step with the steps its mates announce
 WATCH_S = 2.0
+#: how long an abandoned save is waited for to remove its file (it stops at its next chunk)
+ABORT_WAIT_S = 0.5
 
 
 def state_protocol(swarm: str) -> str:
@@ -91,6 +95,11 @@ class StageKeeper:
         self._last_catch_up = 0.0
         self._saving = asyncio.Lock()
         self._saved_step = -1
+        #: set once a save is abandoned: the writer stops, no save starts after it
+        self._abort = threading.Event()
+        self._writer: asyncio.Future[Path] | None = None
+        #: how long the last checkpoint write took (None: none yet); a stop plans by it
+        self.last_save_s: float | None = None
         self._ready = False
 
     @property
@@ -272,30 +281,86 @@ class StageKeeper:
         if self.every_steps and self.server.step - max(self._saved_step, 0) >= self.every_steps:
             await self.save()
 
-    async def save(self) -> Path | None:
-        if self.dir is None or not self._ready:
+    async def save(self, deadline: float | None = None,
+                   hurry: asyncio.Event | None = None) -> Path | None:
+        """Save a checkpoint unless the step is saved already. With a ``deadline`` (monotonic
+        seconds) or a ``hurry`` event, a save that has not finished by then (or by the time
+        ``hurry`` is set) is abandoned: the file being written is removed and the previous
+        checkpoint stays (``checkpoint.save_checkpoint`` writes atomically)."""
+        if self.dir is None or not self._ready or self._abort.is_set():
             return None
+        if hurry is not None and hurry.is_set():
+            return self._abandoned("a second stop request")
+        saving = asyncio.ensure_future(self._save_now())
+        saving.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
+        waiters: set[asyncio.Future[Any]] = {saving}
+        if hurry is not None:
+            waiters.add(asyncio.ensure_future(hurry.wait()))
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            saving.cancel()  # the write itself, if started, finishes (it is atomic)
+            raise
+        finally:
+            for waiter in waiters - {saving}:
+                waiter.cancel()
+        if saving in done:
+            return saving.result()
+        self._abort.set()  # the writer stops at its next chunk and removes its file
+        saving.cancel()
+        writer = self._writer
+        if writer is not None and not writer.done():
+            await asyncio.wait({writer}, timeout=ABORT_WAIT_S)
+        return self._abandoned("a second stop request" if hurry is not None and hurry.is_set()
+                               else "its deadline passed")
+
+    def abandon(self) -> None:
+        """From any thread: a save in progress stops at its next chunk (its file removed);
+        no save starts after this."""
+        self._abort.set()
+
+    def _abandoned(self, why: str) -> None:
+        self._abort.set()
+        self._count("checkpoints_abandoned")
+        log.warning("stage %d: the checkpoint at step %d was not saved (%s); the previous "
+                    "checkpoint, if any, is kept whole", self.stage, self.server.step, why)
+        return None
+
+    async def _save_now(self) -> Path | None:
         async with self._saving:
             if self.server.step == self._saved_step:
                 return None
+            t0 = time.monotonic()
             state = await self.server.run_exclusive(self._capture)
+            self._writer = _in_thread(self._save_finite, state)
             try:
-                path = await asyncio.to_thread(self._save_finite, state)
+                path = await asyncio.shield(self._writer)
             except NonFiniteState as exc:  # the last good checkpoint stays
                 log.error("stage %d: not saving a checkpoint: %s", self.stage, exc)
                 self._count("non_finite_not_saved")
                 return None
+            except SaveAborted:
+                return None
+            self.last_save_s = time.monotonic() - t0
+            log.debug("stage %d: checkpoint of step %d saved in %.2f s", self.stage, state.step,
+                      self.last_save_s)
             self._saved_step = state.step
             self._count("checkpoints_saved")
             return path
 
     def _save_finite(self, state: StageState) -> Path:
-        """In a thread: check the state is finite, then write it atomically."""
+        """In a thread: check the state is finite, then write it atomically (unless the save
+        is abandoned meanwhile)."""
         assert self.dir is not None
         check_finite_state(state)
-        return save_checkpoint(self.dir, state)
+        return save_checkpoint(self.dir, state, abort=self._abort.is_set)
 
-    async def close(self) -> None:
+    async def close(self, deadline: float | None = None,
+                    hurry: asyncio.Event | None = None) -> None:
+        """Stop serving the state and save a checkpoint (by ``deadline``, unless ``hurry`` is
+        set first: see ``save``)."""
         self._serving.close()
         for task in (self._watching, self._catching_up):
             if task is None:
@@ -305,4 +370,32 @@ class StageKeeper:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        await self.save()  # on shutdown: never lose more than this
+        await self.save(deadline, hurry)  # on shutdown: never lose more than this
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a daemon thread of its own (not the loop's executor, which the
+    process waits for when it exits: an abandoned save must not hold the exit up)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not future.done():
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:  # handed to the awaiting side
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
+    return future
