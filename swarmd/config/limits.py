@@ -55,6 +55,8 @@ def _cap_of(lo: int, hi: int, *, units: bool) -> Callable[[Any], Any]:
         elif isinstance(value, float):
             if not math.isfinite(value):
                 raise _Invalid("not a finite number")
+            if value >= 1 and value != int(value):
+                raise _Invalid("not a whole number")
             number = int(value)
         else:
             number = value
