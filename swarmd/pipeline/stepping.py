@@ -27,6 +27,7 @@ import torch
 
 from swarmd.pipeline.batching import Compute
 from swarmd.pipeline.worker import StageWorker
+from swarmd.training.model import tensor_bytes
 
 log = logging.getLogger("swarmd.stage")
 
@@ -110,9 +111,8 @@ class Stepper:
         total = 0.0
         with torch.no_grad():
             for p in self.module.parameters():
-                data = p.detach().to("cpu").clone()  # its own storage, offset 0
-                h.update(bytes(data.untyped_storage()))
-                total += float(data.float().pow(2).sum())
+                h.update(tensor_bytes(p))
+                total += float(p.detach().float().pow(2).sum())
         return h.hexdigest(), total ** 0.5
 
     def _unflatten(self, vector: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -334,6 +334,13 @@ def resolve_dtype(name: str) -> torch.dtype:
                          + ", ".join(f'"{n}"' for n in DTYPES)) from None
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's values as bytes, on the CPU, for hashing: one copy at most, never a Python
+    loop over elements (``bytes(storage)`` is one: seconds for a few MB)."""
+    data = t.detach().to("cpu").contiguous()
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
+
+
 def wire_tensor(t: torch.Tensor) -> torch.Tensor:
     """What crosses the network: float32 on the CPU (the codecs quantize from there)."""
     return t.to("cpu", torch.float32) if t.device.type != "cpu" or t.dtype != torch.float32 else t

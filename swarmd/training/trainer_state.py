@@ -125,11 +125,12 @@ def params_digest(params: dict[str, torch.Tensor]) -> str:
     """blake2b-128 over the names and bytes of ``params`` (a state dict), in name order."""
     import hashlib
 
+    from swarmd.training.model import tensor_bytes
+
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(params):
-        t = params[name].detach().to("cpu").contiguous().clone()
         h.update(name.encode())
-        h.update(bytes(t.untyped_storage()))
+        h.update(tensor_bytes(params[name]))
     return h.hexdigest()
 
 
