@@ -1,0 +1,194 @@
+"""Penalties that fit the fault (issue 14 item 3): a protocol violation bans longer than a
+transport failure, is remembered with its reason (even while the peer is not listed), and one
+misbehaving peer never bans the good ones. Pure cores (wiring, penalties) and the router with
+a fake host and a virtual clock; the daemon's ``/api/v0/peers`` against a hostile peer is in
+tests/test_penalties_daemons.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.errors import BadActivation, NotOnPath
+from swarmd.pipeline.penalties import MAX_REASON_CHARS, ViolationBook, clean_reason
+from swarmd.pipeline.router import Verdict, judge
+from swarmd.pipeline.wiring import PEER_ROUTING_STATES, Wiring, WiringConfig
+from test_router import OK, _router, _send
+from transport.errors import PeerUnavailable, RemoteError
+from transport.frames import Message
+
+PEERS = {"a": (1.0, 0), "b": (1.0, 0), "bad": (1.0, 0)}
+
+
+def _state(w: Wiring, peer: str, now: float) -> Any:
+    return next(s for s in w.snapshot(now) if s.peer_id == peer)
+
+
+# ---- the pure cores ------------------------------------------------------------------------
+def test_a_violation_bans_longer_than_an_error_and_doubles_up_to_an_hour() -> None:
+    cfg = WiringConfig()
+    assert cfg.violation_s(1) == 60.0 > cfg.ban_s(1) == 15.0
+    assert [cfg.violation_s(n) for n in (2, 3)] == [120.0, 240.0]
+    assert cfg.violation_s(50) == 3600.0 and cfg.ban_s(50) == 300.0
+    w = Wiring(cfg)
+    w.update_peers(PEERS, 0.0)
+    w.violation("bad", "backward_shape", 0.0)
+    s = _state(w, "bad", 10.0)
+    assert s.state == "banned" and s.ban_reason == "violation:backward_shape"
+    assert s.ban_left_s == 50.0 and s.violations == 1
+    assert {x.state for x in w.snapshot(10.0) if x.peer_id != "bad"} == {"ok"}
+    w.violation("bad", "backward_dtype", 30.0)  # during the ban: counted, not lengthened
+    s = _state(w, "bad", 30.0)
+    assert s.violations == 2 and s.ban_left_s == 30.0 and s.violation_reason == "backward_dtype"
+    assert w.choose("forward", 1, 59.0, random.Random(0)) != "bad"
+    w.update_peers(PEERS, 60.0)
+    assert _state(w, "bad", 60.0).state == "ok"
+    assert _state(w, "bad", 60.0).violation_reason == "backward_dtype"  # remembered
+    w.violation("bad", "reply", 61.0)  # a second episode: twice as long
+    assert _state(w, "bad", 61.0).ban_left_s == 120.0
+
+
+def test_a_violation_is_not_lifted_by_an_announcement_nor_forgiven_by_a_success() -> None:
+    w = Wiring()
+    w.update_peers(PEERS, 0.0)
+    w.error("a", 0.0)
+    w.violation("bad", "shape", 0.0)
+    assert w.reannounced("a", 20.0)           # a failure: lifted once ban_base_s is served
+    assert not w.reannounced("bad", 20.0)     # a violation: served in full
+    assert _state(w, "bad", 20.0).state == "banned"
+    w.success("bad", 1, 1.0, "forward", 20.0)  # (a reply to a task sent before the ban)
+    assert _state(w, "bad", 20.0).state == "banned"
+    assert _state(w, "a", 20.0).ban_reason is None
+
+
+def test_a_violator_that_leaves_and_comes_back_is_still_banned() -> None:
+    w = Wiring()
+    w.update_peers(PEERS, 0.0)
+    w.violation("bad", "sender", 0.0)
+    w.update_peers({"a": (1.0, 0), "b": (1.0, 0)}, 1.0)  # it left
+    (gone,) = [s for s in w.snapshot(1.0) if not s.listed]
+    assert gone.peer_id == "bad" and gone.state == "banned" and gone.ban_left_s == 59.0
+    w.update_peers(PEERS, 2.0)  # and re-announced
+    s = _state(w, "bad", 2.0)
+    assert s.listed and s.state == "banned" and s.ban_reason == "violation:sender"
+    assert all(w.choose("forward", 1, 2.0 + i, random.Random(i)) != "bad" for i in range(50))
+    # a violation of a peer never listed is remembered too, and bans it once it is listed
+    w.violation("newcomer", "shape", 3.0)
+    w.update_peers({**PEERS, "newcomer": (5.0, 0)}, 4.0)
+    assert _state(w, "newcomer", 4.0).state == "banned"
+
+
+def test_snapshot_states_and_error_reasons() -> None:
+    w = Wiring()
+    w.update_peers({"a": (1.0, 0), "b": (1.0, 0), "c": (1.0, 0), "d": (1.0, 0)}, 0.0)
+    w.busy("a", 0.0)
+    w.timeout("b", 0.0)
+    w.error("c", 0.0, "remote_internal_error")
+    states = {s.peer_id: s for s in w.snapshot(0.1)}
+    assert [states[p].state for p in "abcd"] == ["paused", "slow", "banned", "ok"]
+    assert states["c"].ban_reason == "error:remote_internal_error"
+    assert states["c"].violations == 0 and states["d"].ban_left_s is None
+    assert set(s.state for s in states.values()) <= set(PEER_ROUTING_STATES)
+
+
+def test_the_book_is_bounded_and_keeps_reasons_short_and_printable() -> None:
+    book = ViolationBook(lambda n: 10.0 * n, capacity=3)
+    for i, peer in enumerate("wxyz"):
+        book.record(peer, "r", float(i))
+    assert len(book) == 3 and "w" not in set(book) and book.forgotten == 1
+    assert clean_reason("\x00\n" + "x" * 500) == "x" * (MAX_REASON_CHARS - 2)
+    assert clean_reason("\x1b") == "unspecified"
+
+
+events = st.lists(st.tuples(
+    st.sampled_from(["success", "busy", "timeout", "error", "violation", "choose",
+                     "update", "leave", "reannounce"]),
+    st.booleans(),  # whether the bad peer (True) or a good one is the subject
+    st.integers(0, 2),  # which good peer
+    st.floats(0.0, 40.0)), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events)
+def test_one_misbehaving_peer_never_bans_the_good_ones(seq: list[Any]) -> None:
+    """Good peers only succeed, answer busy or time out; the bad one does anything, a
+    violation included, and comes and goes. No good peer is ever banned, one is always chosen
+    when none is paused, and the bad one is never chosen during its violation ban."""
+    good = ["g0", "g1", "g2"]
+    w = Wiring()
+    listed = {p: (1.0, 0) for p in [*good, "bad"]}
+    now, rng = 0.0, random.Random(0)
+    w.update_peers(listed, now)
+    violated_until = 0.0
+    for what, bad, which, dt in seq:
+        now += dt
+        peer = "bad" if bad else good[which]
+        if what == "update":
+            w.update_peers(listed, now)
+        elif what == "leave":
+            if bad:
+                listed.pop("bad", None)
+                w.update_peers(listed, now)
+        elif what == "reannounce":
+            listed["bad"] = (1.0, 0)
+            w.update_peers(listed, now)
+            w.reannounced(peer, now)
+        elif what == "choose":
+            got = w.choose("forward", 4, now, rng)
+            paused = any(s.busy_until is not None for s in w.snapshot(now) if s.peer_id in good)
+            assert got is not None or paused
+            assert not (got == "bad" and now < violated_until)
+        elif what in ("error", "violation") and not bad:
+            continue  # good peers do not fail here
+        elif what == "violation":
+            before = w.book.banned_until("bad", now)
+            w.violation("bad", "shape", now)
+            violated_until = before or w.book.banned_until("bad", now) or 0.0
+        elif what == "error":
+            w.error(peer, now)
+        elif what == "success":
+            w.success(peer, 4, 0.5, "forward", now)
+        else:
+            getattr(w, what)(peer, now)
+        for s in w.snapshot(now):
+            if s.peer_id in good:
+                assert s.state != "banned" and s.banned_until is None and s.violations == 0
+            elif now < violated_until:
+                assert s.state == "banned" and (s.ban_reason or "").startswith("violation:")
+
+
+# ---- the router ----------------------------------------------------------------------------
+def test_judge_calls_a_reply_that_fails_validation_a_violation() -> None:
+    assert judge(BadActivation("reply", "not ok")) is Verdict.VIOLATION
+    assert judge(NotOnPath("sender", "x")) is Verdict.VIOLATION
+    assert judge(PeerUnavailable("x")) is Verdict.BROKEN
+    assert judge(RemoteError("busy", "")) is Verdict.BUSY
+
+
+def test_a_peer_answering_garbage_is_banned_as_a_violator_and_its_stage_mate_takes_over(
+        ) -> None:
+    garbage = Message(kind="result", meta={})
+    router, host, clock = _router({"bad": lambda n: garbage, "good": lambda n: OK},
+                                  tput={"bad": 100.0, "good": 1.0})
+    for _ in range(5):
+        peer, _reply = _send(router)
+        assert peer == "good"
+    assert host.requests.count("bad") == 1 and router.counters["hop_violation"] == 1
+    states = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
+    assert states["bad"].ban_reason == "violation:forward_reply"
+    assert 59.0 < states["bad"].ban_left_s <= 60.0 and states["good"].state == "ok"
+
+
+def test_penalise_charges_only_peers_of_its_stage() -> None:
+    router, _host, clock = _router({"a": lambda n: OK, "b": lambda n: OK})
+    assert not router.penalise("stranger", "backward_shape")
+    assert router.penalise("a", "backward_shape")
+    assert asyncio.run(router.send(Message(kind="forward", meta={}, tensors=(
+        __import__("torch").zeros(1, 1, 1),)), timeout=5.0))[0] == "b"
+    names = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
+    assert names["a"].state == "banned" and "stranger" not in names
+    assert router.counters["violations"] == 1
