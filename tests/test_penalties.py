@@ -1,27 +1,48 @@
 """Penalties that fit the fault (issue 14 item 3): a protocol violation bans longer than a
 transport failure, is remembered with its reason (even while the peer is not listed), and one
 misbehaving peer never bans the good ones. Pure cores (wiring, penalties) and the router with
-a fake host and a virtual clock; the daemon's ``/api/v0/peers`` against a hostile peer is in
-tests/test_penalties_daemons.py."""
+a fake host and a virtual clock, then a real daemon's ``/api/v0/peers`` against a hostile
+peer built on our own transport."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
 from typing import Any
 
+import pytest
+import torch
+import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmd.api.types import ConnectedPeer, peer_rows, to_json
+from swarmd.config import load_config
 from swarmd.errors import BadActivation, NotOnPath
+from swarmd.local.demo import DEMO_ENV
+from swarmd.membership import Announcement, PeerState, encode_signed
+from swarmd.protocols import Protocols
 from swarmd.pipeline.penalties import MAX_REASON_CHARS, ViolationBook, clean_reason
 from swarmd.pipeline.router import Verdict, judge
 from swarmd.pipeline.wiring import PEER_ROUTING_STATES, Wiring, WiringConfig
 from test_router import OK, _router, _send
+from transport import identity
 from transport.errors import PeerUnavailable, RemoteError
 from transport.frames import Message
+from transport.host import Host, HostOptions
+from transport.signing import signer
 
 PEERS = {"a": (1.0, 0), "b": (1.0, 0), "bad": (1.0, 0)}
+
+
+async def _code(call: Any) -> str:
+    try:
+        await call
+    except RemoteError as exc:
+        return exc.code
+    return "ok"
 
 
 def _state(w: Wiring, peer: str, now: float) -> Any:
@@ -188,7 +209,106 @@ def test_penalise_charges_only_peers_of_its_stage() -> None:
     assert not router.penalise("stranger", "backward_shape")
     assert router.penalise("a", "backward_shape")
     assert asyncio.run(router.send(Message(kind="forward", meta={}, tensors=(
-        __import__("torch").zeros(1, 1, 1),)), timeout=5.0))[0] == "b"
+        torch.zeros(1, 1, 1),)), timeout=5.0))[0] == "b"
     names = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
     assert names["a"].state == "banned" and "stranger" not in names
     assert router.counters["violations"] == 1
+
+
+def test_peer_rows_join_connections_membership_routing_and_budget_refusals() -> None:
+    w = Wiring()
+    w.update_peers(PEERS, 0.0)
+    w.violation("bad", "backward_shape", 0.0)
+    w.violation("gone", "sender", 0.0)  # not listed, not connected: still shown
+    rows = {r.peer_id: r for r in peer_rows({"a", "trainer"}, {"a": (1, "online")},
+                                            w.snapshot(1.0), {"trainer": 3})}
+    assert set(rows) == {"a", "b", "bad", "gone", "trainer"}
+    assert rows["a"].connected and rows["a"].routing == "ok" and rows["a"].stage == 1
+    assert not rows["bad"].connected and rows["bad"].routing == "banned"
+    assert rows["bad"].ban_reason == "violation:backward_shape" and rows["bad"].ban_left_s == 59
+    assert rows["gone"].violations == 1 and rows["trainer"].routing is None
+    assert rows["trainer"].budget_refusals == 3
+    again = [ConnectedPeer.from_json({**to_json(r), "newer": 1}) for r in rows.values()]
+    assert again == list(rows.values())
+
+
+# ---- a real daemon against a hostile stage-1 peer ------------------------------------------
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "penalties-test"}
+
+
+@pytest.mark.integration
+def test_a_daemon_bans_a_peer_that_sends_a_wrong_shaped_backward_and_shows_why(
+        daemons: Any) -> None:
+    """The hostile peer announces itself as a stage-1 peer of our model, takes a forward from
+    stage 0 and answers it with a backward of the wrong shape: stage 0 bans it as a violator
+    (``/api/v0/peers`` says why and for how long), routes to the honest stage-1 peer, which
+    stays ok, and goes on serving."""
+    from daemon_harness import wait_until
+
+    d0, d1 = daemons(0, 1)
+    config = load_config(None, {**os.environ, **ENV})
+    width, model = config.model_config().width, config.model_hash()
+    proto = Protocols(config.swarm.name)
+    pipe = proto.pipeline()
+    outcomes: dict[str, list[str]] = {"forwards": [], "backward": []}
+
+    async def scenario() -> None:
+        opts = HostOptions(pubsub=None)
+        async with Host(identity.generate(), opts) as hostile, \
+                Host(identity.generate(), opts) as trainer:
+            took = asyncio.Event()
+            sent: list[asyncio.Task[Any]] = []
+
+            async def bad_backward(mb: str) -> None:
+                meta = {"mb": mb, "stage": 0, "step": 0, "path": [d0.peer_id, hostile.peer_id],
+                        "trainer": trainer.peer_id, "model": model}
+                outcomes["backward"].append(await _code(hostile.request(
+                    d0.peer_id, pipe["backward"], Message(kind="backward", meta=meta, tensors=(
+                        torch.randn(2, 8, width + 1),)), timeout=30)))
+                took.set()
+
+            async def on_forward(message: Message, peer: str) -> Message:
+                sent.append(asyncio.create_task(bad_backward(message.meta["mb"])))
+                return Message(kind="ok")
+
+            async def on_result(message: Message, peer: str) -> Message:
+                return Message(kind="ok")
+
+            hostile.set_request_handler(pipe["forward"], on_forward)
+            trainer.set_request_handler(pipe["result"], on_result)
+            await trainer.dial(d0.addr)
+            await trainer.dial(d1.addr)  # connected: d1 reaches it without an announcement
+            await hostile.dial(d0.addr)
+            # the hostile peer announces stage 1 of our model, 100x faster than anyone
+            ann = Announcement(peer_id=hostile.peer_id, addrs=tuple(hostile.addrs)[:8],
+                               stage=1, state=PeerState.ONLINE, throughput=1e4, queue=0,
+                               version="test", model_hash=model, timestamp=time.time(),
+                               period=30.0)
+            reply = await hostile.request(d0.peer_id, proto.announce, Message(
+                kind="announce", meta={"a": encode_signed(ann, signer(hostile.identity))}))
+            assert reply.meta["outcome"] == "added"
+            for i in range(6):
+                meta = {"mb": f"{trainer.peer_id}/{i}", "stage": 0, "step": 0, "path": [],
+                        "trainer": trainer.peer_id, "model": model}
+                outcomes["forwards"].append(await _code(trainer.request(
+                    d0.peer_id, pipe["forward"], Message(kind="forward", meta=meta, tensors=(
+                        torch.randn(2, 8, width),)), timeout=60)))
+                if i == 0:
+                    await asyncio.wait_for(took.wait(), 30)
+            await asyncio.gather(*sent)
+
+    uvloop.run(asyncio.wait_for(scenario(), 150))
+    assert outcomes["forwards"] == ["ok"] * 6
+    assert outcomes["backward"] == ["bad_activation"]  # only the first forward went to it
+    rows = {r["peer_id"]: r for r in d0.get("/api/v0/peers")}
+    bad = next(r for r in rows.values() if r["routing"] == "banned")
+    assert bad["ban_reason"] == "violation:backward_shape" and bad["violations"] == 1
+    assert 0 < bad["ban_left_s"] <= 60 and bad["stage"] == 1
+    assert rows[d1.peer_id]["routing"] == "ok" and rows[d1.peer_id]["violations"] == 0
+    assert [r["peer_id"] for r in rows.values() if r["routing"] is not None] == sorted(
+        [bad["peer_id"], d1.peer_id])
+    status = wait_until(lambda: d0.get("/api/v0/status"), 10, "d0's status")
+    assert status["state"] == "online"
+    assert status["counters"]["stage.penalised.backward_shape"] == 1
+    assert status["counters"]["stage.violations"] == 1
