@@ -1,19 +1,34 @@
 """Per-peer budgets on the serving side (issue 14 item 2): at most N requests and B tensor
 bytes in flight per remote peer, the excess refused at once and counted per reason. The pure
-accounting here; a hostile peer flooding a real daemon beside an honest trainer is in
-tests/test_penalties_daemons.py."""
+accounting, then a hostile peer flooding a real daemon beside an honest trainer."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmd.config import load_config
+from swarmd.local.demo import DEMO_ENV
 from swarmd.pipeline.budgets import BudgetConfig, PeerBudgets, Ticket, message_bytes
+from swarmd.protocols import Protocols
+from transport import identity
+from transport.errors import RemoteError, TransportError
 from transport.frames import Message
+from transport.host import Host, HostOptions
 
 
 def test_requests_beyond_the_budget_are_refused_and_counted() -> None:
@@ -83,3 +98,103 @@ def test_in_flight_never_exceeds_the_budget_and_releases_add_up(
             assert requests == len(ts) <= max_requests
             assert nb == sum(t.nbytes for t in ts)
             assert len(ts) <= 1 or nb <= max_bytes
+
+
+# ---- a real daemon flooded by a hostile peer beside an honest trainer ----------------------
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_MODEL_LAYERS": "2", "SWARMD_DATA_MAX_BYTES": "2000000",
+       "SWARMD_SWARM_NAME": "budgets-test", "SWARMD_SWARM_STAGES": "1"}
+#: forwards the hostile peer sends at most, and how long it keeps flooding at most
+FLOOD_MAX = 2000
+FLOOD_S = 400.0
+PIPE = Protocols(ENV["SWARMD_SWARM_NAME"]).pipeline()
+
+
+def _trainer_row(daemon: Any) -> dict[str, Any] | None:
+    rows = daemon.get("/api/v0/swarm").get("excluded", ())
+    return next((r for r in rows if r.get("reason") == "no_stage" and r["addrs"]), None)
+
+
+async def _flood(d0: Any, model: str, width: int, trainer: subprocess.Popen[str]
+                 ) -> Counter[str]:
+    """Forwards naming the hostile peer as their trainer, whose results it never answers (the
+    daemon holds each until its hop deadline): they pile up to the budget, then are refused
+    busy. Kept up while the honest trainer runs."""
+    seen: Counter[str] = Counter()
+    release = asyncio.Event()
+    async with Host(identity.generate(), HostOptions(pubsub=None)) as hostile:
+        async def on_result(message: Message, peer: str) -> Message:
+            await asyncio.wait_for(release.wait(), 90)
+            return Message(kind="ok")
+
+        async def forward(i: int) -> None:
+            meta = {"mb": f"{hostile.peer_id}/{i}", "stage": 0, "step": 0, "path": [],
+                    "trainer": hostile.peer_id, "model": model}
+            try:
+                await hostile.request(d0.peer_id, PIPE["forward"], Message(
+                    kind="forward", meta=meta, tensors=(torch.randn(2, 16, width),)),
+                    timeout=120)
+                seen["ok"] += 1
+            except RemoteError as exc:
+                budget = exc.code == "busy" and "budget" in exc.remote_message
+                seen["busy_budget" if budget else exc.code] += 1
+            except TransportError as exc:
+                seen[f"transport:{type(exc).__name__}"] += 1
+
+        hostile.set_request_handler(PIPE["result"], on_result)
+        await hostile.dial(d0.addr)
+        tasks: set[asyncio.Task[None]] = set()
+        t0 = time.monotonic()
+        for i in range(FLOOD_MAX):
+            if trainer.poll() is not None or time.monotonic() - t0 > FLOOD_S:
+                break
+            task = asyncio.create_task(forward(i))
+            tasks.add(task)
+            await asyncio.wait({task}, timeout=0.2)  # a held one waits on; a refused one ends
+        seen["sent"] = len(tasks)
+        release.set()
+        await asyncio.wait(tasks, timeout=150)
+        for task in tasks:
+            task.cancel()
+    return seen
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_flooding_peer_gets_busy_and_an_honest_trainer_beside_it_loses_nothing(
+        daemons: Any, tmp_path: Path) -> None:
+    from daemon_harness import wait_until
+    from swarmd.node.home import init_home
+
+    (d0,) = daemons(0)
+    config = load_config(None, {**os.environ, **ENV})
+    home = tmp_path / "trainer"
+    init_home(home)
+    log = open(tmp_path / "trainer.stderr", "w")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--bootstrap", d0.addr,
+         "--steps", "25", "--json"], stdout=subprocess.PIPE, stderr=log, text=True,
+        env={**os.environ, **ENV})
+    try:
+        wait_until(lambda: _trainer_row(d0), 120, "the trainer in d0's view")
+        seen = uvloop.run(asyncio.wait_for(
+            _flood(d0, config.model_hash(), config.model_config().width, trainer), 600))
+        out, _ = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, (tmp_path / "trainer.stderr").read_text()[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["lost"] == 0 and result["final_val_loss"] < result["initial_val_loss"]
+        limit = BudgetConfig().max_requests
+        assert seen["busy_budget"] >= 1, seen
+        status = d0.get("/api/v0/status")
+        assert status["state"] == "online"
+        assert status["counters"]["stage.busy_budget.requests"] == seen["busy_budget"]
+        rows = {r["peer_id"]: r for r in d0.get("/api/v0/peers")}
+        refused = {p: r["budget_refusals"] for p, r in rows.items() if r["budget_refusals"]}
+        assert list(refused.values()) == [seen["busy_budget"]]  # the hostile peer alone
+        print(f"flood: {dict(seen)}; budget {limit} requests; trainer: lost {result['lost']}, "
+              f"restarted {result['restarted']}")
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+        log.close()
