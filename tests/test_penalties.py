@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from swarmd.api.types import ConnectedPeer, peer_rows, to_json
 from swarmd.config import load_config
-from swarmd.errors import BadActivation, NotOnPath
+from swarmd.errors import BadActivation, NotOnPath, OutputRefused
 from swarmd.local.demo import DEMO_ENV
 from swarmd.membership import Announcement, PeerState, encode_signed
 from swarmd.protocols import Protocols
@@ -312,3 +312,25 @@ def test_a_daemon_bans_a_peer_that_sends_a_wrong_shaped_backward_and_shows_why(
     assert status["state"] == "online"
     assert status["counters"]["stage.penalised.backward_shape"] == 1
     assert status["counters"]["stage.violations"] == 1
+
+
+def test_a_peer_refusing_what_its_stage_mate_takes_is_banned_not_believed() -> None:
+    """A hostile next-stage peer answering ``bad_activation`` would make us raise
+    ``OutputRefused``, and our senders ban us for it: a second peer decides."""
+    liar = RemoteError("bad_activation", "not finite (a lie)")
+    router, host, clock = _router({"liar": lambda n: liar, "good": lambda n: OK},
+                                  tput={"liar": 100.0, "good": 1.0})
+    assert _send(router)[0] == "good"
+    assert host.requests == ["liar", "good"] and router.counters["false_refusals"] == 1
+    states = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
+    assert states["liar"].ban_reason == "error:refused_forward_others_took"
+    assert states["good"].state == "ok"
+
+
+def test_a_refusal_two_peers_agree_on_is_ours_and_bans_nobody() -> None:
+    refuse = RemoteError("bad_activation", "nan")
+    router, host, _ = _router({"a": lambda n: refuse, "b": lambda n: refuse, "c": lambda n: OK},
+                              tput={"a": 100.0, "b": 50.0, "c": 1.0})
+    with pytest.raises(OutputRefused):
+        _send(router)
+    assert host.requests == ["a", "b"] and router.wiring.banned == 0

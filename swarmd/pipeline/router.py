@@ -7,9 +7,10 @@ Used by the stage server (a forward to the next stage) and by the trainer (a for
 what happened                            what the router does
 =======================================  ====================================================
 reply ``ok``                             ``Wiring.success`` with the peer's own hop time
-refusal of our own output                raise ``OutputRefused``; nobody is banned
-(``bad_activation``, codec, frame,
-size limit)
+refusal of our own output                another peer of the stage is tried; when it refuses
+(``bad_activation``, codec, frame,       too (or none is in service) raise ``OutputRefused``,
+size limit)                              nobody banned; when it takes it, the refuser is
+                                         banned as failed (it would get us banned upstream)
 ``busy``                                 backpressure: ``Wiring.busy`` (a short pause, no
                                          ban), another peer now
 our deadline for the hop passed          slow: ``Wiring.timeout``, another peer
@@ -170,9 +171,11 @@ class Router:
         deadline = self._clock() + timeout
         rows = int(message.tensors[0].shape[0])
         tried: list[str] = []
-        slow: set[str] = set()  # timed out on this message: not tried again for it
+        slow: set[str] = set()  # timed out on (or refused) this message: not tried again
+        refused: OutputRefused | None = None  # a peer refused it: is another peer willing?
+        refuser = ""
         for _ in range(MAX_ATTEMPTS):
-            target = await self._choose(kind, rows, deadline, wait, slow)
+            target = await self._choose(kind, rows, deadline, wait and refused is None, slow)
             if target is None:
                 break
             if tried:
@@ -180,11 +183,20 @@ class Router:
             tried.append(target)
             if on_attempt is not None:
                 on_attempt(target)
-            reply, verdict = await self._attempt(target, kind, message, rows, deadline)
+            try:
+                reply, verdict = await self._attempt(target, kind, message, rows, deadline)
+            except OutputRefused as exc:
+                if refused is not None:
+                    raise  # two peers refused it: our output is bad
+                refused, refuser, verdict, reply = exc, target, Verdict.OURS, None
             if reply is not None:
+                if refused is not None:  # a stage mate took what it refused
+                    self._false_refusal(refuser, kind)
                 return target, reply
-            if verdict is Verdict.SLOW:
+            if verdict in (Verdict.SLOW, Verdict.OURS):
                 slow.add(target)
+        if refused is not None:
+            raise refused
         raise StageUnavailable(f"no peer of stage {self.stage} took the {kind} (tried "
                                f"{len(set(tried))} peer(s) {len(tried)} time(s))")
 
@@ -239,6 +251,15 @@ class Router:
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
                             self._clock())
         return reply, None
+
+    def _false_refusal(self, peer: str, kind: Kind) -> None:
+        """``peer`` refused as malformed what a peer of its stage then took: its fault, not
+        ours (a liar, or built with other limits). Banned as failed, so that one such peer
+        cannot make us raise ``OutputRefused``, which gets us banned by our senders."""
+        self.counters["false_refusals"] += 1
+        self.wiring.error(peer, self._clock(), f"refused_{kind}_others_took")
+        log.info("stage %d peer %s refused a %s its stage mate took: banned", self.stage,
+                 peer, kind)
 
     def penalise(self, peer: str, reason: str) -> bool:
         """``peer`` broke the protocol outside a send (e.g. sent a wrong-shaped backward):
