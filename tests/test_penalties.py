@@ -334,3 +334,53 @@ def test_a_refusal_two_peers_agree_on_is_ours_and_bans_nobody() -> None:
     with pytest.raises(OutputRefused):
         _send(router)
     assert host.requests == ["a", "b"] and router.wiring.banned == 0
+
+
+@pytest.mark.integration
+def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None:
+    """In this process over real libp2p: a one-stage swarm whose peer sends its result once
+    with a wrong shape, then right; the trainer takes the right one and bans that peer as a
+    violator in its wiring."""
+    from swarmd.pipeline.trainer import Trainer
+    from swarmd.training.model import ModelConfig
+    from transport.codecs import CodecSpec
+
+    cfg = ModelConfig(width=32, heads=2, layers=2, seq_len=16)
+    opts = HostOptions(pubsub=None, codec=CodecSpec(name="none"))
+    proto = Protocols("penalties-inproc").pipeline()
+
+    async def scenario() -> Any:
+        async with Host(identity.generate(), opts) as h, Host(identity.generate(), opts) as t:
+            table = {0: {h.peer_id: (1.0, 0, tuple(h.addrs))}}
+            trainer = Trainer(t, swarm="penalties-inproc", num_stages=1, model_config=cfg,
+                              model_hash=cfg.model_hash(), codec=opts.codec, lr=1e-3, seed=0,
+                              peers_of=lambda s: table.get(s, {}))
+            trainer.start()
+            codes: list[str] = []
+
+            async def on_forward(message: Message, peer: str) -> Message:
+                mb, x = message.meta["mb"], message.tensors[0]
+                for y in (x[:, :-1], x):
+                    codes.append(await _code(h.request(t.peer_id, proto["result"], Message(
+                        kind="result", meta={"mb": mb, "path": [h.peer_id]}, tensors=(y,)),
+                        timeout=30)))
+                return Message(kind="ok")
+
+            async def on_backward(message: Message, peer: str) -> Message:
+                await h.request(t.peer_id, proto["grad"], Message(
+                    kind="grad", meta={"mb": message.meta["mb"]}, tensors=message.tensors),
+                    timeout=30)
+                return Message(kind="ok")
+
+            h.set_request_handler(proto["forward"], on_forward)
+            h.set_request_handler(proto["backward"], on_backward)
+            x = torch.randint(0, 256, (2, 16))
+            await trainer.accumulate([(x, x)])
+            rows = trainer.wiring.snapshot(time.monotonic())
+            trainer.close()
+            return codes, rows, trainer.stats
+
+    codes, rows, stats = uvloop.run(asyncio.wait_for(scenario(), 60))
+    assert codes == ["bad_activation", "ok"] and stats.lost == 0
+    (row,) = rows
+    assert row.state == "banned" and row.ban_reason == "violation:result_shape"

@@ -39,6 +39,7 @@ from swarmd.errors import (
 )
 from swarmd.pipeline.batching import Batcher, Compute, Throughput
 from swarmd.pipeline.budgets import PeerBudgets, Ticket, message_bytes
+from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.messages import (
     Expect,
     Grad,
@@ -53,8 +54,6 @@ from swarmd.pipeline.worker import StageWorker
 from transport.errors import PeerUnavailable, RemoteError, TransportError
 from transport.frames import Message
 
-#: reasons of a refused backward that are a protocol violation of its sender (content)
-PENALISED = frozenset({"shape", "dtype", "type", "not_finite", "too_large", "malformed"})
 #: how long the last stage waits for a trainer's announcement it has not seen yet
 TRAINER_WAIT_S = 10.0
 TRAINER_POLL_S = 0.2
@@ -179,7 +178,7 @@ class PipelineHandlers:
         try:
             bwd = self._refused_unless(lambda: parse_backward(message, self.expect))
         except BadPeerMessage as exc:
-            if exc.reason in PENALISED:
+            if exc.reason in CONTENT_REASONS:
                 self._penalise(peer, f"backward_{exc.reason}")
             raise
         stage = bwd.stage
