@@ -384,3 +384,18 @@ def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None
     assert codes == ["bad_activation", "ok"] and stats.lost == 0
     (row,) = rows
     assert row.state == "banned" and row.ban_reason == "violation:result_shape"
+
+
+def test_swarmd_peers_prints_routing_states_and_bans_with_their_reason() -> None:
+    from swarmd.cli.client import text_peers
+
+    text = text_peers([
+        ConnectedPeer(peer_id="a", stage=1, state="online", routing="ok"),
+        ConnectedPeer(peer_id="b", stage=1, state="online", connected=False, routing="banned",
+                      ban_reason="violation:backward_shape", ban_left_s=42.2, violations=1),
+        ConnectedPeer(peer_id="t")])
+    lines = text.splitlines()
+    assert lines[0].split() == ["PEER", "ID", "STAGE", "STATE", "ROUTING"]
+    assert lines[2].split()[3:] == ["banned", "(violation:backward_shape,", "42", "s", "left)"]
+    assert lines[3].split() == ["t", "-", "-", "-"]
+    assert lines[-1] == "2 connected peers, 1 more our router knows"
