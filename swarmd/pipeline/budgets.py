@@ -2,8 +2,11 @@
 
 A stage peer admits a ``forward`` or ``backward`` only while its sender has fewer than
 ``max_requests`` requests and fewer than ``max_bytes`` tensor bytes in flight here (a request is
-in flight from its arrival until its reply); the excess is refused at once with ``busy``, never
-queued, and counted per reason (``requests`` or ``bytes``). One request larger than the whole
+in flight from its arrival until its reply), and a training forward only while its trainer
+has fewer than ``max_saved`` microbatches kept here awaiting their backward (a trainer that
+takes results but never sends backwards would otherwise hold every saved slot until they
+expire); the excess is refused at once with ``busy``, never queued, and counted per reason
+(``requests``, ``bytes`` or ``saved``). One request larger than the whole
 byte budget is admitted when the peer has nothing else in flight (the transport's frame limit
 bounds it), so an honest large microbatch is never refused forever.
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 __all__ = ["BudgetConfig", "Ticket", "PeerBudgets", "REASONS", "message_bytes"]
 
 #: why a request is refused
-REASONS = ("requests", "bytes")
+REASONS = ("requests", "bytes", "saved")
 #: peers whose refusal counts are kept (beyond it, the counts of one peer are dropped)
 MAX_COUNTED_PEERS = 1024
 
@@ -32,12 +35,16 @@ class BudgetConfig:
     max_requests: int = 32
     #: tensor bytes one peer may have in flight here at once
     max_bytes: int = 256 << 20
+    #: microbatches of one trainer kept here for their backward (half a worker's 64 slots)
+    max_saved: int = 32
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_requests, int) and self.max_requests >= 1):
             raise ValueError("BudgetConfig: max_requests must be an integer >= 1")
         if not (isinstance(self.max_bytes, int) and self.max_bytes >= 1):
             raise ValueError("BudgetConfig: max_bytes must be an integer >= 1")
+        if not (isinstance(self.max_saved, int) and self.max_saved >= 1):
+            raise ValueError("BudgetConfig: max_saved must be an integer >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +77,22 @@ class PeerBudgets:
         elif held and self._bytes.get(peer, 0) + nbytes > self.config.max_bytes:
             reason = "bytes"
         if reason is not None:
-            self.refused[reason] += 1
-            if peer in self.refused_by_peer or len(self.refused_by_peer) < MAX_COUNTED_PEERS:
-                self.refused_by_peer[peer] = self.refused_by_peer.get(peer, 0) + 1
-            return reason
+            return self._refused(peer, reason)
         self._requests[peer] = held + 1
         self._bytes[peer] = self._bytes.get(peer, 0) + nbytes
         self.admitted += 1
         return Ticket(peer, nbytes)
+
+    def may_save(self, trainer: str, saved: int) -> str | None:
+        """None when ``trainer``, with ``saved`` microbatches kept here, may have one more
+        kept; else the reason (``saved``), counted."""
+        return self._refused(trainer, "saved") if saved >= self.config.max_saved else None
+
+    def _refused(self, peer: str, reason: str) -> str:
+        self.refused[reason] += 1
+        if peer in self.refused_by_peer or len(self.refused_by_peer) < MAX_COUNTED_PEERS:
+            self.refused_by_peer[peer] = self.refused_by_peer.get(peer, 0) + 1
+        return reason
 
     def release(self, ticket: Ticket) -> None:
         """The request of ``ticket`` was answered (or failed): its share is free again."""

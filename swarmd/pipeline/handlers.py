@@ -10,8 +10,9 @@ The output goes on through the ``Router`` (stage k+1) or, from the last stage, t
 as a ``result``; the trainer is dialed only at addresses from its signed announcement.
 
 Before anything else a request is admitted by the sender's budget (``budgets.PeerBudgets``:
-requests and tensor bytes in flight per remote peer); the excess is refused with ``busy`` at
-once, never queued, and counted (``busy_budget.<reason>``). A backward whose content fails
+requests and tensor bytes in flight per remote peer; a training forward also by its trainer's
+microbatches kept here); the excess is refused with ``busy`` at once, never queued, and
+counted (``busy_budget.<reason>``). A backward whose content fails
 validation (shape, dtype, NaN/Inf, malformed) or that names another peer as its sender, from
 a peer of the next stage, is a protocol violation: ``Router.penalise`` bans that peer from our
 routing for longer than a failure. Authority mismatches an honest race can cause (a route
@@ -109,6 +110,15 @@ class PipelineHandlers:
         raise StageBusy(f"peer {peer} has {requests} request(s) of {nbytes} bytes in flight "
                         f"here, its budget: wait for replies before sending more")
 
+    def _may_save(self, trainer: str) -> None:
+        saved = sum(1 for mb, r in self._routes.items()
+                    if r.trainer == trainer and self.worker.holds(mb))
+        reason = self.budgets.may_save(trainer, saved)
+        if reason is not None:
+            self.counters[f"busy_budget.{reason}"] += 1
+            raise StageBusy(f"trainer {trainer} has {saved} microbatches kept here for their "
+                            f"backward, its budget: send backwards before more forwards")
+
     async def on_forward(self, message: Message, peer: str) -> Message:
         ticket = self._admit(message, peer)
         try:
@@ -137,6 +147,7 @@ class PipelineHandlers:
                 raise StageBusy(f"stage {self.expect.stage} is taking an optimizer step: "
                                 f"another peer, or this one again shortly")
             self.worker.expire(self._clock())
+            self._may_save(fwd.trainer)
         if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
             raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")
         t0 = self._clock()
