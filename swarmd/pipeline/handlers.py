@@ -142,12 +142,13 @@ class PipelineHandlers:
             raise NotOnPath("sender", f"a forward for stage {fwd.stage} comes from {expected}, not "
                             f"{peer}")
         if not fwd.eval:
+            self.worker.expire(self._clock())
+            self._may_save(fwd.trainer)  # at once, not after a wait at the gate
             if not await self.gate.wait_open():  # not while a step changes the weights
                 self.counters["busy_stepping"] += 1
                 raise StageBusy(f"stage {self.expect.stage} is taking an optimizer step: "
                                 f"another peer, or this one again shortly")
             self.worker.expire(self._clock())
-            self._may_save(fwd.trainer)
         if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
             raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")
         t0 = self._clock()
@@ -196,15 +197,15 @@ class PipelineHandlers:
         if bwd.path[stage] != self.me:
             self._refuse("path")
             raise BadActivation("path", "the backward path does not lead through this peer")
+        route = self._routes.get(bwd.mb)
+        if route is None or not self.worker.holds(bwd.mb):
+            raise UnknownMicrobatch(f"no forward of microbatch {bwd.mb!r} is kept here (never "
+                                    f"seen, already done, or expired): restart it")
         if not self.last and peer != bwd.path[stage + 1]:
             self._refuse("backward_sender")
             self._penalise(peer, "backward_forged_sender")
             raise NotOnPath("sender", f"a backward names {bwd.path[stage + 1]} as its sender, "
                             f"not {peer}")
-        route = self._routes.get(bwd.mb)
-        if route is None or not self.worker.holds(bwd.mb):
-            raise UnknownMicrobatch(f"no forward of microbatch {bwd.mb!r} is kept here (never "
-                                    f"seen, already done, or expired): restart it")
         expected = route.trainer if self.last else bwd.path[stage + 1]
         if peer != expected or peer not in route.next or (
                 stage > 0 and bwd.path[stage - 1] != route.previous):
