@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["CONTENT_REASONS", "MAX_REMEMBERED", "MAX_REASON_CHARS", "Violations", "ViolationBook", "clean_reason"]
+__all__ = ["CONTENT_REASONS", "MAX_REMEMBERED", "MAX_REASON_CHARS", "Violations",
+           "ViolationBook", "clean_reason"]
 
 #: reasons of a refused message (``BadPeerMessage.reason``) that are its sender's violation
 #: whatever the timing: its content is wrong (an honest peer of our model never sends these);
