@@ -235,9 +235,10 @@ class Wiring:
     def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float) -> None:
         """The stage's current peers with their announced (throughput, queue).
 
-        Peers not listed are dropped (a ban ends with them). Newcomers enter at the least load
-        of the peers in service; one that announced no throughput starts at the prior (default:
-        the median of the others' estimates and this update's announcements). Announced values
+        Peers not listed are dropped (a ban ends with them; a violation is remembered: one
+        back within its ban re-enters banned). Newcomers enter at the least load of the peers
+        in service; one that announced no throughput starts at the prior (default: the median
+        of the others' estimates and this update's announcements). Announced values
         come from remote peers: a negative, tiny or non-finite throughput counts as none, a
         negative queue as 0.
         """
