@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -172,14 +173,17 @@ class Swarm:
         return f"{action} {e.kind}"
 
     def digests(self) -> dict[int, dict[str, str]]:
+        """Each live peer's parameter digest by stage (``error: ...`` when it did not say)."""
         out: dict[int, dict[str, str]] = {}
         for name, d in self.daemons.items():
             if d.proc.poll() is None:
                 try:
-                    out.setdefault(stage_of(name), {})[name] = d.get("/api/v0/stage")[
-                        "params_digest"]
-                except OSError:
-                    pass
+                    digest = d.get("/api/v0/stage", timeout=20)["params_digest"]
+                except urllib.error.HTTPError as exc:  # the daemon's JSON error says why
+                    digest = f"error: {exc.code} {exc.read()[:300].decode(errors='replace')}"
+                except (OSError, KeyError, ValueError) as exc:
+                    digest = f"error: {exc}"
+                out.setdefault(stage_of(name), {})[name] = digest
         return out
 
 
@@ -234,15 +238,16 @@ def run(minutes: float, seed: int, *, steps: int, calm: bool, root: Path) -> dic
             daemons.stop_all(list(swarm.daemons.values()))
 
 
-def _settled_digests(swarm: Swarm) -> dict[str, bool]:
+def _settled_digests(swarm: Swarm) -> dict[str, Any]:
     """Whether each stage's live peers hold equal weights, waiting up to ``SETTLE_S`` for
     averaging to settle."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         digests = swarm.digests()
-        equal = {str(s): len(set(d.values())) == 1 for s, d in sorted(digests.items())}
-        if all(equal.values()) or time.monotonic() >= deadline:
-            return equal
+        equal = {str(s): len(set(d.values())) == 1 and not any(
+            v.startswith("error") for v in d.values()) for s, d in sorted(digests.items())}
+        if (equal and all(equal.values())) or time.monotonic() >= deadline:
+            return {"equal": equal, "digests": {str(s): d for s, d in digests.items()}}
         time.sleep(2.0)
 
 
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=0,
-                        help="trainer steps (default: 30 per minute)")
+                        help="trainer steps (default: 45 per minute)")
     parser.add_argument("--calm", action="store_true", help="no faults (the baseline)")
     parser.add_argument("--dry-run", action="store_true", help="print the schedule only")
     parser.add_argument("--json", action="store_true", help="one JSON line")
@@ -268,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     except LabUnavailable as exc:
         print(f"chaos: the WAN lab cannot run here: {exc}", file=sys.stderr)
         return 2
-    steps = args.steps or max(10, int(30 * args.minutes))
+    steps = args.steps or max(10, int(45 * args.minutes))
     with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as root:
         report = run(args.minutes, args.seed, steps=steps, calm=args.calm, root=Path(root))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     ok = (not report["crashes"] and not report["hung"] and report["lost"] == 0
-          and all(report["weights_equal"].values()))
+          and bool(report["weights_equal"]["equal"])
+          and all(report["weights_equal"]["equal"].values()))
     return 0 if ok else 1
 
 
