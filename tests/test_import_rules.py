@@ -26,6 +26,8 @@ CORES = frozenset({
     "swarmd.node.addresses",
     "swarmd.node.reachability",
     "swarmd.pipeline.wiring",
+    "swarmd.pipeline.penalties",
+    "swarmd.pipeline.budgets",
     "swarmd.pipeline.messages",
     "swarmd.balancing.policy",
     "swarmd.balancing.placement",

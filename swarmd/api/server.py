@@ -14,7 +14,9 @@ Routes::
     GET  /api/v0/id       IdInfo
     GET  /api/v0/status   StatusInfo
     GET  /api/v0/swarm    SwarmInfo
-    GET  /api/v0/peers    [ConnectedPeer]
+    GET  /api/v0/peers    [ConnectedPeer]: connected peers and those our router knows, with
+                          how it treats them (ok/paused/slow/banned, a ban's reason and time
+                          left, protocol violations) and their budget refusals here
     POST /api/v0/stop     202, then the daemon shuts down; needs ``Authorization: Bearer <token>``
     GET  /metrics         Prometheus text format 0.0.4
     GET  /                the page (swarmd/api/page.html), which polls status and swarm every 2 s

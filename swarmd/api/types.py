@@ -8,6 +8,7 @@ and back with ``from_json()`` (the CLI reads what the HTTP API wrote).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -99,13 +100,53 @@ class SwarmInfo:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectedPeer:
+    """A peer this daemon is connected to or routes to (``GET /api/v0/peers``)."""
+
     peer_id: str
     stage: int | None = None
     state: str | None = None
+    #: whether a libp2p connection to it is open now (False: known only to our routing)
+    connected: bool = True
+    #: how our router of the next stage treats it: ok, paused (busy), slow or banned; None
+    #: when it is not a peer we route to
+    routing: str | None = None
+    #: why it is banned (``violation:<reason>`` or ``error:<reason>``) and for how long yet
+    ban_reason: str | None = None
+    ban_left_s: float | None = None
+    #: protocol violations counted against it, and the last one's reason
+    violations: int = 0
+    violation_reason: str | None = None
+    #: its requests refused here (busy) because it had its budget in flight
+    budget_refusals: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ConnectedPeer:
-        return cls(**data)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def peer_rows(connected: Collection[str], known: Mapping[str, tuple[int | None, str]],
+              routing: Sequence[Any] = (), refusals: Mapping[str, int] | None = None
+              ) -> list[ConnectedPeer]:
+    """The rows of ``GET /api/v0/peers``: every connected peer and every peer our routing
+    knows (``routing``: ``swarmd.pipeline.wiring.PeerWiringState`` rows), by peer id.
+    ``known``: membership's {peer: (stage, state)}; ``refusals``: budget refusals by peer."""
+    refusals = refusals or {}
+    routed = {r.peer_id: r for r in routing}
+    rows = []
+    for p in sorted(set(connected) | routed.keys()):
+        stage, state = known.get(p, (None, None))
+        r = routed.get(p)
+        rows.append(ConnectedPeer(
+            peer_id=p, stage=stage, state=state, connected=p in connected,
+            routing=r.state if r is not None else None,
+            ban_reason=r.ban_reason if r is not None else None,
+            ban_left_s=round(r.ban_left_s, 3) if r is not None and r.ban_left_s is not None
+            else None,
+            violations=r.violations if r is not None else 0,
+            violation_reason=r.violation_reason if r is not None else None,
+            budget_refusals=refusals.get(p, 0)))
+    return rows
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

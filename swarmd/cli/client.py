@@ -133,10 +133,24 @@ def cmd_peers(args: argparse.Namespace):
 def text_peers(peers) -> str:
     if not peers:
         return "no connected peers"
-    rows = [["PEER ID", "STAGE", "STATE"]]
-    rows += [[p.peer_id, _stage(p.stage), p.state or "-"]
+    routed = any(getattr(p, "routing", None) for p in peers)
+    rows = [["PEER ID", "STAGE", "STATE", *(["ROUTING"] if routed else [])]]
+    rows += [[p.peer_id, _stage(p.stage), p.state or "-", *([_routing(p)] if routed else [])]
              for p in sorted(peers, key=lambda p: (p.stage is None, p.stage or 0, p.peer_id))]
-    return _table(rows) + f"\n{len(peers)} connected peer{'' if len(peers) == 1 else 's'}"
+    connected = sum(1 for p in peers if getattr(p, "connected", True))
+    more = len(peers) - connected
+    return (_table(rows) + f"\n{connected} connected peer{'' if connected == 1 else 's'}"
+            + (f", {more} more our router knows" if more else ""))
+
+
+def _routing(p) -> str:
+    """ok, paused, slow, or banned with its reason and time left (``-``: not routed to)."""
+    if not p.routing:
+        return "-"
+    if p.routing != "banned":
+        return p.routing
+    left = f", {p.ban_left_s:.0f} s left" if p.ban_left_s is not None else ""
+    return f"banned ({p.ban_reason or '?'}{left})"
 
 
 def cmd_swarm(args: argparse.Namespace):

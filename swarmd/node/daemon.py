@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from swarmd import __version__
-from swarmd.api.types import ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo
+from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo,
+                              peer_rows)
 from swarmd.config import Config
 from swarmd.errors import SwarmdError
 from swarmd.node.host_options import announced_throughput, apply_stage_limits, limits_status
@@ -156,8 +157,11 @@ class Daemon:
     async def peers(self) -> list[ConnectedPeer]:
         connected = await self.host.connected_peers()
         known = self.membership.peer_states() if self.membership is not None else {}
-        return [ConnectedPeer(peer_id=p, stage=known.get(p, (None, None))[0],
-                              state=known.get(p, (None, None))[1]) for p in sorted(connected)]
+        server = self.stage_server
+        wiring = server.wiring if server is not None else None
+        return peer_rows(set(connected), known,
+                         wiring.snapshot(time.monotonic()) if wiring is not None else [],
+                         server.handlers.budgets.refused_by_peer if server is not None else {})
 
     async def stop(self) -> None:
         self.request_stop()

@@ -8,6 +8,15 @@ a typed error, counted, and changes nothing.
 
 The output goes on through the ``Router`` (stage k+1) or, from the last stage, to the trainer
 as a ``result``; the trainer is dialed only at addresses from its signed announcement.
+
+Before anything else a request is admitted by the sender's budget (``budgets.PeerBudgets``:
+requests and tensor bytes in flight per remote peer; a training forward also by its trainer's
+microbatches kept here); the excess is refused with ``busy`` at once, never queued, and
+counted (``busy_budget.<reason>``). A backward whose content fails
+validation (shape, dtype, NaN/Inf, malformed) or that names another peer as its sender, from
+a peer of the next stage, is a protocol violation: ``Router.penalise`` bans that peer from our
+routing for longer than a failure. Authority mismatches an honest race can cause (a route
+replaced by a retried forward, an expired microbatch) are refused without a penalty.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 
 from swarmd.errors import (
     BadActivation,
+    BadPeerMessage,
     NotOnPath,
     OutputRefused,
     StageBusy,
@@ -29,6 +39,8 @@ from swarmd.errors import (
     UnknownMicrobatch,
 )
 from swarmd.pipeline.batching import Batcher, Compute, Throughput
+from swarmd.pipeline.budgets import PeerBudgets, Ticket, message_bytes
+from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.messages import (
     Expect,
     Grad,
@@ -67,7 +79,7 @@ class PipelineHandlers:
                  throughput: Throughput, router: Router | None,
                  addrs_of: Callable[[str], tuple[str, ...]],
                  progressed: Callable[[int], None], counters: Counter[str],
-                 optimizer: Any = None,
+                 optimizer: Any = None, budgets: PeerBudgets | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.host = host
         self.me: str = host.peer_id
@@ -83,11 +95,46 @@ class PipelineHandlers:
         #: the stage's SwarmOptimizer: takes each backward's loss scale (None: not scaled)
         self.optimizer = optimizer
         self._clock = clock
+        #: what each remote peer may have in flight here (refused beyond it: busy)
+        self.budgets = budgets or PeerBudgets()
         self._routes: dict[str, _Route] = {}
         self.last = expect.stage == expect.num_stages - 1
 
-    # ---- forward ---------------------------------------------------------------------------
+    # ---- budgets ---------------------------------------------------------------------------
+    def _admit(self, message: Message, peer: str) -> Ticket:
+        ticket = self.budgets.admit(peer, message_bytes(message))
+        if isinstance(ticket, Ticket):
+            return ticket
+        self.counters[f"busy_budget.{ticket}"] += 1
+        requests, nbytes = self.budgets.in_flight(peer)
+        raise StageBusy(f"peer {peer} has {requests} request(s) of {nbytes} bytes in flight "
+                        f"here, its budget: wait for replies before sending more")
+
+    def _may_save(self, trainer: str) -> None:
+        saved = sum(1 for mb, r in self._routes.items()
+                    if r.trainer == trainer and self.worker.holds(mb))
+        reason = self.budgets.may_save(trainer, saved)
+        if reason is not None:
+            self.counters[f"busy_budget.{reason}"] += 1
+            raise StageBusy(f"trainer {trainer} has {saved} microbatches kept here for their "
+                            f"backward, its budget: send backwards before more forwards")
+
     async def on_forward(self, message: Message, peer: str) -> Message:
+        ticket = self._admit(message, peer)
+        try:
+            return await self._forward(message, peer)
+        finally:
+            self.budgets.release(ticket)
+
+    async def on_backward(self, message: Message, peer: str) -> Message:
+        ticket = self._admit(message, peer)
+        try:
+            return await self._backward(message, peer)
+        finally:
+            self.budgets.release(ticket)
+
+    # ---- forward ---------------------------------------------------------------------------
+    async def _forward(self, message: Message, peer: str) -> Message:
         fwd = self._refused_unless(lambda: parse_forward(message, self.expect))
         expected = fwd.trainer if fwd.stage == 0 else fwd.path[-1]
         if peer != expected:
@@ -95,6 +142,8 @@ class PipelineHandlers:
             raise NotOnPath("sender", f"a forward for stage {fwd.stage} comes from {expected}, not "
                             f"{peer}")
         if not fwd.eval:
+            self.worker.expire(self._clock())
+            self._may_save(fwd.trainer)  # at once, not after a wait at the gate
             if not await self.gate.wait_open():  # not while a step changes the weights
                 self.counters["busy_stepping"] += 1
                 raise StageBusy(f"stage {self.expect.stage} is taking an optimizer step: "
@@ -137,8 +186,13 @@ class PipelineHandlers:
                                on_attempt=route.next.add if route is not None else None)
 
     # ---- backward --------------------------------------------------------------------------
-    async def on_backward(self, message: Message, peer: str) -> Message:
-        bwd = self._refused_unless(lambda: parse_backward(message, self.expect))
+    async def _backward(self, message: Message, peer: str) -> Message:
+        try:
+            bwd = self._refused_unless(lambda: parse_backward(message, self.expect))
+        except BadPeerMessage as exc:
+            if exc.reason in CONTENT_REASONS:
+                self._penalise(peer, f"backward_{exc.reason}")
+            raise
         stage = bwd.stage
         if bwd.path[stage] != self.me:
             self._refuse("path")
@@ -147,6 +201,11 @@ class PipelineHandlers:
         if route is None or not self.worker.holds(bwd.mb):
             raise UnknownMicrobatch(f"no forward of microbatch {bwd.mb!r} is kept here (never "
                                     f"seen, already done, or expired): restart it")
+        if not self.last and peer != bwd.path[stage + 1]:
+            self._refuse("backward_sender")
+            self._penalise(peer, "backward_forged_sender")
+            raise NotOnPath("sender", f"a backward names {bwd.path[stage + 1]} as its sender, "
+                            f"not {peer}")
         expected = route.trainer if self.last else bwd.path[stage + 1]
         if peer != expected or peer not in route.next or (
                 stage > 0 and bwd.path[stage - 1] != route.previous):
@@ -209,6 +268,11 @@ class PipelineHandlers:
 
     def _refuse(self, reason: str) -> None:
         self.counters[f"refused.{reason}"] += 1
+
+    def _penalise(self, peer: str, reason: str) -> None:
+        """A violation by ``peer``: charged when our router routes to it (the next stage)."""
+        if self.router is not None and self.router.penalise(peer, reason):
+            self.counters[f"penalised.{reason}"] += 1
 
     def _remember(self, mb: str, route: _Route) -> None:
         if len(self._routes) >= 4 * self.worker.max_saved:  # drop what the worker let go

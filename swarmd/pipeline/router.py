@@ -7,14 +7,17 @@ Used by the stage server (a forward to the next stage) and by the trainer (a for
 what happened                            what the router does
 =======================================  ====================================================
 reply ``ok``                             ``Wiring.success`` with the peer's own hop time
-refusal of our own output                raise ``OutputRefused``; nobody is banned
-(``bad_activation``, codec, frame,
-size limit)
+refusal of our own output                another peer of the stage is tried; when it refuses
+(``bad_activation``, codec, frame,       too (or none is in service) raise ``OutputRefused``,
+size limit)                              nobody banned; when it takes it, the refuser is
+                                         banned as failed (it would get us banned upstream)
 ``busy``                                 backpressure: ``Wiring.busy`` (a short pause, no
                                          ban), another peer now
 our deadline for the hop passed          slow: ``Wiring.timeout``, another peer
-dial or transport failure, garbage       ``Wiring.error``: banned with backoff, another peer
-reply, any other error reply
+dial or transport failure, any error     ``Wiring.error``: banned with backoff, another peer
+reply not listed here
+a reply that fails validation (not an    protocol violation: ``Wiring.violation``, banned
+``ok``, a ``BadPeerMessage``)            longer (60 s doubling to 1 h), with its reason
 ``stage_unavailable``,                   raised as is: a later stage or the trainer is the
 ``trainer_unreachable``                  problem, another peer of this stage would not help
 =======================================  ====================================================
@@ -28,6 +31,10 @@ first), at least the policy's floor and at most ``HOP_TIMEOUT_S`` (all of it whi
 hop time is unknown). Each ``ok`` feeds the shared estimates: the round trip less the time
 held is the transfer. Only addresses from the peer's signed membership
 announcement (``peers_of``) are dialed.
+
+A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
+is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
+sender, never one a message names) and only when membership lists it for this stage.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
-from swarmd.errors import OutputRefused, StageUnavailable, TrainerUnreachable
+from swarmd.errors import BadPeerMessage, OutputRefused, StageUnavailable, TrainerUnreachable
 from swarmd.links import LinkEstimates, links_for
 from swarmd.pipeline.messages import HopReply, parse_hop_reply
 from swarmd.pipeline.wiring import Kind, Wiring
@@ -77,7 +84,8 @@ class Verdict(enum.Enum):
     OURS = "ours"          # our output or our call is wrong: raise, ban nobody
     BUSY = "busy"          # backpressure: pause that peer briefly, try another
     SLOW = "slow"          # it did not answer in time: lower its share, try another
-    BROKEN = "broken"      # unreachable or misbehaving: ban with backoff, try another
+    BROKEN = "broken"      # unreachable or failing: ban with backoff, try another
+    VIOLATION = "violation"  # broke the protocol (a reply that fails validation): ban longer
     PASS_UP = "pass_up"    # not this peer's fault, nor fixable by another peer of its stage
 
 
@@ -102,8 +110,10 @@ def judge(exc: BaseException) -> Verdict:
         return Verdict.OURS
     if isinstance(exc, (DeadlineExceeded, TimeoutError)):
         return Verdict.SLOW
-    if isinstance(exc, TransportError):  # dial failures, resets, garbage replies
+    if isinstance(exc, TransportError):  # dial failures, resets, garbage frames
         return Verdict.BROKEN
+    if isinstance(exc, BadPeerMessage):  # its reply, read here, fails validation
+        return Verdict.VIOLATION
     return Verdict.OURS
 
 
@@ -161,9 +171,11 @@ class Router:
         deadline = self._clock() + timeout
         rows = int(message.tensors[0].shape[0])
         tried: list[str] = []
-        slow: set[str] = set()  # timed out on this message: not tried again for it
+        slow: set[str] = set()  # timed out on (or refused) this message: not tried again
+        refused: OutputRefused | None = None  # a peer refused it: is another peer willing?
+        refuser = ""
         for _ in range(MAX_ATTEMPTS):
-            target = await self._choose(kind, rows, deadline, wait, slow)
+            target = await self._choose(kind, rows, deadline, wait and refused is None, slow)
             if target is None:
                 break
             if tried:
@@ -171,11 +183,20 @@ class Router:
             tried.append(target)
             if on_attempt is not None:
                 on_attempt(target)
-            reply, verdict = await self._attempt(target, kind, message, rows, deadline)
+            try:
+                reply, verdict = await self._attempt(target, kind, message, rows, deadline)
+            except OutputRefused as exc:
+                if refused is not None:
+                    raise  # two peers refused it: our output is bad
+                refused, refuser, verdict, reply = exc, target, Verdict.OURS, None
             if reply is not None:
+                if refused is not None:  # a stage mate took what it refused
+                    self._false_refusal(refuser, kind)
                 return target, reply
-            if verdict is Verdict.SLOW:
+            if verdict in (Verdict.SLOW, Verdict.OURS):
                 slow.add(target)
+        if refused is not None:
+            raise refused
         raise StageUnavailable(f"no peer of stage {self.stage} took the {kind} (tried "
                                f"{len(set(tried))} peer(s) {len(tried)} time(s))")
 
@@ -231,8 +252,29 @@ class Router:
                             self._clock())
         return reply, None
 
+    def _false_refusal(self, peer: str, kind: Kind) -> None:
+        """``peer`` refused as malformed what a peer of its stage then took: its fault, not
+        ours (a liar, or built with other limits). Banned as failed, so that one such peer
+        cannot make us raise ``OutputRefused``, which gets us banned by our senders."""
+        self.counters["false_refusals"] += 1
+        self.wiring.error(peer, self._clock(), f"refused_{kind}_others_took")
+        log.info("stage %d peer %s refused a %s its stage mate took: banned", self.stage,
+                 peer, kind)
+
+    def penalise(self, peer: str, reason: str) -> bool:
+        """``peer`` broke the protocol outside a send (e.g. sent a wrong-shaped backward):
+        banned as a violator when membership lists it for this stage; returns whether it was."""
+        if peer not in self.peers_of(self.stage):
+            return False
+        self.wiring.violation(peer, reason, self._clock())
+        self.counters["violations"] += 1
+        log.warning("stage %d peer %s broke the protocol (%s): banned for %.0f s", self.stage,
+                    peer, reason, (self.wiring.book.banned_until(peer, self._clock()) or 0.0)
+                    - self._clock())
+        return True
+
     def _judged(self, target: str, kind: Kind, exc: Exception) -> Verdict:
-        verdict = judge(exc) if not _is_bad_reply(exc) else Verdict.BROKEN
+        verdict = judge(exc)
         now = self._clock()
         self.counters[f"hop_{verdict.value}"] += 1
         if verdict is Verdict.OURS:
@@ -247,8 +289,11 @@ class Router:
             self.wiring.busy(target, now)
         elif verdict is Verdict.SLOW:
             self.wiring.timeout(target, now)
+        elif verdict is Verdict.VIOLATION:
+            assert isinstance(exc, BadPeerMessage)
+            self.wiring.violation(target, f"{kind}_{exc.reason}", now)
         else:
-            self.wiring.error(target, now)
+            self.wiring.error(target, now, _error_reason(exc))
         log.info("stage %d peer %s: %s %s (%s); trying another", self.stage, target, kind,
                  verdict.value, exc)
         return verdict
@@ -265,8 +310,8 @@ def _message_bytes(message: Message) -> int:
     return total
 
 
-def _is_bad_reply(exc: Exception) -> bool:
-    """A reply that is not an ``ok`` is the peer's misbehaviour, not a refusal of ours."""
-    from swarmd.errors import BadActivation
-
-    return isinstance(exc, BadActivation) and exc.reason == "reply"
+def _error_reason(exc: Exception) -> str:
+    """The reason a ban for a failure shows: the peer's error code, or the transport's."""
+    if isinstance(exc, RemoteError):
+        return f"remote_{exc.code}"
+    return str(getattr(exc, "code", None) or type(exc).__name__)

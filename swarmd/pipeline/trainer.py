@@ -39,6 +39,7 @@ import torch
 from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdError
 from swarmd.pipeline.inflight import InFlight
 from swarmd.pipeline.messages import Backward, Forward, parse_grad, parse_result
+from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
 from swarmd.pipeline.server import protocols
 from swarmd.pipeline.wiring import Wiring
@@ -188,7 +189,10 @@ class Trainer:
                 if grad.overflow:  # float16: a stage's gradient overflowed, skip the step
                     self._overflow = True
         except SwarmdError as exc:
-            self.counters[f"refused.{getattr(exc, 'reason', exc.code)}"] += 1
+            reason = getattr(exc, "reason", exc.code)
+            self.counters[f"refused.{reason}"] += 1
+            if reason in CONTENT_REASONS and peer in expected.first:  # a stage-0 peer we sent
+                self.router.penalise(peer, f"{message.kind}_{reason}")  # it to: banned longer
             raise
         if not expected.future.done():
             expected.future.set_result(tensor)

@@ -34,6 +34,13 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   service; errors reported while the peer is banned (tasks sent before the ban) neither
   lengthen the ban nor the streak. A success ends the streak. A fresh announcement lifts a
   ban early once ``ban_base_s`` has been served (SWARM: banned until it re-announces).
+* A *violation* (the peer broke the protocol: a reply or message that fails validation, a
+  wrong shape or dtype from a peer that announced our model, a forged sender) bans for
+  ``violation_base_s x 2^(n - 1)`` seconds (n: its violation episodes), at most
+  ``violation_max_s``: longer than a transport failure, since no network fault explains it.
+  It is remembered with its reason even while the peer is not listed (a peer that leaves and
+  re-announces comes back banned: ``swarmd.pipeline.penalties``), a fresh
+  announcement does not lift it early, and a success does not forgive it.
 * *Busy* (the peer refused new work: backpressure) is neither slow nor broken: the peer sits
   out of :meth:`Wiring.choose` for ``busy_base_s`` (doubling while it stays busy, at most
   ``busy_max_s``), so the caller tries another peer now; no ban, no error streak, its share
@@ -51,7 +58,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Kind", "WiringConfig", "PeerWiringState", "Wiring"]
+from swarmd.pipeline.penalties import ViolationBook, clean_reason
+
+__all__ = ["Kind", "WiringConfig", "PeerWiringState", "Wiring", "PEER_ROUTING_STATES"]
 
 Kind = Literal["forward", "backward"]
 
@@ -63,6 +72,8 @@ _TIE = 1e-12
 _SLOW_EPS = 1e-3
 #: throughputs (forward samples/s) are kept at least this, so that loads stay finite
 _MIN_THROUGHPUT = 1e-6
+#: what ``PeerWiringState.state`` says, the worst first
+PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
 
 
 def _finite(x: float) -> bool:
@@ -91,6 +102,9 @@ class WiringConfig:
     #: a peer that answered busy sits out this long; doubling while it stays busy, capped
     busy_base_s: float = 0.25
     busy_max_s: float = 2.0
+    #: first ban after a protocol violation; each further violation episode doubles it, capped
+    violation_base_s: float = 60.0
+    violation_max_s: float = 3600.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -98,7 +112,7 @@ class WiringConfig:
                 raise ValueError(f"WiringConfig: {what}")
         for name in ("backward_cost", "ema_alpha", "slow_penalty", "slow_half_life_s",
                      "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight",
-                     "busy_base_s", "busy_max_s"):
+                     "busy_base_s", "busy_max_s", "violation_base_s", "violation_max_s"):
             need(_finite(getattr(self, name)), f"{name} must be a finite number")
         need(self.backward_cost > 0, "backward_cost must be > 0 (2.5 in the SWARM paper)")
         need(0 < self.ema_alpha <= 1, "ema_alpha must be in (0, 1]")
@@ -111,6 +125,8 @@ class WiringConfig:
         need(0 < self.ban_base_s <= self.ban_max_s, "need 0 < ban_base_s <= ban_max_s")
         need(self.queue_weight >= 0, "queue_weight must be >= 0")
         need(0 < self.busy_base_s <= self.busy_max_s, "need 0 < busy_base_s <= busy_max_s")
+        need(0 < self.violation_base_s <= self.violation_max_s,
+             "need 0 < violation_base_s <= violation_max_s")
 
     def cost(self, kind: Kind) -> float:
         """Cost of one sample of ``kind``, in forward passes."""
@@ -123,6 +139,11 @@ class WiringConfig:
     def ban_s(self, streak: int) -> float:
         """Length of the ban after ``streak`` consecutive errors (>= 1)."""
         return min(self.ban_max_s, self.ban_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+
+    def violation_s(self, episodes: int) -> float:
+        """Length of the ban after a peer's ``episodes``-th protocol violation (>= 1)."""
+        return min(self.violation_max_s,
+                   self.violation_base_s * 2.0 ** min(max(episodes, 1) - 1, 64))
 
     def busy_s(self, streak: int) -> float:
         """How long a peer sits out after ``streak`` busy answers in a row (>= 1)."""
@@ -151,6 +172,17 @@ class PeerWiringState:
     #: busy answers; when its pause after the last one ends (None: not paused)
     busy: int = 0
     busy_until: float | None = None
+    #: ok, paused (busy), slow or banned (``PEER_ROUTING_STATES``)
+    state: str = "ok"
+    #: why it is banned ("violation:<reason>" or "error:<reason>"); None when not banned
+    ban_reason: str | None = None
+    #: seconds of ban left; None when not banned
+    ban_left_s: float | None = None
+    #: protocol violations counted, and the last one's reason (kept after its ban ends)
+    violations: int = 0
+    violation_reason: str | None = None
+    #: whether the peer is in the stage's list now (a violator is remembered after it left)
+    listed: bool = True
 
 
 @dataclass(slots=True)
@@ -161,6 +193,8 @@ class _Peer:
     load: float
     banned_until: float | None = None
     banned_at: float = 0.0
+    #: "error:<reason>" or "violation:<reason>" while banned
+    ban_reason: str = ""
     streak: int = 0
     slow_excess: float = 0.0  # slow factor - 1, as of slow_since
     slow_since: float = 0.0
@@ -186,21 +220,25 @@ class Wiring:
         self._paused: set[str] = set()
         #: peers that announced a throughput at least once (the others follow the prior)
         self._announced: set[str] = set()
+        #: protocol violators, listed or not (swarmd.pipeline.penalties)
+        self.book = ViolationBook(self.config.violation_s)
         #: tasks placed, bans imposed, timeouts reported, choices that found nobody
         self.chosen = 0
         self.banned = 0
         self.timeouts = 0
         self.unavailable = 0
         self.busy_answers = 0
+        self.violations = 0
 
     # ---- membership ---------------------------------------------------------------------
 
     def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float) -> None:
         """The stage's current peers with their announced (throughput, queue).
 
-        Peers not listed are dropped (a ban ends with them). Newcomers enter at the least load
-        of the peers in service; one that announced no throughput starts at the prior (default:
-        the median of the others' estimates and this update's announcements). Announced values
+        Peers not listed are dropped (a ban ends with them; a violation is remembered: one
+        back within its ban re-enters banned). Newcomers enter at the least load of the peers
+        in service; one that announced no throughput starts at the prior (default: the median
+        of the others' estimates and this update's announcements). Announced values
         come from remote peers: a negative, tiny or non-finite throughput counts as none, a
         negative queue as 0.
         """
@@ -236,9 +274,12 @@ class Wiring:
         for p in unknown:
             p.estimate = prior
         for peer_id, (tput, queue) in new.items():
-            self._peers[peer_id] = _Peer(tput or prior, False, queue, floor)
+            p = self._peers[peer_id] = _Peer(tput or prior, False, queue, floor)
             if tput:
                 self._announced.add(peer_id)
+            v = self.book.get(peer_id)
+            if v is not None and v.until > now:  # it left and came back: still banned
+                self._ban(peer_id, p, v.until, f"violation:{v.reason}", now)
         self._announced &= self._peers.keys()
 
     def reannounced(self, peer_id: str, now: float) -> bool:
@@ -247,6 +288,8 @@ class Wiring:
         p = self._peers.get(peer_id)
         if p is None or p.banned_until is None or now - p.banned_at < self.config.ban_base_s:
             return False
+        if self.book.banned_until(peer_id, now) is not None:
+            return False  # a protocol violation is served in full
         self.unban(peer_id)
         return True
 
@@ -374,7 +417,7 @@ class Wiring:
         p.busy_until = now + self.config.busy_s(p.busy_streak)
         self._paused.add(peer_id)
 
-    def error(self, peer_id: str, now: float) -> None:
+    def error(self, peer_id: str, now: float, reason: str = "transport") -> None:
         """A task on ``peer_id`` failed: ban it for ban_base_s x 2^(streak - 1), capped."""
         p = self._peers.get(peer_id)
         if p is None:
@@ -383,26 +426,62 @@ class Wiring:
         if p.banned_until is not None and now < p.banned_until:
             return  # a task sent before the ban: same failure
         p.streak += 1
-        p.banned_until, p.banned_at = now + self.config.ban_s(p.streak), now
+        until = now + self.config.ban_s(p.streak)
+        self._ban(peer_id, p, until, f"error:{clean_reason(reason)}", now)
+
+    def violation(self, peer_id: str, reason: str, now: float) -> None:
+        """``peer_id`` broke the protocol (``reason``: e.g. ``shape``, ``sender``, ``reply``):
+        ban it for ``violation_s(episodes)``; remembered even while it is not listed. Further
+        violations during the ban are counted but do not lengthen it."""
+        self.violations += 1
+        until = self.book.record(peer_id, reason, now)
+        p = self._peers.get(peer_id)
+        if until is not None and p is not None:
+            self._ban(peer_id, p, until, f"violation:{clean_reason(reason)}", now)
+
+    def _ban(self, peer_id: str, p: _Peer, until: float, reason: str, now: float) -> None:
+        if p.banned_until is None or until > p.banned_until:
+            p.banned_until, p.ban_reason = until, reason
+        p.banned_at = now
         self._banned.add(peer_id)
         self.banned += 1
 
     # ---- status -------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> list[PeerWiringState]:
-        """Every peer's state at ``now``, by peer id."""
+        """Every peer's state at ``now``, by peer id: those listed, then remembered violators
+        that are not (``listed`` False)."""
         out = []
         for peer_id in sorted(self._peers):
             p = self._peers[peer_id]
             factor = self._slow_factor(p, now)
             until = p.banned_until
             banned = until if until is not None and now < until else None
+            slow = factor > 1.0 + _SLOW_EPS
+            paused = p.busy_until > now
+            v = self.book.get(peer_id)
             out.append(PeerWiringState(
                 peer_id=peer_id, throughput=p.estimate, measured=p.measured, queue=p.queue,
                 load=p.load, banned_until=banned, error_streak=p.streak, slow_factor=factor,
-                slow=factor > 1.0 + _SLOW_EPS, chosen=p.chosen, timeouts=p.timeouts,
+                slow=slow, chosen=p.chosen, timeouts=p.timeouts,
                 errors=p.errors, busy=p.busy,
-                busy_until=p.busy_until if p.busy_until > now else None))
+                busy_until=p.busy_until if paused else None,
+                state=("banned" if banned is not None else "paused" if paused
+                       else "slow" if slow else "ok"),
+                ban_reason=p.ban_reason if banned is not None else None,
+                ban_left_s=banned - now if banned is not None else None,
+                violations=v.count if v else 0, violation_reason=v.reason if v else None))
+        for peer_id in sorted(set(self.book) - self._peers.keys()):
+            v = self.book.get(peer_id)
+            assert v is not None
+            banned = v.until if v.until > now else None
+            out.append(PeerWiringState(
+                peer_id=peer_id, throughput=0.0, measured=False, queue=0, load=0.0,
+                banned_until=banned, error_streak=0, slow_factor=1.0, slow=False, chosen=0,
+                timeouts=0, errors=0, state="banned" if banned is not None else "ok",
+                ban_reason=f"violation:{v.reason}" if banned is not None else None,
+                ban_left_s=banned - now if banned is not None else None,
+                violations=v.count, violation_reason=v.reason, listed=False))
         return out
 
     def __len__(self) -> int:
