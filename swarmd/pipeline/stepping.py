@@ -27,7 +27,7 @@ import torch
 
 from swarmd.pipeline.batching import Compute
 from swarmd.pipeline.worker import StageWorker
-from swarmd.training.model import tensor_bytes
+from swarmd.training.model import tensor_bytes, to_device
 
 log = logging.getLogger("swarmd.stage")
 
@@ -62,8 +62,9 @@ class Stepper:
     def take_gradient(self) -> tuple[torch.Tensor, int]:
         """This peer's mean gradient (flat float32) and its samples; the accumulation restarts."""
         samples = self.worker.samples_accumulated
+        # flattened where the gradients are, then one copy to the host (one synchronisation)
         vector = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                            .reshape(-1).to("cpu", torch.float32) for p in self._params])
+                            .reshape(-1).to(torch.float32) for p in self._params]).to("cpu")
         if samples:
             vector /= samples
         self.worker.zero_grad()
@@ -119,6 +120,8 @@ class Stepper:
         """(parameter, its slice of the flat ``vector`` shaped like it), in ``take_gradient``
         order."""
         offset = 0
+        if self._params:  # one host-to-device copy for the whole stage
+            vector = to_device(vector, self._params[0].device)
         for p in self._params:
             n = p.numel()
             yield p, vector[offset:offset + n].view_as(p).to(p.device, p.dtype)

@@ -44,7 +44,7 @@ from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
 from swarmd.pipeline.server import protocols
 from swarmd.pipeline.wiring import Wiring
 from swarmd.models.seam import ModelSeam, TrainerParts
-from swarmd.training.model import wire_tensor
+from swarmd.training.model import to_device, wire_tensor
 from swarmd.training.precision import LossScaler
 from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
 from transport.errors import RemoteError, TransportError
@@ -397,7 +397,7 @@ class Trainer:
 
     def _embed(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return self.parts.embed(x.to(self.device))
+            return self.parts.embed(to_device(x, self.device))
 
     def _embed_kept(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The embedding with its graph, and its weights' versions (see ``_embed_backward``)."""
@@ -412,15 +412,15 @@ class Trainer:
         if versions != [p._version for p in self.params]:
             h = self._embed(x, True)
             self.counters["embedding_recomputed"] += 1
-        return list(torch.autograd.grad(h, self.params, g_h.to(self.device, h.dtype),
+        return list(torch.autograd.grad(h, self.params, to_device(g_h, self.device, h.dtype),
                                         allow_unused=True))
 
     def _head_backward(self, out: torch.Tensor, y: torch.Tensor, scale: float
                        ) -> tuple[float, torch.Tensor, list[torch.Tensor | None], bool]:
         """The loss, its gradient for the last stage, the head's gradients, and whether any of
         those overflowed (float16 under a too large loss scale)."""
-        out = out.to(self.device, self.dtype).requires_grad_(True)
-        loss = self.parts.loss(self.parts.head(out), y.to(self.device))
+        out = to_device(out, self.device, self.dtype).requires_grad_(True)
+        loss = self.parts.loss(self.parts.head(out), to_device(y, self.device))
         g_out, *g_head = torch.autograd.grad(loss * (scale * self.loss_scale),
                                              [out, *self.params], allow_unused=True)
         assert g_out is not None
@@ -430,8 +430,8 @@ class Trainer:
 
     def _eval_loss(self, out: torch.Tensor, y: torch.Tensor) -> float:
         with torch.no_grad():
-            out = out.to(self.device, self.dtype)
-            return float(self.parts.loss(self.parts.head(out), y.to(self.device)))
+            out = to_device(out, self.device, self.dtype)
+            return float(self.parts.loss(self.parts.head(out), to_device(y, self.device)))
 
     def _gradients(self, g_emb: list[torch.Tensor | None], g_head: list[torch.Tensor | None]
                    ) -> list[torch.Tensor]:

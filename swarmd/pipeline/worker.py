@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
-from swarmd.training.model import wire_tensor
+from swarmd.training.model import to_device, wire_tensor
 
 #: a microbatch whose backward comes more than this many optimizer steps after its forward
 #: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept
@@ -186,7 +186,7 @@ class StageWorker:
             rows[mb_id] = slice(start, start + int(x.shape[0]))
             start += int(x.shape[0])
         joined = items[0][1] if len(items) == 1 else torch.cat([x for _, x in items])
-        inputs = joined.to(self.device, self.dtype).detach().requires_grad_(True)
+        inputs = to_device(joined, self.device, self.dtype).detach().requires_grad_(True)
         weights = self._weights()
         if self.max_saved_bytes is None:
             with torch.enable_grad():
@@ -277,7 +277,7 @@ class StageWorker:
         """Forward only (validation): nothing is kept."""
         self._check(x, "activations")
         with torch.no_grad():
-            return wire_tensor(self.module(x.to(self.device, self.dtype)))
+            return wire_tensor(self.module(to_device(x, self.device, self.dtype)))
 
     def backward(self, mb_id: str, grad: torch.Tensor, now: float) -> torch.Tensor:
         """Back-propagate ``grad`` (d loss / d output) and return d loss / d input. For a
@@ -327,7 +327,7 @@ class StageWorker:
         self.lag += LAG_EMA * ((self.steps - saved.step) - self.lag)
         for mb in saved.rows:
             self._saved.pop(mb, None)
-        parts = [saved.grads[mb].to(self.device, saved.outputs.dtype) if mb in saved.grads
+        parts = [to_device(saved.grads[mb], self.device, saved.outputs.dtype) if mb in saved.grads
                  else torch.zeros_like(saved.outputs[r]) for mb, r in saved.rows.items()]
         self._backward(saved, parts[0] if len(parts) == 1 else torch.cat(parts))
         self.samples_accumulated += sum(r.stop - r.start for mb, r in saved.rows.items()

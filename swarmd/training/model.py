@@ -341,6 +341,18 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """``t`` on ``device`` (and in ``dtype``): to a CUDA device from pinned memory without
+    blocking the host (the compute that uses it is queued behind the copy), elsewhere as
+    ``Tensor.to``."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device, dtype) if dtype is not None else t.to(device)
+    src = t if t.is_pinned() else t.pin_memory()
+    return src.to(device, dtype, non_blocking=True) if dtype is not None else src.to(
+        device, non_blocking=True)
+
+
 def wire_tensor(t: torch.Tensor) -> torch.Tensor:
     """What crosses the network: float32 on the CPU (the codecs quantize from there)."""
     return t.to("cpu", torch.float32) if t.device.type != "cpu" or t.dtype != torch.float32 else t

@@ -47,9 +47,11 @@ class Lamb(torch.optim.Optimizer):
                 update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + group["eps"])
                 if group["weight_decay"]:
                     update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = float(p.norm()), float(update.norm())
-                trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
-                p.add_(update, alpha=-group["lr"] * trust)
+                # the trust ratio stays on the device: no host synchronisation per tensor
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm,
+                                    torch.ones_like(w_norm))
+                p.add_(update.mul_(trust), alpha=-group["lr"])
         return loss
 
 
