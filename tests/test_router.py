@@ -178,3 +178,20 @@ def test_on_attempt_is_told_every_peer_before_it_is_sent_to() -> None:
     router, host, _ = _router({"a": lambda n: BUSY, "b": lambda n: OK}, tput={"a": 1000.0})
     _send(router, on_attempt=seen.append)
     assert seen == host.requests == ["a", "b"]
+
+
+def test_a_peer_reached_only_through_a_relay_is_counted_at_a_share_and_a_direct_one_first() -> None:
+    from swarmd.pipeline.router import RELAYED_SHARE, announced_throughput
+
+    relayed = ("/ip4/198.18.0.2/tcp/4001/p2p/R/p2p-circuit/p2p/B",)
+    both = (*relayed, "/ip4/198.18.0.9/tcp/4001/p2p/B")
+    assert announced_throughput(100.0, relayed) == 100.0 * RELAYED_SHARE
+    assert announced_throughput(100.0, both) == 100.0  # one direct address suffices
+    assert announced_throughput(100.0, ()) == 100.0
+    # announcing twice the direct peer's throughput, the relayed peer still comes second
+    router, host, _ = _router({"direct": lambda n: OK, "relayed": lambda n: OK},
+                              tput={"direct": 1.0, "relayed": 2.0})
+    peers = router.peers_of(1)
+    router.peers_of = lambda s: {**peers, "relayed": (2.0, 0, relayed)}
+    _send(router)
+    assert host.requests == ["direct"]

@@ -76,6 +76,10 @@ BUSY_WAIT_S = 2.0
 #: with ``wait`` and nobody to wait for (no peer listed): how often to look again
 POLL_S = 0.5
 DIAL_TIMEOUT_S = 5.0
+#: a peer announced only at relayed addresses (``/p2p-circuit``) counts with this share of its
+#: announced throughput: its traffic crosses a relay's links too, so peers reached directly
+#: are preferred while they have room (measured hop times then take over)
+RELAYED_SHARE = 0.25
 
 PeersOf = Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]]
 
@@ -209,7 +213,8 @@ class Router:
                 return None
             peers = self.peers_of(self.stage)
             # every peer, every time: a peer left out of update_peers would lose its ban
-            self.wiring.update_peers({p: (v[0], v[1]) for p, v in peers.items()}, now)
+            self.wiring.update_peers({p: (announced_throughput(v[0], v[2]), v[1])
+                                      for p, v in peers.items()}, now)
             if not peers:
                 target = None
             elif slow:
@@ -297,6 +302,14 @@ class Router:
         log.info("stage %d peer %s: %s %s (%s); trying another", self.stage, target, kind,
                  verdict.value, exc)
         return verdict
+
+
+def announced_throughput(throughput: float, addrs: tuple[str, ...]) -> float:
+    """What routing counts of a peer's announced throughput: all of it for a peer with a
+    direct address, ``RELAYED_SHARE`` of it for one reached only through a relay."""
+    if addrs and all("/p2p-circuit" in a for a in addrs):
+        return throughput * RELAYED_SHARE
+    return throughput
 
 
 def _message_bytes(message: Message) -> int:
