@@ -1,0 +1,245 @@
+"""Chaos in the WAN lab (issue 14): a swarm of 2 stages x 3 peers and 2 trainers on
+``continent`` links, hit by one fault every 20-40 s (seeded), against a calm run of the same
+length and seed.
+
+    sudo .venv/bin/python tools/chaos.py --minutes 10 [--seed S] [--json] [--calm-only|--no-calm]
+
+Faults (tools/chaoslab/plan.py): SIGKILL a stage peer and restart it on its home; SIGSTOP a
+peer for 30 s, then SIGCONT; partition one host for 20 s, then heal; 3% packet loss on one
+host's link for 60 s; a hostile peer for 30 s sending one of the protocol fuzzer's cases
+(tests/fuzz_cases.py) to a stage peer. Faults come while the trainers train, for ``--minutes``
+after both trainers finished their first step; never the last free peer of a stage at once.
+
+Each trainer trains ``--steps`` steps (default: ``STEPS_PER_MINUTE`` x minutes, about the
+window on a quiet 2-core machine), in both runs: the final validation losses compare at the
+same number of steps. The report (one JSON object): per run the faults applied (time, kind,
+target), per trainer steps/lost/restarted/rerouted and its loss per step, daemon crashes (an
+exit we did not cause), hangs (a trainer past its deadline, a daemon that did not stop on
+SIGTERM), each stage's ``step`` and ``params_digest`` per peer once the trainers stopped and
+whether they agree; then the final validation loss ratio chaos/calm and the issue's verdicts.
+
+Everything runs inside the lab's namespaces (198.18.0.0/15) and is torn down on exit, on
+Ctrl-C and on errors (the lab's context manager); every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from tools.bench_wan import link_of  # noqa: E402
+from tools.chaoslab import plan  # noqa: E402
+from tools.chaoslab.faults import Injector  # noqa: E402
+from tools.chaoslab.swarm import (HOSTILE_HOST, STAGE_HOSTS, TRAINER_HOSTS,  # noqa: E402
+                                  LabSwarm, read_metrics)
+from tools.wanlab import HostSpec, LabUnavailable, WanLab, daemons  # noqa: E402
+
+PROFILE = "continent"
+STEPS_PER_MINUTE = 12
+#: the trainers' first step (start-up, first evaluation) must come within this
+WARMUP_S = 300.0
+TICK_S = 0.25
+#: restarted peers must be up again within this once the trainers are done
+RESTART_S = 180.0
+
+
+def say(line: str) -> None:
+    print(f"[chaos] {line}", file=sys.stderr, flush=True)
+
+
+def lab_env(swarm_name: str) -> dict[str, str]:
+    from swarmd.local.demo import DEMO_ENV
+
+    # the demo model, smaller: 8 processes share the machine's cores
+    return {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+            "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_STAGES": "2",
+            "SWARMD_WIRE_CODEC": "int8", "SWARMD_BALANCING_ENABLED": "false",
+            "SWARMD_SWARM_NAME": swarm_name}
+
+
+class Trainers:
+    """The ``swarmd train`` processes of one run, each in a thread of its own
+    (tools/wanlab/daemons.py ``train``: its deadline is ``seconds``)."""
+
+    def __init__(self, lab: Any, root: Path, bootstrap: str, steps: int, env: dict[str, str],
+                 deadline_s: float) -> None:
+        self.homes = {h: root / f"trainer-{h}" for h in TRAINER_HOSTS}
+        self.results: dict[str, dict[str, Any]] = {}
+        self.threads = [threading.Thread(target=self._one, daemon=True, name=f"train-{h}",
+                                         args=(lab, h, bootstrap, steps, env, deadline_s))
+                        for h in TRAINER_HOSTS]
+
+    def _one(self, lab: Any, host: str, bootstrap: str, steps: int, env: dict[str, str],
+             deadline_s: float) -> None:
+        try:
+            self.results[host] = daemons.train(lab, host, self.homes[host], bootstrap, steps, 1,
+                                               env, seconds=deadline_s)
+        except Exception as exc:
+            self.results[host] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def first_step_done(self) -> bool:
+        return all(read_metrics(home) for home in self.homes.values())
+
+    def join(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for t in self.threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+
+    def report(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rows, hangs = [], []
+        for host, home in self.homes.items():
+            r = self.results.get(host, {"error": "the trainer thread did not end"})
+            curve = [m.get("loss") for m in read_metrics(home)]
+            err = r.get("error", "")
+            if "did not finish within" in err or "did not end" in err:
+                hangs.append({"trainer": host, "error": err[-500:]})
+            rows.append({"host": host, **{k: r.get(k) for k in (
+                "steps", "lost", "restarted", "rerouted", "initial_val_loss", "final_val_loss",
+                "seconds", "tokens_per_s")}, "error": err or None, "loss_curve": curve})
+        return rows, hangs
+
+
+def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
+              tmp: Path) -> dict[str, Any]:
+    """One run (a lab of its own): the swarm, the trainers, the faults when ``chaos``."""
+    t0 = time.monotonic()
+    swarm_name = f"chaos-{name}-{secrets.token_hex(4)}"
+    env = lab_env(swarm_name)
+    from swarmd.config import load_config
+
+    model_hash = load_config(None, {**os.environ, **env}).model_hash()
+    link = link_of(PROFILE)
+    hosts = [HostSpec(name=h, link=link) for h in STAGE_HOSTS + TRAINER_HOSTS
+             + (HOSTILE_HOST,)]
+    window_s = minutes * 60.0
+    faults = plan.schedule(random.Random(seed), window_s, STAGE_HOSTS, TRAINER_HOSTS) \
+        if chaos else []
+    root = tmp / name
+    out: dict[str, Any] = {"profile": PROFILE, "link_per_host": {
+        "delay_ms": link.delay_ms, "down_mbit": link.down_mbit, "up_mbit": link.up_mbit},
+        "steps_per_trainer": steps, "planned_faults": len(faults)}
+    with WanLab(hosts=hosts, seed=seed) as lab:
+        swarm = LabSwarm(lab, root, env)
+        injector = Injector(lab, swarm, faults, swarm_name=swarm_name, model_hash=model_hash)
+        trainers: Trainers | None = None
+        try:
+            say(f"{name}: starting {len(STAGE_HOSTS)} stage peers")
+            swarm.start()
+            out["swarm_start_s"] = round(time.monotonic() - t0, 1)
+            deadline_s = WARMUP_S + 3 * window_s + 120
+            trainers = Trainers(lab, root, swarm.daemons[STAGE_HOSTS[0]].addr, steps, env,
+                                deadline_s)
+            trainers.start()
+            warm_until = time.monotonic() + WARMUP_S
+            while trainers.alive() and not trainers.first_step_done() \
+                    and time.monotonic() < warm_until:
+                time.sleep(TICK_S)
+            say(f"{name}: trainers at their first step; {len(faults)} faults planned over "
+                f"{window_s:.0f} s")
+            w0 = time.monotonic()
+            while trainers.alive() and time.monotonic() - w0 < window_s + 1:
+                now = time.monotonic() - w0
+                injector.tick(now)
+                swarm.check_crashes(now)
+                time.sleep(TICK_S)
+            injector.undo_all()
+            out["window_s"] = round(time.monotonic() - w0, 1)
+            trainers.join(deadline_s)
+            settle = time.monotonic() + RESTART_S
+            while swarm.restarting() and time.monotonic() < settle:  # restarts under way
+                swarm.check_crashes(time.monotonic() - w0)
+                time.sleep(TICK_S)
+            swarm.check_crashes(time.monotonic() - w0)
+            say(f"{name}: trainers done; waiting for each stage's peers to agree")
+            out.update(swarm.agreement())
+        finally:
+            injector.undo_all()
+            stop_failures = swarm.stop()
+            if trainers is not None:
+                trainers.join(30)
+    rows, hangs = trainers.report() if trainers else ([], [])
+    out.update({
+        "faults": injector.applied, "skipped_faults": injector.skipped,
+        "fault_kinds": sorted({f["kind"] for f in injector.applied if "kind" in f}),
+        "trainers": rows,
+        "crashes": swarm.crashes + [c for c in stop_failures if c["returncode"] != -9],
+        "restart_errors": swarm.restart_errors,
+        "hangs": hangs + [{"daemon": c["host"], "error": "did not stop within 15 s of SIGTERM"}
+                          for c in stop_failures if c["returncode"] == -9],
+        "seconds": round(time.monotonic() - t0, 1)})
+    return out
+
+
+def measure(minutes: float, seed: int, steps: int | None, calm: bool = True,
+            chaos: bool = True) -> dict[str, Any]:
+    steps = steps or max(5, round(minutes * STEPS_PER_MINUTE))
+    load_before = os.getloadavg()[0]
+    report: dict[str, Any] = {"minutes": minutes, "seed": seed, "steps": steps,
+                              "chaos": None, "calm": None}
+    with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
+        if chaos:
+            report["chaos"] = run_phase("chaos", minutes=minutes, seed=seed, steps=steps,
+                                        chaos=True, tmp=Path(tmp))
+        if calm:
+            report["calm"] = run_phase("calm", minutes=minutes, seed=seed, steps=steps,
+                                       chaos=False, tmp=Path(tmp))
+
+    def finals(run: dict[str, Any] | None) -> list[float]:
+        return [t["final_val_loss"] for t in (run or {}).get("trainers", ())
+                if t.get("final_val_loss") is not None]
+
+    report["loss_ratio_chaos_over_calm"] = plan.loss_ratio(finals(report["chaos"]),
+                                                           finals(report["calm"]))
+    report["verdict"] = plan.verdict(report)
+    report["cores"] = os.cpu_count()
+    report["loadavg_before_after"] = [load_before, os.getloadavg()[0]]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, required=True,
+                        help="length of the chaos window (and of the calm run's steps)")
+    parser.add_argument("--seed", type=int, default=1, help="the faults' random seed")
+    parser.add_argument("--steps", type=int, help=f"trainer steps per run (default "
+                                                  f"{STEPS_PER_MINUTE} per minute)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--calm-only", action="store_true", help="only the calm run")
+    group.add_argument("--no-calm", action="store_true", help="only the chaos run")
+    args = parser.parse_args(argv)
+    if not 0 < args.minutes <= 120 or (args.steps is not None and args.steps < 1):
+        parser.error("--minutes must be within (0, 120] and --steps at least 1")
+    try:
+        WanLab.check()
+    except LabUnavailable as exc:
+        print(json.dumps({"unavailable": str(exc)}))
+        return 2
+    report = measure(args.minutes, args.seed, args.steps, calm=not args.no_calm,
+                     chaos=not args.calm_only)
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
