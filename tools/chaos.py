@@ -47,7 +47,7 @@ from tools.chaoslab.swarm import (HOSTILE_HOST, STAGE_HOSTS, TRAINER_HOSTS,  # n
 from tools.wanlab import HostSpec, LabUnavailable, WanLab, daemons  # noqa: E402
 
 PROFILE = "continent"
-STEPS_PER_MINUTE = 12
+STEPS_PER_MINUTE = 90
 #: the trainers' first step (start-up, first evaluation) must come within this
 WARMUP_S = 300.0
 TICK_S = 0.25

@@ -17,7 +17,7 @@ from tools.chaoslab import plan
 from tools.chaoslab.swarm import HOSTILE_HOST, STAGE_HOSTS, STAGE_OF, TRAINER_HOSTS, LabSwarm
 
 REPO = Path(__file__).resolve().parents[2]
-HOSTILE_GRACE_S = 20.0
+HOSTILE_GRACE_S = 15.0
 
 
 class Injector:
@@ -32,6 +32,7 @@ class Injector:
         self.applied: list[dict[str, Any]] = []
         self.skipped: list[dict[str, Any]] = []
         self._undo: list[tuple[float, str, Callable[[], None]]] = []  # (at, host, undo)
+        self._hostiles = 0
 
     def busy(self) -> set[str]:
         return {host for _, host, _ in self._undo} | self.swarm.restarting()
@@ -97,21 +98,26 @@ class Injector:
     def _hostile(self, host: str, fault: plan.Fault,
                  record: dict[str, Any]) -> Callable[[], None]:
         victim = self.swarm.daemons[host]
+        self._hostiles += 1
+        log = open(self.swarm.root / f"hostile-{self._hostiles}.stderr", "w")
         proc = self.lab.run(HOSTILE_HOST, [
             sys.executable, "-m", "tools.chaoslab.hostile", "--peer", victim.started["peer_id"],
             "--addr", victim.addr, "--swarm", self.swarm_name, "--model-hash", self.model_hash,
             "--listen", f"/ip4/{self.lab.addr(HOSTILE_HOST)}/tcp/0", "--seed", str(fault.seed),
             "--seconds", str(fault.duration_s)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO), "SWARMD_MODEL_THREADS": "1"})
 
-        def end() -> None:
+        def end() -> None:  # past its time (or the window's end): SIGTERM, it reports
+            if proc.poll() is None:
+                proc.terminate()
             try:
                 out, _ = proc.communicate(timeout=HOSTILE_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, _ = proc.communicate()
                 record["hostile_killed"] = True
+            log.close()
             lines = (out or "").strip().splitlines()
             try:
                 record["hostile"] = json.loads(lines[-1]) if lines else None

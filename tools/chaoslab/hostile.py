@@ -6,7 +6,8 @@ again, at most ``--max-sends`` times, then prints what the victim did with them:
         --model-hash <hash> --listen /ip4/198.18.9.2/tcp/0 --seed 7 --seconds 30
 
 Prints one JSON line ``{"case": {protocol, name, kind}, "sent", "outcomes": {outcome: n}}``.
-Every send has a deadline; the whole run is bounded by ``--seconds`` plus one send's deadline.
+Every send has a deadline; the whole run is bounded by ``--seconds`` plus one send's deadline;
+SIGTERM ends it early (it still prints its line).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -74,13 +76,23 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
     seen: Counter[str] = Counter()
     sent = 0
     end = time.monotonic() + args.seconds
+    stop = asyncio.Event()  # SIGTERM: stop sending and report what was seen
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    connected = False
     async with Host(identity.generate(), HostOptions(listen=(args.listen,), pubsub=None)) as host:
-        connected = await asyncio.wait_for(host.ensure_connected(args.peer, (args.addr,)),
-                                           SEND_TIMEOUT_S * 3)
-        while connected and sent < args.max_sends and time.monotonic() < end:
+        try:
+            connected = await asyncio.wait_for(host.ensure_connected(args.peer, (args.addr,)),
+                                               SEND_TIMEOUT_S * 3)
+        except TimeoutError:
+            pass
+        while connected and sent < args.max_sends and time.monotonic() < end \
+                and not stop.is_set():
             seen[await _send(host, args.peer, case)] += 1
             sent += 1
-            await asyncio.sleep(GAP_S)
+            try:
+                await asyncio.wait_for(stop.wait(), GAP_S)
+            except TimeoutError:
+                pass
     return {"case": {"protocol": case.protocol, "name": case.name, "kind": case.kind,
                      "raw": case.raw is not None},
             "connected": bool(connected), "sent": sent, "outcomes": dict(seen)}
