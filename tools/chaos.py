@@ -161,8 +161,13 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
                 injector.tick(now)
                 swarm.check_crashes(now)
                 time.sleep(TICK_S)
-            injector.undo_all()
             out["window_s"] = round(time.monotonic() - w0, 1)
+            ends = time.monotonic() + max(plan.KINDS.values()) + 30
+            while trainers.alive() and injector.running() and time.monotonic() < ends:
+                injector.tick(time.monotonic() - w0)  # the faults under way run to their end
+                swarm.check_crashes(time.monotonic() - w0)
+                time.sleep(TICK_S)
+            injector.undo_all()
             trainers.join(deadline_s)
             settle = time.monotonic() + RESTART_S
             while swarm.restarting() and time.monotonic() < settle:  # restarts under way
@@ -190,12 +195,15 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
 
 
 def measure(minutes: float, seed: int, steps: int | None, calm: bool = True,
-            chaos: bool = True) -> dict[str, Any]:
+            chaos: bool = True, workdir: Path | None = None) -> dict[str, Any]:
+    """Both runs (or one); ``workdir``: keep the homes and logs there (else a temporary
+    directory, removed)."""
     steps = steps or max(5, round(minutes * STEPS_PER_MINUTE))
     load_before = os.getloadavg()[0]
     report: dict[str, Any] = {"minutes": minutes, "seed": seed, "steps": steps,
                               "chaos": None, "calm": None}
     with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
+        tmp = str(workdir or tmp)
         if chaos:
             report["chaos"] = run_phase("chaos", minutes=minutes, seed=seed, steps=steps,
                                         chaos=True, tmp=Path(tmp))
@@ -223,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help=f"trainer steps per run (default "
                                                   f"{STEPS_PER_MINUTE} per minute)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--workdir", type=Path, help="keep every home and log here")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--calm-only", action="store_true", help="only the calm run")
     group.add_argument("--no-calm", action="store_true", help="only the chaos run")
@@ -235,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"unavailable": str(exc)}))
         return 2
     report = measure(args.minutes, args.seed, args.steps, calm=not args.no_calm,
-                     chaos=not args.calm_only)
+                     chaos=not args.calm_only, workdir=args.workdir)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0
 

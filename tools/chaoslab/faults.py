@@ -34,6 +34,10 @@ class Injector:
         self._undo: list[tuple[float, str, Callable[[], None]]] = []  # (at, host, undo)
         self._hostiles = 0
 
+    def running(self) -> bool:
+        """Whether a fault is under way (one to undo later)."""
+        return bool(self._undo)
+
     def busy(self) -> set[str]:
         return {host for _, host, _ in self._undo} | self.swarm.restarting()
 

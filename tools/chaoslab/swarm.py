@@ -25,6 +25,8 @@ HOSTILE_HOST = "hx"
 STAGE_OF = {h: int(h[1]) for h in STAGE_HOSTS}
 START_S = 180.0
 AGREE_S = 120.0
+#: SIGTERM to exit, for all the daemons together (each saves a checkpoint)
+STOP_S = 45.0
 
 
 class LabSwarm:
@@ -142,9 +144,9 @@ class LabSwarm:
 
     def stop(self) -> list[dict[str, Any]]:
         """SIGTERM every daemon; the ones that exited non-zero (not by our SIGKILL), or had
-        to be killed after the grace period, are returned."""
+        to be killed after ``STOP_S`` (returncode -9), are returned."""
         current = list(self.daemons.values())
-        daemons.stop_all(current)
+        daemons.stop_all(current, STOP_S)
         bad = []
         for d in current:
             if id(d) not in self.killed and d.proc.returncode != 0:
