@@ -126,7 +126,7 @@ def test_verdict_and_loss_ratio():
 @pytest.mark.skipif(os.environ.get("SWARMD_SLOW_TESTS") != "1",
                     reason="slow WAN lab test: set SWARMD_SLOW_TESTS=1")
 def test_a_minute_of_chaos_loses_nothing_and_crashes_nothing(wanlab) -> None:
-    import chaos  # tools/chaos.py
+    from tools import chaos
 
     wanlab  # the fixture skips, with the reason, where the lab cannot run
     report = chaos.measure(1.0, SEED, None, calm=False)
