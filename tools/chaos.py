@@ -11,12 +11,16 @@ host's link for 60 s; a hostile peer for 30 s sending one of the protocol fuzzer
 after both trainers finished their first step; never the last free peer of a stage at once.
 
 Each trainer trains ``--steps`` steps (default: ``STEPS_PER_MINUTE`` x minutes, about the
-window on a quiet 2-core machine), in both runs: the final validation losses compare at the
-same number of steps. The report (one JSON object): per run the faults applied (time, kind,
-target), per trainer steps/lost/restarted/rerouted and its loss per step, daemon crashes (an
-exit we did not cause), hangs (a trainer past its deadline, a daemon that did not stop on
-SIGTERM), each stage's ``step`` and ``params_digest`` per peer once the trainers stopped and
-whether they agree; then the final validation loss ratio chaos/calm and the issue's verdicts.
+window's length on a loaded 2-core machine), in both runs: the final validation losses
+compare at the same number of steps. Trainers that finish before the window ends end it (no
+fault is started after that; ``window_s`` says how long it lasted).
+
+The report (one JSON object): per run the faults applied (time, kind, target), per trainer
+steps/lost/restarted/rerouted and its loss per step, daemon crashes (an exit we did not
+cause), hangs (a trainer past its deadline, a daemon that did not stop on SIGTERM), each
+stage's ``step`` and ``params_digest`` per peer once the trainers stopped and whether they
+agree; then the final validation loss ratio chaos/calm, the issue's verdicts
+(on the chaos run) and whether the calm run's stage peers agreed too.
 
 Everything runs inside the lab's namespaces (198.18.0.0/15) and is torn down on exit, on
 Ctrl-C and on errors (the lab's context manager); every loop is bounded in count and time.
@@ -42,12 +46,12 @@ sys.path.insert(0, str(HERE.parent))
 from tools.bench_wan import link_of  # noqa: E402
 from tools.chaoslab import plan  # noqa: E402
 from tools.chaoslab.faults import Injector  # noqa: E402
-from tools.chaoslab.swarm import (HOSTILE_HOST, STAGE_HOSTS, TRAINER_HOSTS,  # noqa: E402
-                                  LabSwarm, read_metrics)
+from tools.chaoslab.swarm import (HOSTILE_HOST, STAGE_HOSTS, STOP_S,  # noqa: E402
+                                  TRAINER_HOSTS, LabSwarm, read_metrics)
 from tools.wanlab import HostSpec, LabUnavailable, WanLab, daemons  # noqa: E402
 
 PROFILE = "continent"
-STEPS_PER_MINUTE = 90
+STEPS_PER_MINUTE = 120
 #: the trainers' first step (start-up, first evaluation) must come within this
 WARMUP_S = 300.0
 TICK_S = 0.25
@@ -76,6 +80,7 @@ class Trainers:
     def __init__(self, lab: Any, root: Path, bootstrap: str, steps: int, env: dict[str, str],
                  deadline_s: float) -> None:
         self.homes = {h: root / f"trainer-{h}" for h in TRAINER_HOSTS}
+        self.deadline_s = deadline_s
         self.results: dict[str, dict[str, Any]] = {}
         self.threads = [threading.Thread(target=self._one, daemon=True, name=f"train-{h}",
                                          args=(lab, h, bootstrap, steps, env, deadline_s))
@@ -149,31 +154,7 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
             trainers = Trainers(lab, root, swarm.daemons[STAGE_HOSTS[0]].addr, steps, env,
                                 deadline_s)
             trainers.start()
-            warm_until = time.monotonic() + WARMUP_S
-            while trainers.alive() and not trainers.first_step_done() \
-                    and time.monotonic() < warm_until:
-                time.sleep(TICK_S)
-            say(f"{name}: trainers at their first step; {len(faults)} faults planned over "
-                f"{window_s:.0f} s")
-            w0 = time.monotonic()
-            while trainers.alive() and time.monotonic() - w0 < window_s + 1:
-                now = time.monotonic() - w0
-                injector.tick(now)
-                swarm.check_crashes(now)
-                time.sleep(TICK_S)
-            out["window_s"] = round(time.monotonic() - w0, 1)
-            ends = time.monotonic() + max(plan.KINDS.values()) + 30
-            while trainers.alive() and injector.running() and time.monotonic() < ends:
-                injector.tick(time.monotonic() - w0)  # the faults under way run to their end
-                swarm.check_crashes(time.monotonic() - w0)
-                time.sleep(TICK_S)
-            injector.undo_all()
-            trainers.join(deadline_s)
-            settle = time.monotonic() + RESTART_S
-            while swarm.restarting() and time.monotonic() < settle:  # restarts under way
-                swarm.check_crashes(time.monotonic() - w0)
-                time.sleep(TICK_S)
-            swarm.check_crashes(time.monotonic() - w0)
+            _window(name, trainers, injector, swarm, window_s, len(faults), out)
             say(f"{name}: trainers done; waiting for each stage's peers to agree")
             out.update(swarm.agreement())
         finally:
@@ -188,10 +169,39 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
         "trainers": rows,
         "crashes": swarm.crashes + [c for c in stop_failures if c["returncode"] != -9],
         "restart_errors": swarm.restart_errors,
-        "hangs": hangs + [{"daemon": c["host"], "error": "did not stop within 15 s of SIGTERM"}
+        "hangs": hangs + [{"daemon": c["host"], "error": f"did not stop within {STOP_S:.0f} s of SIGTERM"}
                           for c in stop_failures if c["returncode"] == -9],
         "seconds": round(time.monotonic() - t0, 1)})
     return out
+
+
+def _window(name: str, trainers: Trainers, injector: Injector, swarm: LabSwarm,
+            window_s: float, planned: int, out: dict[str, Any]) -> None:
+    """From the trainers' first step: faults for ``window_s`` (the ones under way then run to
+    their end), then the trainers' end and the restarted peers' start, each with a deadline."""
+    warm_until = time.monotonic() + WARMUP_S
+    while trainers.alive() and not trainers.first_step_done() \
+            and time.monotonic() < warm_until:
+        time.sleep(TICK_S)
+    say(f"{name}: trainers at their first step; {planned} faults planned over {window_s:.0f} s")
+    w0 = time.monotonic()
+    while trainers.alive() and time.monotonic() - w0 < window_s + 1:
+        injector.tick(time.monotonic() - w0)
+        swarm.check_crashes(time.monotonic() - w0)
+        time.sleep(TICK_S)
+    out["window_s"] = round(time.monotonic() - w0, 1)
+    ends = time.monotonic() + max(plan.KINDS.values()) + 30
+    while trainers.alive() and injector.running() and time.monotonic() < ends:
+        injector.tick(time.monotonic() - w0)  # the faults under way run to their end
+        swarm.check_crashes(time.monotonic() - w0)
+        time.sleep(TICK_S)
+    injector.undo_all()
+    trainers.join(trainers.deadline_s)
+    settle = time.monotonic() + RESTART_S
+    while swarm.restarting() and time.monotonic() < settle:  # restarts under way
+        swarm.check_crashes(time.monotonic() - w0)
+        time.sleep(TICK_S)
+    swarm.check_crashes(time.monotonic() - w0)
 
 
 def measure(minutes: float, seed: int, steps: int | None, calm: bool = True,
@@ -218,6 +228,7 @@ def measure(minutes: float, seed: int, steps: int | None, calm: bool = True,
     report["loss_ratio_chaos_over_calm"] = plan.loss_ratio(finals(report["chaos"]),
                                                            finals(report["calm"]))
     report["verdict"] = plan.verdict(report)
+    report["calm_weights_equal"] = (report["calm"] or {}).get("weights_equal")
     report["cores"] = os.cpu_count()
     report["loadavg_before_after"] = [load_before, os.getloadavg()[0]]
     return report
