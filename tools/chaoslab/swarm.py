@@ -27,6 +27,7 @@ START_S = 180.0
 AGREE_S = 120.0
 #: SIGTERM to exit, for all the daemons together (each saves a checkpoint)
 STOP_S = 45.0
+MAX_CRASH_RESTARTS = 3
 
 
 class LabSwarm:
@@ -103,7 +104,8 @@ class LabSwarm:
     # ---- crashes -------------------------------------------------------------------------
 
     def check_crashes(self, now_s: float) -> None:
-        """Record every daemon that exited without our SIGKILL, and start it again."""
+        """Record every daemon that exited without our SIGKILL, and start it again (at most
+        ``MAX_CRASH_RESTARTS`` times per host)."""
         for host, d in list(self.daemons.items()):
             code = d.proc.poll()
             if code is None or id(d) in self.killed:
@@ -111,7 +113,8 @@ class LabSwarm:
             self.crashes.append({"at_s": round(now_s, 1), "host": host, "returncode": code,
                                  "stderr_tail": _tail(d.stderr_path)})
             self.killed.add(id(d))  # recorded once
-            self._restart(host)
+            if sum(c["host"] == host for c in self.crashes) <= MAX_CRASH_RESTARTS:
+                self._restart(host)
 
     # ---- the end -------------------------------------------------------------------------
 
