@@ -118,6 +118,110 @@ def test_verdict_and_loss_ratio():
     assert set(plan.verdict({}).values()) == {None}
 
 
+# ---- the injector, on fakes: every fault applied is undone, in time or by undo_all ----------
+
+class _Proc:
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.returncode = 0
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        return '{"sent": 3, "outcomes": {"error:bad_activation": 3}}\n', ""
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
+class _Daemon:
+    def __init__(self, host: str) -> None:
+        self.host, self.proc = host, _Proc()
+        self.started = {"peer_id": f"id-{host}", "addrs": [f"/ip4/198.18.1.2/tcp/1/p2p/{host}"]}
+        self.addr = self.started["addrs"][0]
+
+
+class _Swarm:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.daemons = {h: _Daemon(h) for h in STAGE_HOSTS}
+        self.killed: list[str] = []
+
+    def restarting(self) -> set[str]:
+        return set()
+
+    def kill_and_restart(self, host: str) -> None:
+        self.killed.append(host)
+
+
+class _Lab:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self.procs: list[_Proc] = []
+
+    def partition(self, host: str) -> None:
+        self.calls.append(("partition", host))
+
+    def heal(self, host: str) -> None:
+        self.calls.append(("heal", host))
+
+    def set_link(self, host: str, *, loss: float) -> None:
+        self.calls.append(("loss", host, str(loss)))
+
+    def addr(self, host: str) -> str:
+        return "198.18.9.2"
+
+    def run(self, host: str, argv: list[str], **popen: object) -> _Proc:
+        self.calls.append(("run", host, *argv))
+        self.procs.append(_Proc())
+        return self.procs[-1]
+
+
+def test_the_injector_applies_each_kind_and_undoes_it(tmp_path: Path) -> None:
+    import signal
+
+    from tools.chaoslab.faults import Injector
+
+    lab, swarm = _Lab(), _Swarm(tmp_path)
+    faults = [plan.Fault(at_s=t, kind=k, target=h, duration_s=plan.KINDS[k], seed=5)
+              for t, k, h in ((1, "stop", "s0a"), (2, "partition", "t0"), (3, "loss", "s1a"),
+                              (4, "hostile", "s1b"), (5, "kill", "s0b"))]
+    inj = Injector(lab, swarm, faults, swarm_name="x", model_hash="h")
+    inj.tick(3.5)
+    assert [f["kind"] for f in inj.applied] == ["stop", "partition", "loss"]
+    assert swarm.daemons["s0a"].proc.signals == [signal.SIGSTOP]
+    assert inj.busy() == {"s0a", "t0", "s1a"} and inj.running()
+    inj.tick(24.0)  # the partition (20 s from its start at 3.5) is healed, the rest run on
+    assert ("heal", "t0") in lab.calls and inj.busy() == {"s0a", "s1a", "s1b"}
+    assert swarm.killed == ["s0b"]
+    inj.undo_all()
+    assert swarm.daemons["s0a"].proc.signals == [signal.SIGSTOP, signal.SIGCONT]
+    assert ("loss", "s1a", "0.0") in lab.calls and not inj.running()
+    hostile = next(f for f in inj.applied if f.get("kind") == "hostile")
+    assert hostile["hostile"]["sent"] == 3 and lab.procs[0].returncode == 0
+    assert [f["target"] for f in inj.applied] == ["s0a", "t0", "s1a", "s1b", "s0b"]
+
+
+def test_the_injector_skips_a_fault_with_no_free_target(tmp_path: Path) -> None:
+    from tools.chaoslab.faults import Injector
+
+    lab, swarm = _Lab(), _Swarm(tmp_path)
+    # stage 1 and stage 0 each down to their last free peer: a fourth stop has nobody to hit
+    faults = [plan.Fault(at_s=i, kind="stop", target=h, duration_s=30.0)
+              for i, h in enumerate(("s0a", "s0b", "s1a", "s1b", "s1c"))]
+    inj = Injector(lab, swarm, faults, swarm_name="x", model_hash="h")
+    inj.tick(10.0)
+    assert len(inj.applied) == 4 and len(inj.skipped) == 1
+    assert {f["target"] for f in inj.applied} == {"s0a", "s0b", "s1a", "s1b"}
+
+
 # ---- the lab run ------------------------------------------------------------------------------
 
 @pytest.mark.integration
