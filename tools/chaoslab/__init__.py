@@ -1,0 +1,1 @@
+"""The parts of tools/chaos.py: the plan (pure), the lab swarm, the faults, the hostile peer."""
