@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,23 +76,13 @@ def unit_path(user_mode: bool, unit_dir: Path | None = None) -> Path:
 
 def install(spec: UnitSpec, path: Path) -> Path:
     """Write the unit atomically to ``path``; ``ServiceError`` says what to do on failure."""
-    text = render_unit(spec)
+    from swarmd.files import write_atomic
+
+    data = render_unit(spec).encode("utf-8")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".swarmd-unit-", dir=path.parent)
+        return write_atomic(path, lambda f: f.write(data), mode=0o644)
     except OSError as exc:
         raise ServiceError(_cannot_write(path, exc, spec.user_mode)) from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise ServiceError(_cannot_write(path, exc, spec.user_mode)) from None
-    return path
 
 
 def uninstall(path: Path) -> bool:

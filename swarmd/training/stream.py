@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -74,17 +73,10 @@ class DataPosition:
 
 def save_position(path: Path, position: DataPosition) -> None:
     """Write ``position`` to ``path`` atomically (a temporary file renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(position.to_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from swarmd.files import write_atomic
+
+    data = json.dumps(position.to_dict()).encode()
+    write_atomic(path, lambda f: f.write(data))
 
 
 def load_position(path: Path) -> DataPosition:

@@ -10,8 +10,6 @@ leaves either the previous state or the new one, never half of one. Read back wi
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,19 +82,9 @@ def restore(trainer: Any, state: TrainerState) -> None:
 
 def save(home: Path, state: TrainerState) -> Path:
     """Write ``state`` atomically to ``<home>/trainer/state.pt``."""
-    path = state_path(home)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=STATE_FILE, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state.to_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    from swarmd.files import write_atomic
+
+    return write_atomic(state_path(home), lambda f: torch.save(state.to_dict(), f))
 
 
 def load(home: Path) -> TrainerState | None:
