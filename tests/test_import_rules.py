@@ -43,6 +43,7 @@ CORES = frozenset({
     "transport.codecs",
     "swarmd.models.seam",
     "swarmd.pipeline.inflight",
+    "swarmd.pipeline.held",
     "transport.ratelimit",
     "swarmd.node.caps",
     "swarmd.node.shutdown",

@@ -49,6 +49,8 @@ from swarmd.pipeline.messages import (
     parse_backward,
     parse_forward,
 )
+from swarmd.links import links_for
+from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.router import HOP_TIMEOUT_S, OUR_OUTPUT_REFUSED, Router
 from swarmd.pipeline.stepping import Gate
 from swarmd.pipeline.worker import StageWorker
@@ -98,6 +100,10 @@ class PipelineHandlers:
         #: what each remote peer may have in flight here (refused beyond it: busy)
         self.budgets = budgets or PeerBudgets()
         self._routes: dict[str, _Route] = {}
+        #: how long the previous stage's peers and the trainers held our backwards, results
+        #: and gradients: those deadlines follow it (``swarmd.pipeline.held``)
+        self.held = HeldTimes()
+        self.links = links_for(host)
         self.last = expect.stage == expect.num_stages - 1
 
     # ---- budgets ---------------------------------------------------------------------------
@@ -227,10 +233,19 @@ class PipelineHandlers:
             await self.to_trainer(route.trainer, "grad", Message(
                 **Grad(mb=bwd.mb, grad=gx, overflow=overflow).wire()))
         else:
-            await self.host.request(route.previous, self.proto["backward"],
-                                    Message(**bwd.previous_hop(gx, overflow=overflow).wire()),
-                                    codec=self.codec, timeout=HOP_TIMEOUT_S)
+            await self._held_request(route.previous, "backward",
+                                     Message(**bwd.previous_hop(gx, overflow=overflow).wire()),
+                                     gx.numel() * gx.element_size())
         return Message(kind="ok")
+
+    async def _held_request(self, peer: str, kind: str, message: Message, nbytes: int) -> Any:
+        """A request whose reply waits on ``peer``'s work (and the chain after it): its
+        deadline follows how long that peer held the last ones (60 s until measured)."""
+        t0 = self._clock()
+        reply = await self.host.request(peer, self.proto[kind], message, codec=self.codec,
+                                        timeout=self.held.deadline(self.links, peer, nbytes))
+        self.held.observe(peer, self._clock() - t0)
+        return reply
 
     # ---- the trainer -----------------------------------------------------------------------
     async def to_trainer(self, trainer: str, kind: str, message: Message) -> None:
@@ -247,8 +262,7 @@ class PipelineHandlers:
             addrs = self.addrs_of(trainer)
         try:
             await self.host.connect(trainer, addrs)
-            await self.host.request(trainer, self.proto[kind], message, codec=self.codec,
-                                    timeout=HOP_TIMEOUT_S)
+            await self._held_request(trainer, kind, message, message_bytes(message))
         except RemoteError as exc:
             if exc.code in OUR_OUTPUT_REFUSED or exc.code == "not_on_path":
                 raise OutputRefused(f"trainer {trainer} refused our {kind} ({exc.code}): "

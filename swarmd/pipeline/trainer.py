@@ -40,7 +40,8 @@ from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdErro
 from swarmd.pipeline.inflight import InFlight
 from swarmd.pipeline.messages import Backward, Forward, parse_grad, parse_result
 from swarmd.pipeline.penalties import CONTENT_REASONS
-from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
+from swarmd.pipeline.held import HeldTimes
+from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
 from swarmd.pipeline.wiring import Wiring
 from swarmd.models.seam import ModelSeam, TrainerParts
@@ -136,6 +137,8 @@ class Trainer:
         self.counters: Counter[str] = Counter()
         self.router = Router(host, stage=0, protocol=self.proto["forward"], peers_of=peers_of,
                              codec=codec, rng=rng, counters=self.counters)
+        #: how long the last stages' peers held our backwards (their deadlines follow it)
+        self.held = HeldTimes()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
         self._waiting: dict[tuple[str, str], _Expected] = {}
         self._counter = 0
@@ -359,9 +362,9 @@ class Trainer:
                             trainer=self.host.peer_id, model=self.model_hash, grad=g_out,
                             scale=self.loss_scale, overflow=overflow)
         try:
-            g_h = await self._sent_then_arrived(self.host.request(
-                path[-1], self.proto["backward"], Message(**backward.wire()), codec=self.codec,
-                timeout=HOP_TIMEOUT_S), arrival)
+            g_h = await self._sent_then_arrived(self._held_request(
+                path[-1], "backward", Message(**backward.wire()),
+                g_out.numel() * g_out.element_size()), arrival)
         finally:
             self._waiting.pop(("grad", mb), None)
         life = time.monotonic() - sent
@@ -478,6 +481,16 @@ class Trainer:
             self._late.add(sender)
             sender.add_done_callback(_finish_late(self._late))
         return arrival.result()
+
+    async def _held_request(self, peer: str, kind: str, message: Message, nbytes: int) -> Any:
+        """A request whose reply waits on the chain after ``peer``: its deadline follows how
+        long that peer held the last ones (``swarmd.pipeline.held``; 60 s until measured)."""
+        t0 = time.monotonic()
+        reply = await self.host.request(peer, self.proto[kind], message, codec=self.codec,
+                                        timeout=self.held.deadline(self.router.links, peer,
+                                                                   nbytes))
+        self.held.observe(peer, time.monotonic() - t0)
+        return reply
 
     async def _send_stage0(self, message: Message, expected: _Expected) -> None:
         deadline = time.monotonic() + MISSING_STAGE_PATIENCE_S
