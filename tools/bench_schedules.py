@@ -2,6 +2,7 @@
 
     python tools/bench_schedules.py --json                 # sync, then pipelined at 16 and 32
     python tools/bench_schedules.py --json --in-flight 8,24 --steps 200
+    python tools/bench_schedules.py --json --in-flight 8,16 --repeats 3   # means of 3 each
 
 Each run starts a fresh local swarm (2 stages, one ``swarmd join`` per stage on 127.0.0.1,
 the demo model, int8 on the wire, as ``tools/bench_pipeline.py``), trains ``--steps`` steps of
@@ -79,35 +80,49 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
             "lost": result.lost, "dropped_stale": stale, "seconds": result.seconds}
 
 
-def measure(steps: int, in_flights: list[int]) -> dict[str, Any]:
+def measure(steps: int, in_flights: list[int], repeats: int = 1) -> dict[str, Any]:
+    """Each schedule ``repeats`` times, interleaved (sync, pipelined..., sync, ...): the
+    synchronous run alone varies by a few percent between invocations (gradients are summed
+    in arrival order), so ratios are of the mean final validation losses."""
     from bench_pipeline import bench_env
 
     t0 = time.monotonic()
     env = bench_env("demo")
-    runs = [one_run(env, steps, "sync", None)]
-    say(f"sync: final validation loss {runs[0]['final_val_loss']:.4f}")
-    for n in in_flights:
-        runs.append(one_run(env, steps, "pipelined", n))
-        say(f"pipelined, {n} in flight: final validation loss {runs[-1]['final_val_loss']:.4f}")
-    ref = runs[0]["final_val_loss"]
+    runs: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        runs.append(one_run(env, steps, "sync", None))
+        say(f"sync #{rep + 1}: final validation loss {runs[-1]['final_val_loss']:.4f}")
+        for n in in_flights:
+            runs.append(one_run(env, steps, "pipelined", n))
+            say(f"pipelined, {n} in flight #{rep + 1}: final validation loss "
+                f"{runs[-1]['final_val_loss']:.4f}")
+    by: dict[int | None, list[float]] = {}
+    for r in runs:
+        by.setdefault(r["in_flight"], []).append(r["final_val_loss"])
+    ref = sum(by[None]) / len(by[None])
     for r in runs:
         r["val_loss_ratio_vs_sync"] = r["final_val_loss"] / ref
-    return {"runs": runs, "targets": {
-        f"val_loss_within_3pct_in_flight_{r['in_flight']}": r["val_loss_ratio_vs_sync"] <= TARGET
-        for r in runs[1:]}, "seconds": time.monotonic() - t0}
+    summary = {("sync" if n is None else f"in_flight_{n}"): {
+        "mean_final_val_loss": sum(v) / len(v), "min": min(v), "max": max(v),
+        "ratio_vs_sync": sum(v) / len(v) / ref} for n, v in by.items()}
+    return {"runs": runs, "summary": summary, "repeats": repeats, "targets": {
+        f"val_loss_within_3pct_in_flight_{n}": summary[f"in_flight_{n}"]["ratio_vs_sync"]
+        <= TARGET for n in in_flights}, "seconds": time.monotonic() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each schedule, interleaved; ratios are of the means")
     parser.add_argument("--in-flight", default="16,32",
                         help="comma-separated numbers in flight for the pipelined runs")
     args = parser.parse_args(argv)
     in_flights = [int(v) for v in args.in_flight.split(",") if v]
-    if args.steps < 2 or any(n < 1 for n in in_flights):
-        parser.error("--steps must be at least 2 and every --in-flight at least 1")
-    result = measure(args.steps, in_flights)
+    if args.steps < 2 or args.repeats < 1 or any(n < 1 for n in in_flights):
+        parser.error("--steps must be at least 2, --repeats and every --in-flight at least 1")
+    result = measure(args.steps, in_flights, args.repeats)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
