@@ -28,7 +28,7 @@ from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, Swar
 from swarmd.config import Config
 from swarmd.errors import SwarmdError
 from swarmd.node.host_options import announced_throughput, apply_stage_limits, limits_status
-from swarmd.node.reconnect import Backoff, Redialer
+from swarmd.node.connectivity import keep_connected
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 
@@ -36,8 +36,6 @@ log = logging.getLogger("swarmd.node.daemon")
 
 #: with --stage auto, how long to wait for a first view before choosing a stage
 PLACEMENT_WAIT_S = 5.0
-#: how often connectivity is checked (bootstrap redial)
-CONNECTIVITY_CHECK_S = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -252,7 +250,8 @@ class Daemon:
     async def _serve_until_stopped(self, tasks: asyncio.TaskGroup, http_url: str,
                                    on_started: Callable[[Started], None] | None) -> None:
         """Place and sync (before saying we are up), go online, wait for the stop, leave."""
-        tasks.create_task(self._connectivity())
+        tasks.create_task(keep_connected(
+            self.host, self.options.bootstrap or tuple(self.config.network.bootstrap), self._rng))
         stopping = tasks.create_task(self._stop.wait())
         serving = tasks.create_task(
             self._serve_stage() if self.stage is not None else self._place())
@@ -475,31 +474,6 @@ class Daemon:
                                "seconds": time.monotonic() - t0}
         log.info("moved from stage %s to stage %d in %.1f s", old, target,
                  self.last_migration["seconds"])
-
-    async def _connectivity(self) -> None:
-        """Dial the bootstrap peers at start and whenever every connection is lost."""
-        bootstrap = self.options.bootstrap or tuple(self.config.network.bootstrap)
-        redialer = Redialer(Backoff(initial_s=1.0, max_s=60.0))
-        while True:
-            now = time.monotonic()
-            connected = len(await self.host.connected_peers())
-            if redialer.should_dial(now, connected, bool(bootstrap)):
-                errors = []
-                for addr in bootstrap:
-                    try:
-                        await self.host.dial(addr)
-                    except Exception as exc:  # every failure is reported, none is fatal
-                        errors.append(f"{addr}: {exc}")
-                if len(errors) < len(bootstrap):
-                    if redialer.failures:
-                        log.info("reconnected to the swarm after %d failed rounds",
-                                 redialer.failures)
-                    redialer.succeeded()
-                else:
-                    wait = redialer.failed(now, self._rng)
-                    log.warning("no bootstrap peer answered (%s); retrying in %.0f s",
-                                "; ".join(errors), wait)
-            await asyncio.sleep(CONNECTIVITY_CHECK_S)
 
 
 def _build_stage(seam: Any, stage: int, num_stages: int, seed: int, device: Any,
