@@ -13,6 +13,11 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   ``prior_throughput`` (default: the median estimate of the stage's other peers). At the first
   measurement, the load charged under the announced or prior estimate is re-charged at the
   measured rate (else a peer whose prior was 100x too low would sit idle for 100 tasks).
+* A peer may have a *ceiling*: the most it says it sustains (the router passes its announced
+  throughput, which ``[limits]`` caps to what its upload carries, ``swarmd.node.caps``). The
+  rate used is ``min(t_p, ceiling_p)``: a hop measures the peer's compute and our link, not its
+  own upload (the time it spends passing its output on is held time, the chain's), and a hop
+  that fits in a rate cap's burst never waits, so only the announcement knows that cap.
 * Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
   ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
 
@@ -56,13 +61,11 @@ import random
 import statistics
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from swarmd.pipeline.penalties import ViolationBook, clean_reason
+from swarmd.pipeline.wiring_config import Kind, WiringConfig, _finite
 
 __all__ = ["Kind", "WiringConfig", "PeerWiringState", "Wiring", "PEER_ROUTING_STATES"]
-
-Kind = Literal["forward", "backward"]
 
 #: once every peer in service has more load than this (seconds), the minimum is subtracted
 _RENORMALISE_AT = 1024.0
@@ -76,78 +79,10 @@ _MIN_THROUGHPUT = 1e-6
 PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
 
 
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WiringConfig:
-    #: cost of a backward task relative to a forward task of the same size
-    backward_cost: float = 2.5
-    #: weight of a new measurement in the throughput average (1: keep only the latest)
-    ema_alpha: float = 0.2
-    #: throughput (forward samples/s) of a peer that announced none; None: the stage's median
-    prior_throughput: float | None = None
-    #: a timeout divides a peer's throughput estimate by this
-    slow_penalty: float = 2.0
-    #: the slow factor's excess over 1 halves every this many seconds
-    slow_half_life_s: float = 60.0
-    #: repeated timeouts compound up to this factor
-    slow_max_factor: float = 64.0
-    #: first ban after an error; each consecutive error doubles it, up to ban_max_s
-    ban_base_s: float = 15.0
-    ban_max_s: float = 300.0
-    #: forward samples of work one task in a peer's announced queue stands for
-    queue_weight: float = 16.0
-    #: a peer that answered busy sits out this long; doubling while it stays busy, capped
-    busy_base_s: float = 0.25
-    busy_max_s: float = 2.0
-    #: first ban after a protocol violation; each further violation episode doubles it, capped
-    violation_base_s: float = 60.0
-    violation_max_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"WiringConfig: {what}")
-        for name in ("backward_cost", "ema_alpha", "slow_penalty", "slow_half_life_s",
-                     "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight",
-                     "busy_base_s", "busy_max_s", "violation_base_s", "violation_max_s"):
-            need(_finite(getattr(self, name)), f"{name} must be a finite number")
-        need(self.backward_cost > 0, "backward_cost must be > 0 (2.5 in the SWARM paper)")
-        need(0 < self.ema_alpha <= 1, "ema_alpha must be in (0, 1]")
-        need(self.prior_throughput is None
-             or (_finite(self.prior_throughput) and self.prior_throughput > 0),
-             "prior_throughput must be None or a finite number > 0")
-        need(self.slow_penalty >= 1, "slow_penalty must be >= 1 (1 disables it)")
-        need(self.slow_half_life_s > 0, "slow_half_life_s must be > 0")
-        need(self.slow_max_factor >= self.slow_penalty, "slow_max_factor must be >= slow_penalty")
-        need(0 < self.ban_base_s <= self.ban_max_s, "need 0 < ban_base_s <= ban_max_s")
-        need(self.queue_weight >= 0, "queue_weight must be >= 0")
-        need(0 < self.busy_base_s <= self.busy_max_s, "need 0 < busy_base_s <= busy_max_s")
-        need(0 < self.violation_base_s <= self.violation_max_s,
-             "need 0 < violation_base_s <= violation_max_s")
-
-    def cost(self, kind: Kind) -> float:
-        """Cost of one sample of ``kind``, in forward passes."""
-        if kind == "forward":
-            return 1.0
-        if kind == "backward":
-            return self.backward_cost
-        raise ValueError(f'kind must be "forward" or "backward", not {kind!r}')
-
-    def ban_s(self, streak: int) -> float:
-        """Length of the ban after ``streak`` consecutive errors (>= 1)."""
-        return min(self.ban_max_s, self.ban_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
-
-    def violation_s(self, episodes: int) -> float:
-        """Length of the ban after a peer's ``episodes``-th protocol violation (>= 1)."""
-        return min(self.violation_max_s,
-                   self.violation_base_s * 2.0 ** min(max(episodes, 1) - 1, 64))
-
-    def busy_s(self, streak: int) -> float:
-        """How long a peer sits out after ``streak`` busy answers in a row (>= 1)."""
-        return min(self.busy_max_s, self.busy_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+def _ceiling(ceilings: Mapping[str, float] | None, peer_id: str) -> float:
+    """``peer_id``'s ceiling from a remote announcement; 0 (none) unless usable."""
+    c = ceilings.get(peer_id) if ceilings is not None else None
+    return float(c) if c is not None and _finite(c) and c >= _MIN_THROUGHPUT else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +118,8 @@ class PeerWiringState:
     violation_reason: str | None = None
     #: whether the peer is in the stage's list now (a violator is remembered after it left)
     listed: bool = True
+    #: the most it says it sustains (its announced throughput); None: no ceiling
+    ceiling: float | None = None
 
 
 @dataclass(slots=True)
@@ -207,6 +144,13 @@ class _Peer:
     #: work (forward samples) and load (seconds) charged before the first measurement
     unmeasured_work: float = 0.0
     unmeasured_load: float = 0.0
+    #: the most it says it sustains (forward samples/s); 0: no ceiling
+    ceiling: float = 0.0
+
+    def rate(self) -> float:
+        """The throughput routing uses (before the slow factor): the estimate, at most the
+        ceiling."""
+        return min(self.estimate, self.ceiling) if self.ceiling else self.estimate
 
 
 class Wiring:
@@ -232,8 +176,11 @@ class Wiring:
 
     # ---- membership ---------------------------------------------------------------------
 
-    def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float) -> None:
-        """The stage's current peers with their announced (throughput, queue).
+    def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float,
+                     ceilings: Mapping[str, float] | None = None) -> None:
+        """The stage's current peers with their announced (throughput, queue), and the
+        ``ceilings`` of those that have one (forward samples/s; a peer not in it, or with a
+        zero, tiny or non-finite one, has none: see the module docstring).
 
         Peers not listed are dropped (a ban ends with them; a violation is remembered: one
         back within its ban re-enters banned). Newcomers enter at the least load of the peers
@@ -258,6 +205,7 @@ class Wiring:
                 new[peer_id] = (tput, queue)
                 continue
             p.queue = queue
+            p.ceiling = _ceiling(ceilings, peer_id)
             if not p.measured:
                 if tput:
                     p.estimate = tput
@@ -274,7 +222,8 @@ class Wiring:
         for p in unknown:
             p.estimate = prior
         for peer_id, (tput, queue) in new.items():
-            p = self._peers[peer_id] = _Peer(tput or prior, False, queue, floor)
+            p = self._peers[peer_id] = _Peer(tput or prior, False, queue, floor,
+                                             ceiling=_ceiling(ceilings, peer_id))
             if tput:
                 self._announced.add(peer_id)
             v = self.book.get(peer_id)
@@ -335,7 +284,7 @@ class Wiring:
         for peer_id, p in self._peers.items():
             if p.banned_until is not None or p.busy_until > now or peer_id in exclude:
                 continue
-            tput = p.estimate
+            tput = p.rate()
             if p.slow_excess:
                 factor = self._slow_factor(p, now)
                 if factor == 1.0:
@@ -388,7 +337,7 @@ class Wiring:
         # fast peer whose prior was low does not sit out the load it was over-charged (and is
         # not owed a burst either: never below the least loaded of the others in service).
         p.estimate, p.measured = measured, True
-        load = p.load - p.unmeasured_load + p.unmeasured_work / measured
+        load = p.load - p.unmeasured_load + p.unmeasured_work / p.rate()
         others = (q.load for q in self._peers.values() if q is not p and q.banned_until is None)
         p.load = max(load, min(others, default=0.0), 0.0)
 
@@ -470,7 +419,8 @@ class Wiring:
                        else "slow" if slow else "ok"),
                 ban_reason=p.ban_reason if banned is not None else None,
                 ban_left_s=banned - now if banned is not None else None,
-                violations=v.count if v else 0, violation_reason=v.reason if v else None))
+                violations=v.count if v else 0, violation_reason=v.reason if v else None,
+                ceiling=p.ceiling or None))
         for peer_id in sorted(set(self.book) - self._peers.keys()):
             v = self.book.get(peer_id)
             assert v is not None

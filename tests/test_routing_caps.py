@@ -1,0 +1,164 @@
+"""Routing follows a peer's capped throughput (issue 15): the wiring never believes more of a
+peer than its ceiling (what it announces, which ``[limits]`` caps to what its upload carries),
+however fast its hops look. Pure: no loop for the wiring; the router with a fake host and a
+virtual clock (tests/test_router.py's)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.pipeline.wiring import Kind, Wiring
+from test_router import MSG, OK, _router
+
+
+def _run(w: Wiring, true: dict[str, float], n: int, rng: random.Random) -> Counter[str]:
+    """``n`` choices of mixed kinds and sizes, each answered at the peer's true rate (what a
+    hop shows: compute and our link, never the peer's upload)."""
+    work: Counter[str] = Counter()
+    now = 0.0
+    for _ in range(n):
+        kind: Kind = "backward" if rng.random() < 0.5 else "forward"
+        samples = rng.randint(1, 32)
+        p = w.choose(kind, samples, now, rng)
+        assert p is not None
+        seconds = samples * w.config.cost(kind) / true[p]
+        w.success(p, samples, seconds, kind, now + seconds)
+        work[p] += samples * w.config.cost(kind)
+        now += 0.001
+    return work
+
+
+def _shares(work: Counter[str]) -> dict[str, float]:
+    total = sum(work.values())
+    return {p: w / total for p, w in work.items()}
+
+
+def test_a_capped_peer_gets_its_capped_share_however_fast_its_hops_look() -> None:
+    rng = random.Random(3)
+    true = {"capped": 100.0, "free": 100.0}  # equally fast hops
+    ceilings = {"capped": 10.0, "free": 100.0}  # what each announces
+    w = Wiring()
+    w.update_peers({p: (c, 0) for p, c in ceilings.items()}, 0.0, ceilings=ceilings)
+    _run(w, true, 500, rng)
+    shares = _shares(_run(w, true, 10_000, rng))
+    assert shares["capped"] == pytest.approx(10 / 110, rel=0.05)
+    state = {s.peer_id: s for s in w.snapshot(0.0)}
+    assert state["capped"].ceiling == 10.0 and state["capped"].throughput > 10.0  # measured
+
+
+def test_without_ceilings_the_measured_rate_decides_as_before() -> None:
+    rng = random.Random(3)
+    true = {"capped": 100.0, "free": 100.0}
+    w = Wiring()
+    w.update_peers({"capped": (10.0, 0), "free": (100.0, 0)}, 0.0)
+    _run(w, true, 500, rng)
+    assert _shares(_run(w, true, 10_000, rng))["capped"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_a_ceiling_above_the_measured_rate_changes_nothing() -> None:
+    rng = random.Random(4)
+    true = {"a": 10.0, "b": 30.0}
+    w = Wiring()
+    w.update_peers({"a": (50.0, 0), "b": (50.0, 0)}, 0.0, ceilings={"a": 50.0, "b": 50.0})
+    _run(w, true, 500, rng)
+    assert _shares(_run(w, true, 10_000, rng))["a"] == pytest.approx(0.25, rel=0.05)
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, math.nan, math.inf, 1e-300])
+def test_an_unusable_ceiling_is_no_ceiling(bad: float) -> None:
+    rng = random.Random(5)
+    true = {"a": 100.0, "b": 100.0}
+    w = Wiring()
+    w.update_peers({"a": (100.0, 0), "b": (100.0, 0)}, 0.0, ceilings={"a": bad, "b": 100.0})
+    assert {s.peer_id: s.ceiling for s in w.snapshot(0.0)}["a"] is None
+    _run(w, true, 500, rng)
+    assert _shares(_run(w, true, 5_000, rng))["a"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_a_ceiling_follows_the_latest_announcement_and_goes_with_it() -> None:
+    rng = random.Random(6)
+    true = {"a": 100.0, "b": 100.0}
+    w = Wiring()
+    w.update_peers({"a": (10.0, 0), "b": (100.0, 0)}, 0.0, ceilings={"a": 10.0, "b": 100.0})
+    _run(w, true, 500, rng)
+    # the cap was lifted: its next announcement carries its full speed
+    w.update_peers({"a": (100.0, 0), "b": (100.0, 0)}, 1.0, ceilings={"a": 100.0, "b": 100.0})
+    _run(w, true, 500, rng)
+    assert _shares(_run(w, true, 5_000, rng))["a"] == pytest.approx(0.5, rel=0.05)
+    w.update_peers({"a": (100.0, 0), "b": (100.0, 0)}, 2.0)  # no ceilings given: none
+    assert all(s.ceiling is None for s in w.snapshot(2.0))
+
+
+def test_a_capped_newcomer_is_recharged_at_its_ceiling_not_its_hop_rate() -> None:
+    """The first measurement re-charges the work sent so far at the rate routing uses: a capped
+    newcomer measured fast must not owe less than its cap lets it carry (no burst to it)."""
+    rng = random.Random(7)
+    true = {"a": 100.0, "b": 100.0, "new": 100.0}
+    w = Wiring()
+    w.update_peers({"a": (100.0, 0), "b": (100.0, 0)}, 0.0)
+    _run(w, {"a": 100.0, "b": 100.0}, 300, rng)
+    ceilings = {"a": 100.0, "b": 100.0, "new": 10.0}
+    w.update_peers({p: (c, 0) for p, c in ceilings.items()}, 1.0, ceilings=ceilings)
+    shares = _shares(_run(w, true, 2_100, rng))
+    assert shares["new"] == pytest.approx(10 / 210, rel=0.1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tputs=st.lists(st.tuples(st.floats(1.0, 100.0), st.floats(0.5, 200.0)),
+                      min_size=2, max_size=12),
+       seed=st.integers(0, 2**32 - 1))
+def test_each_peers_share_is_proportional_to_its_rate_at_most_its_ceiling(
+        tputs: list[tuple[float, float]], seed: int) -> None:
+    """Peers of true hop rates and ceilings drawn at random (some above, some below): after
+    warm-up, each one's share of work is within 5% (relative; 0.05 points absolute) of
+    min(rate, ceiling) / sum of those."""
+    rng = random.Random(seed)
+    true = {f"p{i}": t for i, (t, _) in enumerate(tputs)}
+    ceilings = {f"p{i}": c for i, (_, c) in enumerate(tputs)}
+    w = Wiring()
+    w.update_peers({p: (c, 0) for p, c in ceilings.items()}, 0.0, ceilings=ceilings)
+    _run(w, true, 2_000, rng)
+    shares = _shares(_run(w, true, 20_000, rng))
+    rate = {p: min(true[p], ceilings[p]) for p in true}
+    total = sum(rate.values())
+    for p in true:
+        ideal = rate[p] / total
+        assert abs(shares.get(p, 0.0) - ideal) <= max(0.05 * ideal, 0.0005), (p, rate[p])
+
+
+# ---- the router gives the wiring what each peer announced as its ceiling --------------------
+
+def test_the_router_holds_each_peer_to_what_it_announces() -> None:
+    """Both fake peers answer equally fast; one announces a tenth of the other's throughput
+    (its upload cap): it gets about a tenth of the other's share, not half."""
+    router, host, clock = _router({"capped": lambda n: OK, "free": lambda n: OK},
+                                  tput={"capped": 30.0, "free": 300.0})
+
+    async def many() -> None:
+        for _ in range(440):
+            await router.send(MSG, timeout=30.0)
+            clock.now += 0.01
+
+    asyncio.run(many())
+    share = host.requests.count("capped") / len(host.requests)
+    assert share == pytest.approx(30 / 330, rel=0.3)
+    rows = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
+    assert rows["capped"].ceiling == 30.0 and rows["capped"].throughput > 30.0
+
+
+def test_a_relayed_peer_is_held_to_its_full_announcement_not_the_relay_share() -> None:
+    relayed = ("/ip4/198.18.0.2/tcp/4001/p2p/R/p2p-circuit/p2p/B",)
+    router, host, clock = _router({"direct": lambda n: OK, "relayed": lambda n: OK},
+                                  tput={"direct": 100.0, "relayed": 100.0})
+    peers = router.peers_of(1)
+    router.peers_of = lambda s: {**peers, "relayed": (100.0, 0, relayed)}
+    asyncio.run(router.send(MSG, timeout=30.0))
+    rows = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
+    assert rows["relayed"].ceiling == 100.0 and rows["relayed"].throughput == 25.0
