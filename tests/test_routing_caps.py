@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.pipeline.wiring import Kind, Wiring
+from transport.frames import Message
 from test_router import MSG, OK, _router
 
 
@@ -162,3 +163,39 @@ def test_a_relayed_peer_is_held_to_its_full_announcement_not_the_relay_share() -
     asyncio.run(router.send(MSG, timeout=30.0))
     rows = {s.peer_id: s for s in router.wiring.snapshot(clock.now)}
     assert rows["relayed"].ceiling == 100.0 and rows["relayed"].throughput == 25.0
+
+
+# ---- what a hop costs the peer: its compute and the transfer, not its queue ----------------
+
+def test_a_hop_costs_its_compute_and_transfer_not_the_wait_in_the_peer_s_queue() -> None:
+    from swarmd.pipeline.messages import HopReply, hop_seconds, parse_hop_reply
+
+    reply = HopReply(service_s=0.05, held_s=0.08, compute_s=0.02)
+    assert parse_hop_reply(Message(**reply.wire())) == reply
+    # 20 ms of compute (30 ms waiting for the compute thread) and 20 ms on the wire
+    assert reply.seconds(0.10) == pytest.approx(0.04)
+    # an older peer says no compute time: its service time counts, as before
+    assert HopReply(service_s=0.05, held_s=0.08).seconds(0.10) == pytest.approx(0.07)
+    for bad in (-1, "x", True, math.nan, 0.06):  # unusable, or more than its service time
+        meta = {"service_s": 0.05, "held_s": 0.08, "compute_s": bad}
+        assert hop_seconds(Message(kind="ok", meta=meta), 0.10) == pytest.approx(0.07)
+
+
+def test_a_loaded_peer_keeps_its_share_when_its_replies_say_its_compute() -> None:
+    """Two peers of equal compute, one of them with a long queue (its service time 5x its
+    compute): counted by compute they share equally; counted by service time, the queued
+    one would get 30%."""
+    slow_queue = Message(kind="ok", meta={"service_s": 0.005, "held_s": 0.008,
+                                          "compute_s": 0.001})
+    no_queue = Message(kind="ok", meta={"service_s": 0.001, "held_s": 0.008,
+                                        "compute_s": 0.001})
+    router, host, clock = _router({"queued": lambda n: slow_queue, "idle": lambda n: no_queue},
+                                  tput={"queued": 1e6, "idle": 1e6})
+
+    async def many() -> None:
+        for _ in range(400):
+            await router.send(MSG, timeout=30.0)
+            clock.now += 0.01
+
+    asyncio.run(many())
+    assert host.requests.count("queued") / len(host.requests) == pytest.approx(0.5, rel=0.1)
