@@ -111,6 +111,51 @@ def test_a_capped_newcomer_is_recharged_at_its_ceiling_not_its_hop_rate() -> Non
     assert shares["new"] == pytest.approx(10 / 210, rel=0.1)
 
 
+def _run_hops(w: Wiring, compute: dict[str, float], latency: dict[str, float], n: int,
+              rng: random.Random) -> Counter[str]:
+    """``n`` forwards of 8 samples; a hop on ``p`` takes its compute and a fixed latency (the
+    trio bridge, the wire), and says its compute."""
+    picks: Counter[str] = Counter()
+    for _ in range(n):
+        p = w.choose("forward", 8, 0.0, rng)
+        assert p is not None
+        picks[p] += 1
+        c = 8 / compute[p]
+        w.success(p, 8, c + latency[p], "forward", 0.0, compute_s=c)
+    return picks
+
+
+def test_a_capped_peer_gets_its_cap_s_fraction_when_hops_are_mostly_latency() -> None:
+    """A tiny model: 15 ms of compute per hop, 18 ms of latency. The free peer announces what
+    it computes (533/s); the capped one computes as fast but announces 46/s (its cap). Its
+    share follows the announcements (46 / 579), not min(hop rate 242, 46) (16%)."""
+    rng = random.Random(8)
+    compute = {"capped": 533.0, "free": 533.0}
+    latency = {"capped": 0.018, "free": 0.018}
+    ceilings = {"capped": 46.0, "free": 533.0}
+    w = Wiring()
+    w.update_peers({p: (c, 0) for p, c in ceilings.items()}, 0.0, ceilings=ceilings)
+    _run_hops(w, compute, latency, 500, rng)
+    picks = _run_hops(w, compute, latency, 5_000, rng)
+    assert picks["capped"] / 5_000 == pytest.approx(46 / 579, rel=0.1)
+    share = {s.peer_id: s.compute_share for s in w.snapshot(0.0)}
+    assert share["capped"] == pytest.approx(0.015 / 0.033, rel=0.02)
+
+
+def test_an_uncapped_peer_s_ceiling_does_not_bind_and_latency_still_counts() -> None:
+    """Announcing what they compute, equal peers share by their hop rates: the far one (more
+    latency) gets less, as without ceilings."""
+    rng = random.Random(9)
+    compute = {"near": 100.0, "far": 100.0}
+    latency = {"near": 0.01, "far": 0.09}
+    w = Wiring()
+    w.update_peers({p: (100.0, 0) for p in compute}, 0.0, ceilings=dict.fromkeys(compute, 100.0))
+    _run_hops(w, compute, latency, 500, rng)
+    picks = _run_hops(w, compute, latency, 5_000, rng)
+    # hop rates 8/0.09 = 88.9 and 8/0.17 = 47.1
+    assert picks["near"] / 5_000 == pytest.approx(88.9 / 136.0, rel=0.05)
+
+
 @settings(max_examples=25, deadline=None)
 @given(tputs=st.lists(st.tuples(st.floats(1.0, 100.0), st.floats(0.5, 200.0)),
                       min_size=2, max_size=12),

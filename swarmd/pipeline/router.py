@@ -33,8 +33,9 @@ held is the transfer. Only addresses from the peer's signed membership
 announcement (``peers_of``) are dialed.
 
 A peer's announced throughput is also the ceiling of what the wiring believes of it
-(``Wiring.update_peers`` ``ceilings``): a capped peer announces what its upload cap carries
-(``swarmd.node.caps``), which no hop time shows (docs/limits.md "Routing").
+(``Wiring.update_peers`` ``ceilings``, in hop terms through the ``compute_s`` each ``ok``
+says): a capped peer announces what its upload cap carries (``swarmd.node.caps``), which no
+hop time shows (docs/limits.md "Routing").
 
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
@@ -260,7 +261,7 @@ class Router:
             return None, self._judged(target, kind, exc)
         self._observed(target, nbytes, self._clock() - t1, reply)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
-                            self._clock())
+                            self._clock(), compute_s=reply.compute_s)
         return reply, None
 
     def _false_refusal(self, peer: str, kind: Kind) -> None:

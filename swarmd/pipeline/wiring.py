@@ -14,10 +14,15 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   measurement, the load charged under the announced or prior estimate is re-charged at the
   measured rate (else a peer whose prior was 100x too low would sit idle for 100 tasks).
 * A peer may have a *ceiling*: the most it says it sustains (the router passes its announced
-  throughput, which ``[limits]`` caps to what its upload carries, ``swarmd.node.caps``). The
-  rate used is ``min(t_p, ceiling_p)``: a hop measures the peer's compute and our link, not its
-  own upload (the time it spends passing its output on is held time, the chain's), and a hop
-  that fits in a rate cap's burst never waits, so only the announcement knows that cap.
+  throughput, which ``[limits]`` caps to what its upload carries, ``swarmd.node.caps``). A hop
+  measures the peer's compute and our link, not its own upload (passing its output on is held
+  time, the chain's), and a hop that fits in a rate cap's burst never waits: only the
+  announcement knows the cap. It is in compute terms (an uncapped peer announces what it
+  computes), while ``t_p`` counts the hop's transfer too (a far peer gets less), so the
+  ceiling is brought into hop terms: times the share of its hops that is compute (a moving
+  average of ``compute_s / seconds`` from :meth:`Wiring.success`; 1 while unknown). The rate
+  used is ``min(t_p, ceiling_p x share_p)``: an uncapped peer's ceiling does not bind, a capped
+  one gets its cap's fraction of what its hops show (docs/limits.md).
 * Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
   ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
 
@@ -120,6 +125,8 @@ class PeerWiringState:
     listed: bool = True
     #: the most it says it sustains (its announced throughput); None: no ceiling
     ceiling: float | None = None
+    #: the share of its hops' time that is its compute (the ceiling counts times this)
+    compute_share: float = 1.0
 
 
 @dataclass(slots=True)
@@ -144,13 +151,18 @@ class _Peer:
     #: work (forward samples) and load (seconds) charged before the first measurement
     unmeasured_work: float = 0.0
     unmeasured_load: float = 0.0
-    #: the most it says it sustains (forward samples/s); 0: no ceiling
+    #: the most it says it sustains (forward samples/s of compute); 0: no ceiling
     ceiling: float = 0.0
+    #: moving average of the share of its hops' time that is its compute (1: unknown)
+    compute_share: float = 1.0
+    compute_shares: int = 0
 
     def rate(self) -> float:
         """The throughput routing uses (before the slow factor): the estimate, at most the
-        ceiling."""
-        return min(self.estimate, self.ceiling) if self.ceiling else self.estimate
+        ceiling in hop terms."""
+        if not self.ceiling:
+            return self.estimate
+        return min(self.estimate, self.ceiling * self.compute_share)
 
 
 class Wiring:
@@ -316,10 +328,11 @@ class Wiring:
     # ---- outcomes -----------------------------------------------------------------------
 
     def success(self, peer_id: str, samples: int, seconds: float, kind: Kind,
-                now: float) -> None:
-        """A task on ``peer_id`` took ``seconds``: update its throughput, end slow and streak.
-        A non-positive or non-finite duration still ends both but teaches no throughput.
-        Outcomes for peers no longer listed are ignored (they left while the task ran)."""
+                now: float, compute_s: float | None = None) -> None:
+        """A task on ``peer_id`` took ``seconds`` (``compute_s`` of them its compute, when it
+        said): update its throughput, end slow and streak. A non-positive or non-finite
+        duration still ends both but teaches no throughput. Outcomes for peers no longer
+        listed are ignored (they left while the task ran)."""
         cost = self.config.cost(kind)
         p = self._peers.get(peer_id)
         if p is None:
@@ -329,6 +342,11 @@ class Wiring:
         p.busy_streak, p.busy_until = 0, 0.0
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
+        if compute_s is not None and _finite(compute_s) and 0 <= compute_s:
+            share = min(1.0, compute_s / seconds)
+            p.compute_share = share if not p.compute_shares else (
+                p.compute_share + self.config.ema_alpha * (share - p.compute_share))
+            p.compute_shares += 1
         measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
         if p.measured:
             p.estimate += self.config.ema_alpha * (measured - p.estimate)
@@ -420,7 +438,7 @@ class Wiring:
                 ban_reason=p.ban_reason if banned is not None else None,
                 ban_left_s=banned - now if banned is not None else None,
                 violations=v.count if v else 0, violation_reason=v.reason if v else None,
-                ceiling=p.ceiling or None))
+                ceiling=p.ceiling or None, compute_share=p.compute_share))
         for peer_id in sorted(set(self.book) - self._peers.keys()):
             v = self.book.get(peer_id)
             assert v is not None
