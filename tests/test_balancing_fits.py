@@ -72,3 +72,22 @@ def test_a_newcomer_is_placed_on_the_bottleneck_it_can_hold() -> None:
     assert choose_stage([5.0, 1.0, 3.0], [2, 1, 1], rng, fits=range(3)) == 1
     with pytest.raises(ValueError):
         choose_stage([5.0, 1.0, 3.0], [2, 1, 1], rng, fits=set())
+
+
+def test_stages_that_fit_sizes_each_stage_without_memory() -> None:
+    """The demo model in 2 stages: 1.59 MB of parameters each, 4x that with gradients and
+    AdamW's moments (6.3 MB): a 7 MB cap holds either, a 6 MB one neither."""
+    import os
+
+    import torch
+
+    from swarmd.config import load_config
+    from swarmd.local.demo import DEMO_ENV
+    from swarmd.node.host_options import stages_that_fit
+
+    env = {**os.environ, **DEMO_ENV, "SWARMD_SWARM_STAGES": "2"}
+    assert stages_that_fit(load_config(None, env), torch.float32) is None  # no cap
+    assert stages_that_fit(load_config(None, {**env, "SWARMD_LIMITS_DEVICE_MEMORY_BYTES":
+                                              "7000000"}), torch.float32) == {0, 1}
+    assert stages_that_fit(load_config(None, {**env, "SWARMD_LIMITS_DEVICE_MEMORY_BYTES":
+                                              "6000000"}), torch.float32) == frozenset()
