@@ -244,3 +244,19 @@ def test_a_loaded_peer_keeps_its_share_when_its_replies_say_its_compute() -> Non
 
     asyncio.run(many())
     assert host.requests.count("queued") / len(host.requests) == pytest.approx(0.5, rel=0.1)
+
+
+def test_a_hop_that_waited_in_the_peer_s_upload_does_not_lower_its_rate_twice() -> None:
+    """Its reply waited 0.4 s in the peer's saturated upload: the hop rate falls (8 / 0.433),
+    the compute share the ceiling converts by stays that of its hops without a wait (less
+    2% a hop), so the rate is the lower of the two, not their product."""
+    w = Wiring()
+    w.update_peers({"capped": (46.0, 0)}, 0.0, ceilings={"capped": 46.0})
+    w.success("capped", 8, 0.033, "forward", 0.0, compute_s=0.015)  # 15 ms + 18 ms
+    w.success("capped", 8, 0.433, "forward", 0.0, compute_s=0.015)  # and a 0.4 s wait
+    (row,) = w.snapshot(0.0)
+    assert row.compute_share == pytest.approx(0.015 / 0.033 * 0.98)
+    for _ in range(200):  # a saturated upload for 200 hops: the share forgets the good ones
+        w.success("capped", 8, 0.433, "forward", 0.0, compute_s=0.015)
+    (row,) = w.snapshot(0.0)
+    assert row.compute_share == pytest.approx(0.015 / 0.433)

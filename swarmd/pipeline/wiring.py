@@ -19,10 +19,13 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   time, the chain's), and a hop that fits in a rate cap's burst never waits: only the
   announcement knows the cap. It is in compute terms (an uncapped peer announces what it
   computes), while ``t_p`` counts the hop's transfer too (a far peer gets less), so the
-  ceiling is brought into hop terms: times the share of its hops that is compute (a moving
-  average of ``compute_s / seconds`` from :meth:`Wiring.success`; 1 while unknown). The rate
-  used is ``min(t_p, ceiling_p x share_p)``: an uncapped peer's ceiling does not bind, a capped
-  one gets its cap's fraction of what its hops show (docs/limits.md).
+  ceiling is brought into hop terms: times the share of a hop that is its compute
+  (``compute_s / seconds`` from :meth:`Wiring.success`: the largest of its recent hops',
+  decaying by ``_SHARE_DECAY`` a hop; 1 while unknown). The largest, because a hop whose reply
+  waited in the peer's saturated upload is slow already (``t_p``): counted in the share too,
+  that wait would lower its rate twice. The rate used is ``min(t_p, ceiling_p x share_p)``: an
+  uncapped peer's ceiling does not bind, a capped one gets its cap's fraction of what its hops
+  show, less when its hops are slower still (docs/limits.md "Routing").
 * Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
   ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
 
@@ -80,6 +83,8 @@ _TIE = 1e-12
 _SLOW_EPS = 1e-3
 #: throughputs (forward samples/s) are kept at least this, so that loads stay finite
 _MIN_THROUGHPUT = 1e-6
+#: a peer's compute share of a hop (the ceiling's conversion) forgets this much per hop
+_SHARE_DECAY = 0.02
 #: what ``PeerWiringState.state`` says, the worst first
 PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
 
@@ -153,7 +158,7 @@ class _Peer:
     unmeasured_load: float = 0.0
     #: the most it says it sustains (forward samples/s of compute); 0: no ceiling
     ceiling: float = 0.0
-    #: moving average of the share of its hops' time that is its compute (1: unknown)
+    #: the largest recent share of a hop's time that was its compute (1: unknown)
     compute_share: float = 1.0
     compute_shares: int = 0
 
@@ -344,8 +349,8 @@ class Wiring:
             return
         if compute_s is not None and _finite(compute_s) and 0 <= compute_s:
             share = min(1.0, compute_s / seconds)
-            p.compute_share = share if not p.compute_shares else (
-                p.compute_share + self.config.ema_alpha * (share - p.compute_share))
+            p.compute_share = share if not p.compute_shares else max(
+                share, p.compute_share * (1.0 - _SHARE_DECAY))
             p.compute_shares += 1
         measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
         if p.measured:
