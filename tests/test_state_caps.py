@@ -132,3 +132,40 @@ def test_a_source_capped_at_64_kB_s_serves_its_state_to_a_joiner(tmp_path: Path)
         assert upload["bytes_s"] == CAP and upload["throttled_bytes"] > 0
     finally:
         stop_all(started)
+
+
+def test_a_source_claiming_a_tiny_cap_cannot_hold_a_download_up_for_long() -> None:
+    """A source says 1 byte/s: its chunk's deadline grows past request_timeout_s, but no
+    further than CAPPED_CHUNK_MAX_S; the download then fails over (here: no source left)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarmd.state.fetch import CAPPED_CHUNK_MAX_S, fetch_state
+    from swarmd.state.transfer import StateTransferFailed
+    from transport.errors import PeerUnavailable
+    from transport.frames import Message
+
+    offer = _info(peer="liar", upload_bytes_s=1, total_bytes=4 * MiB)
+    timeouts: list[float] = []
+
+    class Liar:
+        options = SimpleNamespace(limits=SimpleNamespace(max_message_bytes=64 * MiB),
+                                  download_bytes_s=None)
+
+        async def ensure_connected(self, peer: str, addrs: Any, *, timeout: float) -> bool:
+            return True
+
+        async def request(self, peer: str, protocol: str, message: Message, *, timeout: float,
+                          codec: Any) -> Message:
+            if message.kind == "state_info":
+                return Message(kind="state_info", meta=offer.to_meta())
+            timeouts.append(timeout)
+            raise PeerUnavailable("it never sends")
+
+    async def go() -> None:
+        await fetch_state(Liar(), "/state", [("liar", ())], stage=0, model_hash="m",
+                          timeout_s=30.0, max_bytes=64 * MiB, request_timeout_s=120.0)
+
+    with pytest.raises(StateTransferFailed):
+        asyncio.run(go())
+    assert timeouts and all(120.0 < t <= CAPPED_CHUNK_MAX_S for t in timeouts)

@@ -10,7 +10,8 @@ A rate cap binds the link (``[limits]``, docs/limits.md): the tighter of the sou
 (said in its offer) and our own download cap. Through it, fewer chunks are asked at a time
 (``swarmd.links.chunks_in_flight``: as many as the cap carries within ``request_timeout_s``, at
 least one) and a chunk's deadline is at least ``slack x`` the bytes in flight over the cap,
-even past ``request_timeout_s`` (a 4 MiB chunk at 64 kB/s takes 65 s by itself).
+even past ``request_timeout_s`` (a 4 MiB chunk at 64 kB/s takes 65 s by itself), but never
+past ``CAPPED_CHUNK_MAX_S``: a source claiming a tiny cap cannot hold a download up for long.
 """
 
 import asyncio
@@ -43,6 +44,8 @@ log = logging.getLogger("swarmd.state.transfer")
 
 #: what a source may spend capturing and encoding its state before it answers ``state_info``
 INFO_COMPUTE_S = 15.0
+#: the longest a chunk's deadline grows for a rate cap (4 MiB with 3x slack: 21 kB/s)
+CAPPED_CHUNK_MAX_S = 600.0
 
 
 class _SourceFailed(Exception):
@@ -276,9 +279,9 @@ class _Fetch:
         """Chunk ``index`` of ``info`` by its derived deadline; the link's estimates learn
         from it (the bytes this download received over the time since it began)."""
         # the chunks in flight share the link (and its rate cap): this one may wait on all
-        timeout = self.links.deadline(info.peer, nbytes * self._in_flight(info),
-                                      cap_s=self.request_timeout_s,
-                                      max_bandwidth=self._rate_cap(info))
+        timeout = min(max(self.request_timeout_s, CAPPED_CHUNK_MAX_S), self.links.deadline(
+            info.peer, nbytes * self._in_flight(info), cap_s=self.request_timeout_s,
+            max_bandwidth=self._rate_cap(info)))
         try:
             reply = await self.host.request(
                 info.peer, self.protocol,
