@@ -10,6 +10,13 @@ deadline is derived from what the call moves and what was measured on that link:
 peer (round trips of small requests; bytes over seconds of large transfers); before anything was
 measured the policy's defaults stand in, chosen for a slow home uplink so that a first transfer
 is not cut short. Time is a parameter (``now``); the table of peers is bounded.
+
+A rate cap that is known (``[limits]``: the far side's upload cap, which a state source says
+in its offer, or our own download cap) bounds the link: ``max_bandwidth`` makes the expected
+time at least ``bytes / cap``, and a caller's ``cap_s`` yields to ``slack x bytes / cap`` (a
+deadline the cap cannot meet would only fail the call again). ``chunks_in_flight``: how many
+requests of a chunk each to keep in flight through such a cap (more do not go faster, they only
+make each one wait longer).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["DeadlinePolicy", "LinkEstimates", "Link", "Transfer", "links_for",
+__all__ = ["DeadlinePolicy", "LinkEstimates", "Link", "Transfer", "links_for", "chunks_in_flight",
            "TYPICAL_HOP_BYTES", "TYPICAL_ROUND_BYTES", "TYPICAL_CHUNK_BYTES"]
 
 #: the sizes the status shows derived deadlines for: a hop's activations, what a round
@@ -113,18 +120,27 @@ class LinkEstimates:
         link.bandwidth = rate if link.bandwidth is None else _ema(link.bandwidth, rate,
                                                                   self.alpha)
 
-    def expected_s(self, peer: str, nbytes: int, *, round_trips: int = 1) -> float:
-        """Seconds a call moving ``nbytes`` to or from ``peer`` should take, without slack."""
+    def expected_s(self, peer: str, nbytes: int, *, round_trips: int = 1,
+                   max_bandwidth: float | None = None) -> float:
+        """Seconds a call moving ``nbytes`` to or from ``peer`` should take, without slack
+        (``max_bandwidth``: a rate cap known to bind the link, bytes/s)."""
         link = self.link(peer)
         rtt = link.rtt_s if link.rtt_s is not None else self.policy.default_rtt_s
         bandwidth = link.bandwidth if link.bandwidth is not None else self.policy.default_bandwidth
+        if max_bandwidth is not None and _usable_rate(max_bandwidth):
+            bandwidth = min(bandwidth, float(max_bandwidth))
         return max(0, round_trips) * rtt + max(0, nbytes) / bandwidth
 
     def deadline(self, peer: str, nbytes: int, *, round_trips: int = 1, extra_s: float = 0.0,
-                 cap_s: float | None = None) -> float:
+                 cap_s: float | None = None, max_bandwidth: float | None = None) -> float:
         """The deadline for such a call: see the module's formula. ``extra_s`` is time the
-        peer needs besides the link (its compute); ``cap_s`` lowers the policy's cap."""
-        expected = self.expected_s(peer, nbytes, round_trips=round_trips)
+        peer needs besides the link (its compute); ``cap_s`` lowers the policy's cap, but not
+        below what ``max_bandwidth`` (a known rate cap, bytes/s) needs (the module doc)."""
+        expected = self.expected_s(peer, nbytes, round_trips=round_trips,
+                                   max_bandwidth=max_bandwidth)
+        if cap_s is not None and max_bandwidth is not None and _usable_rate(max_bandwidth):
+            need = self.policy.slack * max(0, nbytes) / float(max_bandwidth)
+            cap_s = max(cap_s, need + max(0.0, extra_s))
         return self._clamped(expected, extra_s, cap_s)
 
     def deadline_all(self, transfers: Sequence[Transfer], *, extra_s: float = 0.0,
@@ -191,6 +207,23 @@ class LinkEstimates:
         while len(self._links) > self.max_peers:
             self._links.popitem(last=False)
         return link
+
+
+def chunks_in_flight(parallel: int, chunk_bytes: int, max_bandwidth: float | None, *,
+                     within_s: float, slack: float) -> int:
+    """How many requests of ``chunk_bytes`` each to keep in flight (at most ``parallel``):
+    all of them with no known rate cap; through one, as many as the cap carries ``slack``
+    times over within ``within_s``, at least one."""
+    parallel = max(1, int(parallel))
+    if max_bandwidth is None or not _usable_rate(max_bandwidth) or chunk_bytes <= 0:
+        return parallel
+    fits = float(max_bandwidth) * within_s / (max(1.0, slack) * chunk_bytes)
+    return max(1, min(parallel, int(fits) if math.isfinite(fits) else parallel))
+
+
+def _usable_rate(rate: float) -> bool:
+    return (isinstance(rate, (int, float)) and not isinstance(rate, bool)
+            and math.isfinite(rate) and rate > 0)
 
 
 def _usable(seconds: float) -> bool:

@@ -26,6 +26,7 @@ CORES = frozenset({
     "swarmd.node.addresses",
     "swarmd.node.reachability",
     "swarmd.pipeline.wiring",
+    "swarmd.pipeline.wiring_config",
     "swarmd.pipeline.penalties",
     "swarmd.pipeline.budgets",
     "swarmd.pipeline.messages",

@@ -48,6 +48,12 @@ Policy:
   confirmed the next check comes after ``confirm_period_s`` (10 s), so a real imbalance is
   acted on within about one period plus 20 s.
 
+* **Stages it cannot hold.** ``fits`` (the stages this peer's ``limits.device_memory_bytes``
+  can hold, ``swarmd.node.caps``; None: any) is known only to the peer itself. A target that
+  does not fit is passed over for the next deficit, lowest first, that fits and passes the
+  overshoot rule; when none does the peer stays (``"does_not_fit"``). Its stage mates planned
+  with it as a mover, so that deficit waits for the next checks, when the totals have changed.
+
 New peers (``--stage auto``) use :func:`swarmd.balancing.placement.choose_stage`, fed with
 :meth:`SwarmLoad.planned_totals` and :meth:`SwarmLoad.planned_counts` so that simultaneous
 joiners see each other.
@@ -58,7 +64,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 __all__ = ["STATES", "BalancingConfig", "PeerLoad", "Decision", "SwarmLoad", "swarm_gain",
@@ -128,7 +134,7 @@ class Decision:
     #: has nothing planned)
     gain: float
     #: why: "move", "balanced", "not_online", "no_throughput", "not_donor", "not_chosen",
-    #: "last_peer", "overshoot"
+    #: "last_peer", "overshoot", "does_not_fit"
     reason: str
 
 
@@ -240,8 +246,10 @@ def swarm_gain(load: SwarmLoad) -> float:
     return _gain(sum(planned) / len(planned), min(planned))
 
 
-def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig) -> Decision:
-    """Stay, or move ``peer_id`` to another stage; see the module docstring. Deterministic."""
+def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig,
+           fits: Collection[int] | None = None) -> Decision:
+    """Stay, or move ``peer_id`` to another stage (one of ``fits``, the stages it can hold,
+    when given); see the module docstring. Deterministic."""
     planned = load.planned_totals()
     level = sum(planned) / len(planned)
     gain = _gain(level, min(planned))
@@ -275,19 +283,31 @@ def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig) -> Decision:
         i = j + 1
     # where my share starts among all surpluses, matched to the deficits, lowest stage first
     at = sum(p - level for p in planned[:a] if p > level) + (surplus - left)
-    target, seen = -1, 0.0
-    for p, s in sorted((p, s) for s, p in enumerate(planned) if p < level):
+    deficits = sorted((p, s) for s, p in enumerate(planned) if p < level)
+    target, seen, k = -1, 0.0, 0
+    for k, (p, s) in enumerate(deficits):
         target = s
         seen += level - p
         if at < seen:
             break
-    # the move must raise the lower of the two stages by at least half the mover's own
-    # throughput: min(a - t, target + t) - target >= t / 2. Between two stages one peer apart
-    # (a = target + t, give or take measurement noise) it never does, so noisy throughputs
-    # cannot make peers swap back and forth
-    if planned[a] - planned[target] < 1.5 * t:
+    if fits is not None and target not in fits:
+        # the next deficit that fits (then the earlier ones), lowest first
+        order = [s for _, s in deficits[k + 1:] + deficits[:k]]
+        held = [s for s in order if s in fits and _no_overshoot(planned, a, s, t)]
+        if not held:
+            return Decision(move_to=None, gain=gain, reason="does_not_fit")
+        target = held[0]
+    if not _no_overshoot(planned, a, target, t):
         return Decision(move_to=None, gain=gain, reason="overshoot")
     return Decision(move_to=target, gain=gain, reason="move")
+
+
+def _no_overshoot(planned: list[float], source: int, target: int, t: float) -> bool:
+    """The move must raise the lower of the two stages by at least half the mover's own
+    throughput: min(a - t, target + t) - target >= t / 2. Between two stages one peer apart
+    (a = target + t, give or take measurement noise) it never does, so noisy throughputs
+    cannot make peers swap back and forth."""
+    return planned[source] - planned[target] >= 1.5 * t
 
 
 class Balancer:
@@ -315,9 +335,10 @@ class Balancer:
         """Forget the confirmations gathered so far (as a "stay" would)."""
         self.streak = 0
 
-    def check(self, load: SwarmLoad, now: float) -> int | None:
-        """The stage to move to now, or None."""
-        decision = decide(load, self.peer_id, self.config)
+    def check(self, load: SwarmLoad, now: float,
+              fits: Collection[int] | None = None) -> int | None:
+        """The stage to move to now (one of ``fits`` when given), or None."""
+        decision = decide(load, self.peer_id, self.config, fits)
         self.last, self.last_check_at = decision, now
         if decision.move_to is None:
             self.streak = 0

@@ -27,8 +27,9 @@ from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, Swar
                               peer_rows)
 from swarmd.config import Config
 from swarmd.errors import SwarmdError
-from swarmd.node.host_options import announced_throughput, apply_stage_limits, limits_status
 from swarmd.node.connectivity import keep_connected
+from swarmd.node.host_options import (announced_throughput, apply_stage_limits, limits_status,
+                                      stages_that_fit)
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 
@@ -405,9 +406,11 @@ class Daemon:
         info = self.membership.swarm_info()
         by_stage = {s.stage: s for s in info.stages}
         stages = range(self.config.swarm.stages)
-        self.stage = choose_stage(
+        fits = await asyncio.to_thread(stages_that_fit, self.config, self._dtype)
+        self.stage = choose_stage(  # none fits: any, refused with the numbers when loaded
             [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
-            [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng)
+            [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng,
+            fits=fits or None)
         log.info("placed on stage %d (the bottleneck)", self.stage)
         await self._serve_stage()
 
@@ -436,13 +439,14 @@ class Daemon:
         self.balancer = Balancer(self.host.peer_id, BalancingConfig(
             threshold=b.threshold, confirmations=b.confirmations,
             check_period_s=b.check_period_s, confirm_period_s=b.confirm_period_s))
+        fits = await asyncio.to_thread(stages_that_fit, self.config, self._dtype)
         while True:
             now = time.monotonic()
             await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
             if self.state != "online" or self.stage_server is None:
                 self.balancer.reset()
                 continue
-            target = self.balancer.check(self._swarm_load(), time.monotonic())
+            target = self.balancer.check(self._swarm_load(), time.monotonic(), fits)
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
                 await self._migrate(target)

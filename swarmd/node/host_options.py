@@ -7,6 +7,7 @@ never imports torch or trio.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
 from swarmd.config import Config
@@ -14,6 +15,8 @@ from swarmd.config import Config
 if TYPE_CHECKING:
     from transport.codecs import CodecSpec
     from transport.host import HostOptions
+
+log = logging.getLogger("swarmd.node.limits")
 
 
 def codec_spec(config: Config) -> CodecSpec:
@@ -99,6 +102,29 @@ def apply_stage_limits(config: Config, server: Any) -> None:
                                 cap_bytes=limits.device_memory, device=str(server.worker.device))
     if why is not None:
         raise ConfigError(why)
+
+
+def stages_that_fit(config: Config, dtype: Any) -> frozenset[int] | None:
+    """The stages whose parameters, gradients and optimizer state fit
+    ``limits.device_memory_bytes`` (what the balancer and ``--stage auto`` may choose); None
+    when there is no cap, or the stages cannot be sized. Each stage is built on torch's meta
+    device (shapes, no memory); seconds for a big model: call it in a thread."""
+    from swarmd.node.caps import device_memory_refusal
+
+    cap, stages = config.limits.device_memory, config.swarm.stages
+    if cap is None:
+        return None
+    try:
+        seam, _ = config.model_seam()
+        sizes = [sum(p.numel() * p.element_size() for p in seam.build_stage(
+            s, stages, device="meta", dtype=dtype).parameters()) for s in range(stages)]
+    except Exception as exc:  # a model that cannot be built on meta: no filter, say why
+        log.warning("cannot size the stages for limits.device_memory_bytes (%s): the balancer "
+                    "may pick a stage that does not fit, which is then refused", exc)
+        return None
+    return frozenset(s for s, size in enumerate(sizes) if device_memory_refusal(
+        stage=s, param_bytes=size, optimizer=config.training.optimizer, cap_bytes=cap,
+        device="meta") is None)
 
 
 def limits_status(config: Config, host: Any, server: Any) -> dict[str, Any]:

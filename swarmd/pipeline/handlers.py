@@ -158,6 +158,7 @@ class PipelineHandlers:
         if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
             raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")
         t0 = self._clock()
+        compute_s: float | None = None
         if fwd.eval:
             y = await self.compute.run(self.worker.infer, fwd.x, admit=True)
         else:
@@ -175,8 +176,8 @@ class PipelineHandlers:
             raise
         # the sender's wiring judges this peer by its own queue and compute, not by the rest
         # of the chain the ok waited for
-        return Message(**HopReply(service_s=service_s,
-                                  held_s=self._clock() - t0).wire())
+        return Message(**HopReply(service_s=service_s, held_s=self._clock() - t0,
+                                  compute_s=compute_s).wire())
 
     async def _pass_on(self, fwd: Any, y: Any) -> None:
         route = self._routes.get(fwd.mb) if not fwd.eval else None

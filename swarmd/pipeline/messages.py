@@ -137,24 +137,31 @@ class Grad:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HopReply:
-    """A forward's ``ok``: the peer's own queue and compute (``service_s``) and how long it
-    held the request, the rest of the chain included (``held_s``); None when not said."""
+    """A forward's ``ok``: the peer's own queue and compute (``service_s``), its compute
+    alone (``compute_s``, its share of a batch's) and how long it held the request, the rest
+    of the chain included (``held_s``); None when not said."""
 
     service_s: float | None = None
     held_s: float | None = None
+    compute_s: float | None = None
 
     def wire(self) -> dict[str, Any]:
-        meta = {k: v for k, v in (("service_s", self.service_s), ("held_s", self.held_s))
-                if v is not None}
+        meta = {k: v for k, v in (("service_s", self.service_s), ("held_s", self.held_s),
+                                  ("compute_s", self.compute_s)) if v is not None}
         return {"kind": "ok", "meta": meta}
 
     def seconds(self, round_trip_s: float) -> float:
-        """What the hop cost the peer it went to: its service time plus the transfer (the
-        round trip less the time it held the request). The round trip when the reply says
-        nothing usable."""
-        service, held = self.service_s, self.held_s
+        """What the hop cost the peer it went to: its compute plus the transfer (the round trip
+        less the time it held the request; the reply's wait in a capped peer's upload is in
+        it). The time it waited in its queue is not: that is load, which the wiring keeps
+        itself (counted in the rate too, a loaded peer would look slower than it computes, and
+        shares would stop following throughput). Its service time when it says no compute
+        time (an older peer); the round trip when the reply says nothing usable."""
+        service, held, compute = self.service_s, self.held_s, self.compute_s
         if service is None or held is None or service > held or held > round_trip_s:
             return round_trip_s
+        if compute is not None and compute <= service:
+            return compute + (round_trip_s - held)
         return service + (round_trip_s - held)
 
 
@@ -220,8 +227,9 @@ def parse_hop_reply(message: Any) -> HopReply:
                                      f"{getattr(message, 'kind', None)!r}")
     meta = getattr(message, "meta", None)
     meta = meta if isinstance(meta, Mapping) else {}
-    service, held = (_seconds(meta.get(k)) for k in ("service_s", "held_s"))
-    return HopReply(service_s=service, held_s=held)
+    service, held, compute = (_seconds(meta.get(k)) for k in ("service_s", "held_s",
+                                                              "compute_s"))
+    return HopReply(service_s=service, held_s=held, compute_s=compute)
 
 
 def hop_seconds(reply: Any, round_trip_s: float) -> float:

@@ -32,6 +32,11 @@ hop time is unknown). Each ``ok`` feeds the shared estimates: the round trip les
 held is the transfer. Only addresses from the peer's signed membership
 announcement (``peers_of``) are dialed.
 
+A peer's announced throughput is also the ceiling of what the wiring believes of it
+(``Wiring.update_peers`` ``ceilings``, in hop terms through the ``compute_s`` each ``ok``
+says): a capped peer announces what its upload cap carries (``swarmd.node.caps``), which no
+hop time shows (docs/limits.md "Routing").
+
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
 sender, never one a message names) and only when membership lists it for this stage.
@@ -212,9 +217,11 @@ class Router:
             if now >= deadline:
                 return None
             peers = self.peers_of(self.stage)
-            # every peer, every time: a peer left out of update_peers would lose its ban
+            # every peer, every time: a peer left out of update_peers would lose its ban;
+            # what a peer announces is also the most it is trusted with (its upload cap)
             self.wiring.update_peers({p: (announced_throughput(v[0], v[2]), v[1])
-                                      for p, v in peers.items()}, now)
+                                      for p, v in peers.items()}, now,
+                                     ceilings={p: v[0] for p, v in peers.items()})
             if not peers:
                 target = None
             elif slow:
@@ -254,7 +261,7 @@ class Router:
             return None, self._judged(target, kind, exc)
         self._observed(target, nbytes, self._clock() - t1, reply)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
-                            self._clock())
+                            self._clock(), compute_s=reply.compute_s)
         return reply, None
 
     def _false_refusal(self, peer: str, kind: Kind) -> None:

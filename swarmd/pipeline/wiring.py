@@ -13,6 +13,19 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   ``prior_throughput`` (default: the median estimate of the stage's other peers). At the first
   measurement, the load charged under the announced or prior estimate is re-charged at the
   measured rate (else a peer whose prior was 100x too low would sit idle for 100 tasks).
+* A peer may have a *ceiling*: the most it says it sustains (the router passes its announced
+  throughput, which ``[limits]`` caps to what its upload carries, ``swarmd.node.caps``). A hop
+  measures the peer's compute and our link, not its own upload (passing its output on is held
+  time, the chain's), and a hop that fits in a rate cap's burst never waits: only the
+  announcement knows the cap. It is in compute terms (an uncapped peer announces what it
+  computes), while ``t_p`` counts the hop's transfer too (a far peer gets less), so the
+  ceiling is brought into hop terms: times the share of a hop that is its compute
+  (``compute_s / seconds`` from :meth:`Wiring.success`: the largest of its recent hops',
+  decaying by ``_SHARE_DECAY`` a hop; 1 while unknown). The largest, because a hop whose reply
+  waited in the peer's saturated upload is slow already (``t_p``): counted in the share too,
+  that wait would lower its rate twice. The rate used is ``min(t_p, ceiling_p x share_p)``: an
+  uncapped peer's ceiling does not bind, a capped one gets its cap's fraction of what its hops
+  show, less when its hops are slower still (docs/limits.md "Routing").
 * Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
   ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
 
@@ -56,13 +69,11 @@ import random
 import statistics
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from swarmd.pipeline.penalties import ViolationBook, clean_reason
+from swarmd.pipeline.wiring_config import Kind, WiringConfig, _finite
 
 __all__ = ["Kind", "WiringConfig", "PeerWiringState", "Wiring", "PEER_ROUTING_STATES"]
-
-Kind = Literal["forward", "backward"]
 
 #: once every peer in service has more load than this (seconds), the minimum is subtracted
 _RENORMALISE_AT = 1024.0
@@ -72,82 +83,16 @@ _TIE = 1e-12
 _SLOW_EPS = 1e-3
 #: throughputs (forward samples/s) are kept at least this, so that loads stay finite
 _MIN_THROUGHPUT = 1e-6
+#: a peer's compute share of a hop (the ceiling's conversion) forgets this much per hop
+_SHARE_DECAY = 0.02
 #: what ``PeerWiringState.state`` says, the worst first
 PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
 
 
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WiringConfig:
-    #: cost of a backward task relative to a forward task of the same size
-    backward_cost: float = 2.5
-    #: weight of a new measurement in the throughput average (1: keep only the latest)
-    ema_alpha: float = 0.2
-    #: throughput (forward samples/s) of a peer that announced none; None: the stage's median
-    prior_throughput: float | None = None
-    #: a timeout divides a peer's throughput estimate by this
-    slow_penalty: float = 2.0
-    #: the slow factor's excess over 1 halves every this many seconds
-    slow_half_life_s: float = 60.0
-    #: repeated timeouts compound up to this factor
-    slow_max_factor: float = 64.0
-    #: first ban after an error; each consecutive error doubles it, up to ban_max_s
-    ban_base_s: float = 15.0
-    ban_max_s: float = 300.0
-    #: forward samples of work one task in a peer's announced queue stands for
-    queue_weight: float = 16.0
-    #: a peer that answered busy sits out this long; doubling while it stays busy, capped
-    busy_base_s: float = 0.25
-    busy_max_s: float = 2.0
-    #: first ban after a protocol violation; each further violation episode doubles it, capped
-    violation_base_s: float = 60.0
-    violation_max_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"WiringConfig: {what}")
-        for name in ("backward_cost", "ema_alpha", "slow_penalty", "slow_half_life_s",
-                     "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight",
-                     "busy_base_s", "busy_max_s", "violation_base_s", "violation_max_s"):
-            need(_finite(getattr(self, name)), f"{name} must be a finite number")
-        need(self.backward_cost > 0, "backward_cost must be > 0 (2.5 in the SWARM paper)")
-        need(0 < self.ema_alpha <= 1, "ema_alpha must be in (0, 1]")
-        need(self.prior_throughput is None
-             or (_finite(self.prior_throughput) and self.prior_throughput > 0),
-             "prior_throughput must be None or a finite number > 0")
-        need(self.slow_penalty >= 1, "slow_penalty must be >= 1 (1 disables it)")
-        need(self.slow_half_life_s > 0, "slow_half_life_s must be > 0")
-        need(self.slow_max_factor >= self.slow_penalty, "slow_max_factor must be >= slow_penalty")
-        need(0 < self.ban_base_s <= self.ban_max_s, "need 0 < ban_base_s <= ban_max_s")
-        need(self.queue_weight >= 0, "queue_weight must be >= 0")
-        need(0 < self.busy_base_s <= self.busy_max_s, "need 0 < busy_base_s <= busy_max_s")
-        need(0 < self.violation_base_s <= self.violation_max_s,
-             "need 0 < violation_base_s <= violation_max_s")
-
-    def cost(self, kind: Kind) -> float:
-        """Cost of one sample of ``kind``, in forward passes."""
-        if kind == "forward":
-            return 1.0
-        if kind == "backward":
-            return self.backward_cost
-        raise ValueError(f'kind must be "forward" or "backward", not {kind!r}')
-
-    def ban_s(self, streak: int) -> float:
-        """Length of the ban after ``streak`` consecutive errors (>= 1)."""
-        return min(self.ban_max_s, self.ban_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
-
-    def violation_s(self, episodes: int) -> float:
-        """Length of the ban after a peer's ``episodes``-th protocol violation (>= 1)."""
-        return min(self.violation_max_s,
-                   self.violation_base_s * 2.0 ** min(max(episodes, 1) - 1, 64))
-
-    def busy_s(self, streak: int) -> float:
-        """How long a peer sits out after ``streak`` busy answers in a row (>= 1)."""
-        return min(self.busy_max_s, self.busy_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+def _ceiling(ceilings: Mapping[str, float] | None, peer_id: str) -> float:
+    """``peer_id``'s ceiling from a remote announcement; 0 (none) unless usable."""
+    c = ceilings.get(peer_id) if ceilings is not None else None
+    return float(c) if c is not None and _finite(c) and c >= _MIN_THROUGHPUT else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +128,10 @@ class PeerWiringState:
     violation_reason: str | None = None
     #: whether the peer is in the stage's list now (a violator is remembered after it left)
     listed: bool = True
+    #: the most it says it sustains (its announced throughput); None: no ceiling
+    ceiling: float | None = None
+    #: the share of its hops' time that is its compute (the ceiling counts times this)
+    compute_share: float = 1.0
 
 
 @dataclass(slots=True)
@@ -207,6 +156,18 @@ class _Peer:
     #: work (forward samples) and load (seconds) charged before the first measurement
     unmeasured_work: float = 0.0
     unmeasured_load: float = 0.0
+    #: the most it says it sustains (forward samples/s of compute); 0: no ceiling
+    ceiling: float = 0.0
+    #: the largest recent share of a hop's time that was its compute (1: unknown)
+    compute_share: float = 1.0
+    compute_shares: int = 0
+
+    def rate(self) -> float:
+        """The throughput routing uses (before the slow factor): the estimate, at most the
+        ceiling in hop terms."""
+        if not self.ceiling:
+            return self.estimate
+        return min(self.estimate, self.ceiling * self.compute_share)
 
 
 class Wiring:
@@ -232,8 +193,11 @@ class Wiring:
 
     # ---- membership ---------------------------------------------------------------------
 
-    def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float) -> None:
-        """The stage's current peers with their announced (throughput, queue).
+    def update_peers(self, peers: Mapping[str, tuple[float, int]], now: float,
+                     ceilings: Mapping[str, float] | None = None) -> None:
+        """The stage's current peers with their announced (throughput, queue), and the
+        ``ceilings`` of those that have one (forward samples/s; a peer not in it, or with a
+        zero, tiny or non-finite one, has none: see the module docstring).
 
         Peers not listed are dropped (a ban ends with them; a violation is remembered: one
         back within its ban re-enters banned). Newcomers enter at the least load of the peers
@@ -258,6 +222,7 @@ class Wiring:
                 new[peer_id] = (tput, queue)
                 continue
             p.queue = queue
+            p.ceiling = _ceiling(ceilings, peer_id)
             if not p.measured:
                 if tput:
                     p.estimate = tput
@@ -274,7 +239,8 @@ class Wiring:
         for p in unknown:
             p.estimate = prior
         for peer_id, (tput, queue) in new.items():
-            p = self._peers[peer_id] = _Peer(tput or prior, False, queue, floor)
+            p = self._peers[peer_id] = _Peer(tput or prior, False, queue, floor,
+                                             ceiling=_ceiling(ceilings, peer_id))
             if tput:
                 self._announced.add(peer_id)
             v = self.book.get(peer_id)
@@ -335,7 +301,7 @@ class Wiring:
         for peer_id, p in self._peers.items():
             if p.banned_until is not None or p.busy_until > now or peer_id in exclude:
                 continue
-            tput = p.estimate
+            tput = p.rate()
             if p.slow_excess:
                 factor = self._slow_factor(p, now)
                 if factor == 1.0:
@@ -367,10 +333,11 @@ class Wiring:
     # ---- outcomes -----------------------------------------------------------------------
 
     def success(self, peer_id: str, samples: int, seconds: float, kind: Kind,
-                now: float) -> None:
-        """A task on ``peer_id`` took ``seconds``: update its throughput, end slow and streak.
-        A non-positive or non-finite duration still ends both but teaches no throughput.
-        Outcomes for peers no longer listed are ignored (they left while the task ran)."""
+                now: float, compute_s: float | None = None) -> None:
+        """A task on ``peer_id`` took ``seconds`` (``compute_s`` of them its compute, when it
+        said): update its throughput, end slow and streak. A non-positive or non-finite
+        duration still ends both but teaches no throughput. Outcomes for peers no longer
+        listed are ignored (they left while the task ran)."""
         cost = self.config.cost(kind)
         p = self._peers.get(peer_id)
         if p is None:
@@ -380,6 +347,11 @@ class Wiring:
         p.busy_streak, p.busy_until = 0, 0.0
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
+        if compute_s is not None and _finite(compute_s) and 0 <= compute_s:
+            share = min(1.0, compute_s / seconds)
+            p.compute_share = share if not p.compute_shares else max(
+                share, p.compute_share * (1.0 - _SHARE_DECAY))
+            p.compute_shares += 1
         measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
         if p.measured:
             p.estimate += self.config.ema_alpha * (measured - p.estimate)
@@ -388,7 +360,7 @@ class Wiring:
         # fast peer whose prior was low does not sit out the load it was over-charged (and is
         # not owed a burst either: never below the least loaded of the others in service).
         p.estimate, p.measured = measured, True
-        load = p.load - p.unmeasured_load + p.unmeasured_work / measured
+        load = p.load - p.unmeasured_load + p.unmeasured_work / p.rate()
         others = (q.load for q in self._peers.values() if q is not p and q.banned_until is None)
         p.load = max(load, min(others, default=0.0), 0.0)
 
@@ -470,7 +442,8 @@ class Wiring:
                        else "slow" if slow else "ok"),
                 ban_reason=p.ban_reason if banned is not None else None,
                 ban_left_s=banned - now if banned is not None else None,
-                violations=v.count if v else 0, violation_reason=v.reason if v else None))
+                violations=v.count if v else 0, violation_reason=v.reason if v else None,
+                ceiling=p.ceiling or None, compute_share=p.compute_share))
         for peer_id in sorted(set(self.book) - self._peers.keys()):
             v = self.book.get(peer_id)
             assert v is not None

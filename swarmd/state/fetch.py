@@ -5,6 +5,13 @@ flight to its source (``parallel`` chunks at a time share the link) and what was
 it, at most ``request_timeout_s``; each chunk received feeds the estimates. An offer
 (``state_info``) may make the source capture and encode its state first: ``INFO_COMPUTE_S``
 is added for that.
+
+A rate cap binds the link (``[limits]``, docs/limits.md): the tighter of the source's upload cap
+(said in its offer) and our own download cap. Through it, fewer chunks are asked at a time
+(``swarmd.links.chunks_in_flight``: as many as the cap carries within ``request_timeout_s``, at
+least one) and a chunk's deadline is at least ``slack x`` the bytes in flight over the cap,
+even past ``request_timeout_s`` (a 4 MiB chunk at 64 kB/s takes 65 s by itself), but never
+past ``CAPPED_CHUNK_MAX_S``: a source claiming a tiny cap cannot hold a download up for long.
 """
 
 import asyncio
@@ -15,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from swarmd.links import LinkEstimates, links_for
+from swarmd.links import LinkEstimates, chunks_in_flight, links_for
 from swarmd.state.encoding import (BadStageState, NonFiniteState, StageState, check_finite_state,
                                    decode, digest)
 from swarmd.state.messages import SizeBound, check_offer, parse_chunk, parse_info
@@ -37,6 +44,8 @@ log = logging.getLogger("swarmd.state.transfer")
 
 #: what a source may spend capturing and encoding its state before it answers ``state_info``
 INFO_COMPUTE_S = 15.0
+#: the longest a chunk's deadline grows for a rate cap (4 MiB with 3x slack: 21 kB/s)
+CAPPED_CHUNK_MAX_S = 600.0
 
 
 class _SourceFailed(Exception):
@@ -215,12 +224,24 @@ class _Fetch:
         if self.on_progress is not None:
             self.on_progress(self.done_bytes, info.total_bytes)
 
+    def _rate_cap(self, info: StateInfo) -> int | None:
+        """The rate cap on this download: the source's upload cap or our download cap."""
+        ours = getattr(getattr(self.host, "options", None), "download_bytes_s", None)
+        caps = [c for c in (info.upload_bytes_s, ours) if isinstance(c, int) and c > 0]
+        return min(caps) if caps else None
+
+    def _in_flight(self, info: StateInfo) -> int:
+        """Chunks asked of the source at a time (fewer through a rate cap: module doc)."""
+        return min(max(1, info.chunks), chunks_in_flight(
+            self.parallel, info.chunk_bytes, self._rate_cap(info),
+            within_s=self.request_timeout_s, slack=self.links.policy.slack))
+
     async def _download(self, info: StateInfo, plan: Plan) -> _SourceFailed | None:
         todo = deque(plan.missing())
         self.download_t0, self.download_bytes = time.monotonic(), 0
         try:
             async with asyncio.TaskGroup() as tg:
-                for _ in range(min(self.parallel, len(todo))):
+                for _ in range(min(self._in_flight(info), len(todo))):
                     tg.create_task(self._worker(info, plan, todo))
         except BaseExceptionGroup as group:
             errors = _leaves(group)
@@ -257,10 +278,10 @@ class _Fetch:
     async def _request_chunk(self, info: StateInfo, index: int, nbytes: int) -> Message:
         """Chunk ``index`` of ``info`` by its derived deadline; the link's estimates learn
         from it (the bytes this download received over the time since it began)."""
-        # the chunks in flight share the link: this one may wait on all of them
-        sharing = max(1, min(self.parallel, info.chunks))
-        timeout = self.links.deadline(info.peer, nbytes * sharing,
-                                      cap_s=self.request_timeout_s)
+        # the chunks in flight share the link (and its rate cap): this one may wait on all
+        timeout = min(max(self.request_timeout_s, CAPPED_CHUNK_MAX_S), self.links.deadline(
+            info.peer, nbytes * self._in_flight(info), cap_s=self.request_timeout_s,
+            max_bandwidth=self._rate_cap(info)))
         try:
             reply = await self.host.request(
                 info.peer, self.protocol,

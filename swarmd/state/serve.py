@@ -145,7 +145,9 @@ class StateServer:
         data = encode(state)
         info = StateInfo(peer=self.host.peer_id, stage=state.stage, step=state.step,
                          model_hash=state.model_hash, digest=digest(data),
-                         total_bytes=len(data), chunk_bytes=self.chunk_bytes)
+                         total_bytes=len(data), chunk_bytes=self.chunk_bytes,
+                         upload_bytes_s=getattr(getattr(self.host, "options", None),
+                                                "upload_bytes_s", None))
         with warnings.catch_warnings():  # read-only bytes: the tensor is only ever read
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.frombuffer(data, dtype=torch.uint8)

@@ -92,12 +92,18 @@ class StateInfo:
     digest: str
     total_bytes: int
     chunk_bytes: int
+    #: the source's upload cap (``limits.upload_bytes_s``), bytes/s; None: uncapped or not
+    #: said (an older source). The fetcher's chunk deadlines follow it (swarmd.links)
+    upload_bytes_s: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stage", "step", "total_bytes", "chunk_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise BadStateRequest("info", f"{name} must be a non-negative integer")
+        cap = self.upload_bytes_s
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise BadStateRequest("info", "upload_bytes_s must be None or a positive integer")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise BadStateRequest("info", f"chunk size {self.chunk_bytes} outside "
                                           f"{MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}")
@@ -115,15 +121,19 @@ class StateInfo:
         return start, min(start + self.chunk_bytes, self.total_bytes)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"stage": self.stage, "step": self.step, "model_hash": self.model_hash,
+        meta = {"stage": self.stage, "step": self.step, "model_hash": self.model_hash,
                 "digest": self.digest, "total_bytes": self.total_bytes,
                 "chunk_bytes": self.chunk_bytes, "chunks": self.chunks}
+        if self.upload_bytes_s is not None:
+            meta["upload_bytes_s"] = self.upload_bytes_s
+        return meta
 
     @classmethod
     def from_meta(cls, peer: str, meta: Mapping[str, Any]) -> StateInfo:
         try:
             info = cls(peer=peer, **{k: meta.get(k) for k in (
-                "stage", "step", "model_hash", "digest", "total_bytes", "chunk_bytes")})
+                "stage", "step", "model_hash", "digest", "total_bytes", "chunk_bytes",
+                "upload_bytes_s")})
         except TypeError as exc:
             raise BadStateRequest("info", str(exc)) from None
         if meta.get("chunks") != info.chunks:

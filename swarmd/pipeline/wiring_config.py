@@ -1,0 +1,85 @@
+"""The wiring's tunables (``swarmd.pipeline.wiring``): one frozen value, validated when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Kind", "WiringConfig"]
+
+Kind = Literal["forward", "backward"]
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WiringConfig:
+    #: cost of a backward task relative to a forward task of the same size
+    backward_cost: float = 2.5
+    #: weight of a new measurement in the throughput average (1: keep only the latest)
+    ema_alpha: float = 0.2
+    #: throughput (forward samples/s) of a peer that announced none; None: the stage's median
+    prior_throughput: float | None = None
+    #: a timeout divides a peer's throughput estimate by this
+    slow_penalty: float = 2.0
+    #: the slow factor's excess over 1 halves every this many seconds
+    slow_half_life_s: float = 60.0
+    #: repeated timeouts compound up to this factor
+    slow_max_factor: float = 64.0
+    #: first ban after an error; each consecutive error doubles it, up to ban_max_s
+    ban_base_s: float = 15.0
+    ban_max_s: float = 300.0
+    #: forward samples of work one task in a peer's announced queue stands for
+    queue_weight: float = 16.0
+    #: a peer that answered busy sits out this long; doubling while it stays busy, capped
+    busy_base_s: float = 0.25
+    busy_max_s: float = 2.0
+    #: first ban after a protocol violation; each further violation episode doubles it, capped
+    violation_base_s: float = 60.0
+    violation_max_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"WiringConfig: {what}")
+        for name in ("backward_cost", "ema_alpha", "slow_penalty", "slow_half_life_s",
+                     "slow_max_factor", "ban_base_s", "ban_max_s", "queue_weight",
+                     "busy_base_s", "busy_max_s", "violation_base_s", "violation_max_s"):
+            need(_finite(getattr(self, name)), f"{name} must be a finite number")
+        need(self.backward_cost > 0, "backward_cost must be > 0 (2.5 in the SWARM paper)")
+        need(0 < self.ema_alpha <= 1, "ema_alpha must be in (0, 1]")
+        need(self.prior_throughput is None
+             or (_finite(self.prior_throughput) and self.prior_throughput > 0),
+             "prior_throughput must be None or a finite number > 0")
+        need(self.slow_penalty >= 1, "slow_penalty must be >= 1 (1 disables it)")
+        need(self.slow_half_life_s > 0, "slow_half_life_s must be > 0")
+        need(self.slow_max_factor >= self.slow_penalty, "slow_max_factor must be >= slow_penalty")
+        need(0 < self.ban_base_s <= self.ban_max_s, "need 0 < ban_base_s <= ban_max_s")
+        need(self.queue_weight >= 0, "queue_weight must be >= 0")
+        need(0 < self.busy_base_s <= self.busy_max_s, "need 0 < busy_base_s <= busy_max_s")
+        need(0 < self.violation_base_s <= self.violation_max_s,
+             "need 0 < violation_base_s <= violation_max_s")
+
+    def cost(self, kind: Kind) -> float:
+        """Cost of one sample of ``kind``, in forward passes."""
+        if kind == "forward":
+            return 1.0
+        if kind == "backward":
+            return self.backward_cost
+        raise ValueError(f'kind must be "forward" or "backward", not {kind!r}')
+
+    def ban_s(self, streak: int) -> float:
+        """Length of the ban after ``streak`` consecutive errors (>= 1)."""
+        return min(self.ban_max_s, self.ban_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+
+    def violation_s(self, episodes: int) -> float:
+        """Length of the ban after a peer's ``episodes``-th protocol violation (>= 1)."""
+        return min(self.violation_max_s,
+                   self.violation_base_s * 2.0 ** min(max(episodes, 1) - 1, 64))
+
+    def busy_s(self, streak: int) -> float:
+        """How long a peer sits out after ``streak`` busy answers in a row (>= 1)."""
+        return min(self.busy_max_s, self.busy_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
