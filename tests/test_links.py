@@ -157,7 +157,8 @@ def test_a_hop_deadline_is_the_cap_until_a_peer_answered_then_follows_its_link()
 
     import torch
 
-    from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
+    from swarmd.pipeline.held import HOP_TIMEOUT_S
+    from swarmd.pipeline.router import Router
     from transport.frames import Message
 
     timeouts: list[float] = []

@@ -131,7 +131,7 @@ class Daemon:
     def _links_status(self) -> dict[str, Any]:
         """Each link's measured round trip and bandwidth and the deadlines derived from them."""
         from swarmd.links import links_for
-        from swarmd.pipeline.router import HOP_TIMEOUT_S
+        from swarmd.pipeline.held import HOP_TIMEOUT_S
 
         return links_for(self.host).status(hop_cap_s=HOP_TIMEOUT_S,
                                            round_cap_s=self.config.averaging.timeout_s,

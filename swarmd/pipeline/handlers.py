@@ -50,8 +50,8 @@ from swarmd.pipeline.messages import (
     parse_forward,
 )
 from swarmd.links import links_for
-from swarmd.pipeline.held import HeldTimes
-from swarmd.pipeline.router import HOP_TIMEOUT_S, OUR_OUTPUT_REFUSED, Router
+from swarmd.pipeline.held import HOP_TIMEOUT_S, HeldTimes
+from swarmd.pipeline.router import OUR_OUTPUT_REFUSED, Router
 from swarmd.pipeline.stepping import Gate
 from swarmd.pipeline.worker import StageWorker
 from transport.errors import PeerUnavailable, RemoteError, TransportError

@@ -26,9 +26,9 @@ Every attempt is bounded: at most ``MAX_ATTEMPTS`` tries within the caller's dea
 (every peer paused or banned) never past it. One try's deadline follows the link
 (``swarmd.links``): the bytes sent over the measured bandwidth, two round trips, plus what the
 peer held the last requests (its compute and the chain after it, ``HopReply.held_s``) with
-slack, plus ``DOWNSTREAM_RETRY_S`` (a later stage may time out on one peer and retry another
-first), at least the policy's floor and at most ``HOP_TIMEOUT_S`` (all of it while that peer's
-hop time is unknown). Each ``ok`` feeds the shared estimates: the round trip less the time
+slack, plus 10 s (a later stage may time out on one peer and retry another first), at least
+the policy's floor and at most 60 s (all of it while that peer's hop time is unknown):
+``swarmd.pipeline.held``, which the trainer's backwards and a stage's results use too. Each ``ok`` feeds the shared estimates: the round trip less the time
 held is the transfer. Only addresses from the peer's signed membership
 announcement (``peers_of``) are dialed.
 
@@ -54,6 +54,7 @@ from typing import Any, Awaitable, Callable
 
 from swarmd.errors import BadPeerMessage, OutputRefused, StageUnavailable, TrainerUnreachable
 from swarmd.links import LinkEstimates, links_for
+from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.messages import HopReply, parse_hop_reply
 from swarmd.pipeline.wiring import Kind, Wiring
 from transport.errors import (
@@ -67,13 +68,6 @@ from transport.frames import Message
 
 log = logging.getLogger("swarmd.pipeline.router")
 
-#: one hop's deadline (the chain after it included) at most, and while nothing is known of it
-HOP_TIMEOUT_S = 60.0
-#: a peer's held time (its compute and the chain after it) counts this many times over
-HELD_SLACK = 3.0
-#: added to a measured hop's deadline: room for a stage after that peer to give up on one of
-#: its peers by its own deadline (at least the floor) and try another, before we give up
-DOWNSTREAM_RETRY_S = 10.0
 #: tries of one send, over all peers
 MAX_ATTEMPTS = 16
 #: without ``wait``, how long a send may wait for a paused (busy) peer to come back
@@ -146,27 +140,19 @@ class Router:
         self._clock, self._sleep = clock, sleep
         #: the daemon's shared link estimates (swarmd.links); hop deadlines follow them
         self.links = links if links is not None else links_for(host)
-        #: peer -> moving average of how long it held our requests (chain included)
-        self._held: dict[str, float] = {}
+        #: how long each peer held our requests (its compute and the chain after it)
+        self.held = HeldTimes()
 
     def hop_timeout(self, target: str, nbytes: int) -> float:
         """The deadline of one try of ``nbytes`` to ``target``: see the module docstring."""
-        held = self._held.get(target)
-        if held is None:
-            return HOP_TIMEOUT_S
-        return self.links.deadline(target, nbytes, round_trips=2,
-                                   extra_s=HELD_SLACK * held + DOWNSTREAM_RETRY_S,
-                                   cap_s=HOP_TIMEOUT_S)
+        return self.held.deadline(self.links, target, nbytes)
 
     def _observed(self, target: str, nbytes: int, round_trip: float, reply: HopReply) -> None:
         now, held = self._clock(), reply.held_s
         if held is None or not 0 <= held <= round_trip:
             self.links.observe_rtt(target, round_trip, now)
             return
-        old = self._held.get(target)
-        self._held[target] = held if old is None else 0.7 * old + 0.3 * held
-        if len(self._held) > 1024:
-            self._held.pop(next(iter(self._held)))
+        self.held.observe(target, held)
         self.links.observe_transfer(target, nbytes, max(1e-4, round_trip - held), now)
 
     async def send(self, message: Message, *, timeout: float, kind: Kind = "forward",

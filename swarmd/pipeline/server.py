@@ -35,7 +35,8 @@ from swarmd.averaging.trigger import RoundTrigger
 from swarmd.pipeline.batching import MAX_BATCH, MAX_QUEUE, Batcher, Compute, Throughput
 from swarmd.pipeline.handlers import PipelineHandlers
 from swarmd.pipeline.messages import Expect, hop_seconds
-from swarmd.pipeline.router import HOP_TIMEOUT_S, Router
+from swarmd.pipeline.held import HOP_TIMEOUT_S
+from swarmd.pipeline.router import Router
 from swarmd.pipeline.stepping import DRAIN_S, Gate, Stepper
 from swarmd.pipeline.worker import StageWorker
 from swarmd.pipeline.wiring import Wiring
