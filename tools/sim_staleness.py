@@ -1,0 +1,125 @@
+"""Delayed gradients in one process: what staleness and weight prediction cost, without a swarm.
+
+    python tools/sim_staleness.py --json                           # sync, 16 in flight at 0, 1, 1.5 x
+    python tools/sim_staleness.py --json --in-flight 8 --gains 0,1 --steps 200 --stages-only
+
+The whole demo model (built as the swarm builds it: same seed, same initial weights, AdamW at
+the demo's learning rate) trains on the batches ``train()`` draws. Microbatch ``i`` of a run
+with ``N`` in flight and ``M`` microbatches per step is computed on the weights of the step
+when it would have been sent (the steps whose ``M`` microbatches had all come back, i.e. ``d``
+steps before the one that applies its gradient), as the stages' weight stashing does, with the
+forward on the weights predicted ``gain x d`` steps ahead along the last step's change (linear
+weight prediction; ``gain`` 0: none). ``--stages-only`` keeps the trainer's parts (embedding,
+head) current, as in the swarm. Reports the validation loss on fixed held-out batches and its
+ratio to the synchronous run (no delay; so is any ``N <= M``). Deterministic: one seed, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+VAL_BATCHES = 8
+
+
+def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int) -> float:
+    import torch
+
+    from bench_pipeline import bench_env, whole_model
+    from swarmd.config import load_config
+    from swarmd.training.data import load_corpus
+    from swarmd.training.optim import make_optimizer
+
+    config = load_config(None, {**os.environ, **bench_env("demo")})
+    seam, _ = config.model_seam()
+    seq = min(config.model.seq_len, seam.max_seq_len)
+    batch, per_step = config.training.batch_size, config.training.microbatches
+    corpus = load_corpus(Path(config.data.path) if config.data.path else None,
+                         max_bytes=config.data.max_bytes, seq_len=seq)
+    model = whole_model(seam, config.swarm.stages, config.training.seed)
+    optimizer = make_optimizer(config.training.optimizer, model.parameters(),
+                               config.training.lr, weight_decay=config.training.weight_decay)
+    draw = torch.Generator().manual_seed(config.training.seed + seed)
+    val_draw = torch.Generator().manual_seed(123)
+    val = [corpus.sample_batch("val", batch, seq, val_draw) for _ in range(VAL_BATCHES)]
+    names = [n for n, _ in model.named_parameters()]
+    late = [n for n in names if not stages_only or n.startswith("stages.")]
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    history = {0: weights()}
+    change: dict[str, torch.Tensor] | None = None
+    for step in range(steps):
+        for j in range(per_step):
+            x, y = corpus.sample_batch("train", batch, seq, draw)
+            i = step * per_step + j
+            sent_at = step if in_flight <= per_step else \
+                min(step, max(0, i - in_flight + 1) // per_step)
+            d = step - sent_at
+            w = {n: p.detach() for n, p in model.named_parameters()}
+            for n in late:
+                w[n] = history[sent_at][n]
+                if gain and d and change is not None:
+                    w[n] = w[n] + (gain * d) * change[n]
+            params = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+            _, loss = torch.func.functional_call(model, params, (x, y))
+            grads = torch.autograd.grad(loss / per_step, [params[n] for n in names])
+            for (_, p), g in zip(model.named_parameters(), grads):
+                p.grad = g if p.grad is None else p.grad + g
+        before = history[step]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history[step + 1] = weights()
+        change = {n: history[step + 1][n] - before[n] for n in names}
+        for k in [k for k in history if k < step + 1 - (in_flight // per_step + 2)]:
+            del history[k]
+    with torch.no_grad():
+        return sum(float(model(x, y)[1]) for x, y in val) / len(val)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--in-flight", type=int, default=16)
+    parser.add_argument("--gains", default="0,1,1.5", help="comma-separated prediction gains")
+    parser.add_argument("--stages-only", action="store_true",
+                        help="only the stages' weights are late (the trainer's parts current)")
+    parser.add_argument("--seed", type=int, default=0, help="offset of the data order's seed")
+    args = parser.parse_args(argv)
+    gains = [float(g) for g in args.gains.split(",") if g]
+    if args.steps < 1 or args.in_flight < 1 or any(g < 0 for g in gains):
+        parser.error("--steps and --in-flight must be at least 1, gains not negative")
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    from bench_pipeline import bench_env
+    from swarmd.config import load_config
+
+    per_step = load_config(None, {**os.environ, **bench_env("demo")}).training.microbatches
+    sync = run(args.steps, per_step, 0.0, stages_only=args.stages_only, seed=args.seed)
+    runs = [{"in_flight": args.in_flight, "gain": g,
+             "val_loss": (v := run(args.steps, args.in_flight, g,
+                                   stages_only=args.stages_only, seed=args.seed)),
+             "ratio_vs_sync": v / sync} for g in gains]
+    result: dict[str, Any] = {"steps": args.steps, "stages_only": args.stages_only,
+                              "seed": args.seed, "sync_val_loss": sync, "runs": runs,
+                              "seconds": time.monotonic() - t0}
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
