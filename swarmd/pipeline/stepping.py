@@ -108,13 +108,18 @@ class Stepper:
 
     def fingerprint(self) -> tuple[str, float]:
         """(blake2b-128 of the parameters' bytes, their L2 norm): equal weights, equal digest."""
+        with torch.no_grad():
+            total = sum(float(p.detach().float().pow(2).sum()) for p in self.module.parameters())
+        return self.digest(), total ** 0.5
+
+    def digest(self) -> str:
+        """blake2b-128 of the parameters' bytes (hex): what a round's leader sends in its
+        ``start`` (one buffer view per tensor, never element by element)."""
         h = hashlib.blake2b(digest_size=16)
-        total = 0.0
         with torch.no_grad():
             for p in self.module.parameters():
                 h.update(tensor_bytes(p))
-                total += float(p.detach().float().pow(2).sum())
-        return h.hexdigest(), total ** 0.5
+        return h.hexdigest()
 
     def _unflatten(self, vector: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, its slice of the flat ``vector`` shaped like it), in ``take_gradient``
