@@ -254,3 +254,33 @@ def test_the_leader_sends_the_digest_of_its_weights_before_the_step() -> None:
     asyncio.run(scenario())
     starts = [msg for _, msg in stage.sync.host.sent if msg.kind == "start"]
     assert len(starts) == 1 and starts[0].meta["digest"] == D2 and starts[0].meta["step"] == 0
+
+
+# ---- a state server offers the step it is at ------------------------------------------------
+
+
+def test_a_cached_snapshot_is_not_offered_once_the_stage_stepped_past_it() -> None:
+    """A drifted (or lagging) mate asks for our state right after a round: the snapshot cached
+    a moment ago, one step older, would be refused as "not newer" and the repair never land."""
+    from swarmd.state import encoding as ss
+    from swarmd.state.serve import StateServer
+
+    module = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(module.parameters())
+    step = [3]
+
+    async def snapshot() -> ss.StageState:
+        return ss.capture(module, optimizer, stage=1, step=step[0], model_hash="h")
+
+    server = StateServer(FakeHost("a"), "p", snapshot, stage=1, model_hash="h",
+                         step=lambda: step[0])
+
+    async def scenario() -> list[int]:
+        offered = [(await server._info()).meta["step"]]
+        offered.append((await server._info()).meta["step"])  # fresh and current: reused
+        step[0] = 4
+        offered.append((await server._info()).meta["step"])
+        return offered
+
+    assert asyncio.run(scenario()) == [3, 3, 4]
+    assert server.counters["snapshots"] == 2

@@ -92,7 +92,8 @@ class StageKeeper:
         self.syncing: tuple[int, int] | None = None
         self.source_of_state = "initial"
         self._serving = StateServer(host, self.protocol, self._snapshot, stage=self.stage,
-                                    model_hash=model_hash, counters=self._served)
+                                    model_hash=model_hash, counters=self._served,
+                                    step=lambda: self.server.step)
         self._catching_up: asyncio.Task[None] | None = None
         self._last_catch_up = 0.0
         self._saving = asyncio.Lock()
@@ -255,7 +256,14 @@ class StageKeeper:
             self._count("diverged_deferred")
             return
         self._last_catch_up = time.monotonic()
-        self._catching_up = asyncio.create_task(self._catch_up(peer, at_least=step))
+        self._catching_up = asyncio.create_task(self._repair(peer, step))
+
+    async def _repair(self, peer: str, step: int) -> None:
+        """A drift: our rounds are held from now until the winner's state is taken over, so
+        that its state (at our step or later) cannot be overtaken by ours while it downloads;
+        the winner steps without us meanwhile, and we catch up from there."""
+        async with self.server.rounds_held():
+            await self._catch_up(peer, at_least=max(step, self.server.step))
 
     async def _watch(self, announced: Callable[[], dict[str, int]]) -> None:
         """Every ``WATCH_S``: a mate whose announcement shows a later step than ours means we
@@ -283,6 +291,9 @@ class StageKeeper:
             log.warning("stage %d: catching up failed: %s", self.stage, exc)
             return
         if state is None:
+            self._count("catch_up_none_offered")
+            log.info("stage %d: no source offered a state after step %d", self.stage,
+                     newer_than)
             return
         async with self.server.rounds_held():  # a round must not step beside the restore
             if state.step < self.server.step or at_least is None and (
