@@ -247,31 +247,40 @@ class StageSync:
             return None
 
     async def _joined(self, start: Start, leader: str) -> None:
-        """A member's round: the leader's weights compared with ours at this step first; a
-        drifted member averages with the stage, then takes the leader's state."""
+        """A member's round. Our weights are digested beside the round (in the compute
+        thread, before the step is applied) and compared with the leader's; a drifted member
+        still averages with the stage, then takes the leader's state."""
         step = self.trigger.step
-        ours = await self._our_digest() if start.digest is not None else None
-        verdict = same_step_verdict(me=self.trigger.me, our_step=step, our_digest=ours,
-                                    them=leader, their_step=start.step,
-                                    their_digest=start.digest)
-        if verdict == ADOPT:
-            self.counters["diverged"] += 1
-            log.warning("stage %d: our weights at step %d differ from those of the round's "
-                        "leader %s (%s, ours %s): taking its state after the round",
-                        self.stage, step, leader, start.digest[:12] if start.digest else "",
-                        (ours or "")[:12])
+        digesting = asyncio.ensure_future(self._our_digest()) if start.digest else None
         try:
-            await self._average(start.round_id, list(start.group), list(start.bandwidths))
+            await self._average(start.round_id, list(start.group), list(start.bandwidths),
+                                before_apply=digesting)
         finally:
-            if verdict == ADOPT:
-                self._on_diverged(leader, step)
+            if digesting is not None and not digesting.done():  # the round failed early
+                digesting.cancel()
+        if digesting is None or not digesting.done() or digesting.cancelled():
+            return
+        ours = digesting.result()
+        if same_step_verdict(me=self.trigger.me, our_step=step, our_digest=ours, them=leader,
+                             their_step=start.step, their_digest=start.digest) != ADOPT:
+            return
+        self.counters["diverged"] += 1
+        log.warning("stage %d: our weights at step %d differ from those of the round's leader "
+                    "%s (%s, ours %s): taking its state", self.stage, step, leader,
+                    (start.digest or "")[:12], (ours or "")[:12])
+        self._on_diverged(leader, step)
 
     async def _average(self, round_id: str, group: list[str],
-                       bandwidths: list[float | None]) -> None:
+                       bandwidths: list[float | None],
+                       before_apply: Awaitable[Any] | None = None) -> None:
         """One round: every member passes the same group and bandwidths (the leader's lists),
-        so they derive the same parts, each sized by its peer's measured bandwidth."""
+        so they derive the same parts, each sized by its peer's measured bandwidth.
+        ``before_apply`` (a digest of the weights) is waited for before they change."""
         vector, samples = await self._snapshot()
+        pending = asyncio.ensure_future(before_apply) if before_apply is not None else None
         if len(group) == 1 or self.averager is None:
+            if pending is not None:
+                await asyncio.wait({pending})
             await self._apply(vector)
             self.counters["local_steps"] += 1
             self._stepped()
@@ -292,6 +301,8 @@ class StageSync:
             await self._give_back(vector, samples)
             self.trigger.samples = self._samples_now()
             return
+        if pending is not None:  # the weights before the step, digested beside the round
+            await asyncio.wait({pending})
         await self._apply(result.vector)
         if result.seconds > 0:
             rate = (result.bytes_sent + result.bytes_received) / result.seconds
