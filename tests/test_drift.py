@@ -81,6 +81,17 @@ def test_a_mate_stays_known_for_the_grace_after_its_last_listing() -> None:
     assert len(recent) == 0
 
 
+def test_a_known_mate_heard_from_just_now_is_alive_and_an_unknown_one_never() -> None:
+    recent = RecentMates(grace_s=60.0, heard_s=10.0)
+    recent.observe({"a": ("/a",), "b": ()}, now=0.0)
+    recent.heard("a", now=20.0)
+    recent.heard("stranger", now=20.0)              # never listed: not remembered
+    assert recent.alive({"c": ()}, now=25.0) == {"a": ("/a",), "c": ()}
+    assert recent.alive({}, now=31.0) == {}         # not heard from for 11 s
+    recent.heard("a", now=70.0)                     # past the grace: no mate any more
+    assert recent.alive({}, now=70.0) == {}
+
+
 @settings(max_examples=200, deadline=None)
 @given(events=st.lists(st.tuples(st.integers(0, 5), st.sets(_ids, max_size=5)), max_size=30),
        grace=st.integers(0, 20), cap=st.integers(1, 8))
@@ -284,3 +295,23 @@ def test_a_cached_snapshot_is_not_offered_once_the_stage_stepped_past_it() -> No
 
     assert asyncio.run(scenario()) == [3, 3, 4]
     assert server.counters["snapshots"] == 2
+
+
+def test_a_leader_whose_view_dropped_a_reporting_mate_leads_the_round_with_it() -> None:
+    """The lagging view is the leader's: its mate still reports progress, so the leader
+    averages with it instead of stepping alone."""
+    stage = Stage("a", {"m": ()})
+
+    async def scenario() -> None:
+        stage.sync._consider()   # "m" listed: remembered
+        stage.live.clear()       # its announcements are overdue here now
+        assert await stage.serve("progress", {"stage": 1, "step": 0, "samples": 7}, "m") == "ok"
+        stage.sync.progressed(1)  # 7 + 1 samples: the target
+        for _ in range(50):
+            await asyncio.sleep(0)
+        await stage.sync.close()
+
+    asyncio.run(scenario())
+    kinds = [(peer, msg.kind) for peer, msg in stage.sync.host.sent]
+    assert ("m", "prepare") in kinds and ("m", "start") in kinds
+    assert stage.sync.counters["local_steps"] == 1  # averager None: the fake round is local

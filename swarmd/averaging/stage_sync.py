@@ -179,8 +179,9 @@ class StageSync:
     def _consider(self) -> None:
         if self.busy or self._closed:
             return
-        mates = self.mates()
         now = time.monotonic()
+        # the live mates and those a lagging view dropped but that spoke to us just now
+        mates = self._recent.alive(self.mates(), now)
         # what is held of mates within the grace is kept: their suspicions still count
         self.trigger.forget(self._recent.known(mates, now))
         if not mates:
@@ -382,6 +383,7 @@ class StageSync:
         if peer not in mates:
             raise BadRoundMessage("not_a_mate", f"{peer} is not a live peer of stage "
                                                 f"{self.stage} here")
+        self._recent.heard(peer, time.monotonic())
         if isinstance(request, Progress) and request.samples > self.max_samples:
             raise BadRoundMessage("bad_samples", f"{request.samples} samples at one step; "
                                                  f"at most {self.max_samples} are possible")
