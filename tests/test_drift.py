@@ -315,3 +315,35 @@ def test_a_leader_whose_view_dropped_a_reporting_mate_leads_the_round_with_it() 
     kinds = [(peer, msg.kind) for peer, msg in stage.sync.host.sent]
     assert ("m", "prepare") in kinds and ("m", "start") in kinds
     assert stage.sync.counters["local_steps"] == 1  # averager None: the fake round is local
+
+
+def test_every_fuzz_case_of_the_round_protocol_gets_a_typed_answer_with_the_grace() -> None:
+    """tests/fuzz_cases.py's round cases (weird digests among them), from a mate the view
+    dropped within the grace and from an outsider: typed refusals or ordinary replies only."""
+    from fuzz_cases import cases
+
+    from swarmd.errors import SwarmdError
+
+    round_cases = [c for c in cases("t", "h") if c.protocol.endswith("/round") and c.raw is None]
+    assert len(round_cases) >= 10
+    stage = Stage("m", {"a": (), "b": ()})
+    outcomes: dict[str, int] = {}
+
+    async def scenario() -> None:
+        stage.sync._consider()
+        stage.live.clear()
+        for case in round_cases:
+            for peer in ("a", "outsider"):
+                try:
+                    await stage.sync._serve(Message(kind=case.kind, meta=case.meta,
+                                                    tensors=case.tensors), peer)
+                    key = "ok"
+                except SwarmdError as exc:
+                    key = getattr(exc, "reason", exc.code)
+                outcomes[key] = outcomes.get(key, 0) + 1
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await stage.sync.close()
+
+    asyncio.run(scenario())
+    assert outcomes.get("not_a_mate", 0) >= 1 and "internal_error" not in outcomes, outcomes
