@@ -180,10 +180,11 @@ class StageSync:
         if self.busy or self._closed:
             return
         now = time.monotonic()
+        live = self.mates()
         # the live mates and those a lagging view dropped but that spoke to us just now
-        mates = self._recent.alive(self.mates(), now)
+        mates = self._recent.alive(live, now)
         # what is held of mates within the grace is kept: their suspicions still count
-        self.trigger.forget(self._recent.known(mates, now))
+        self.trigger.forget(self._recent.known(live, now))
         if not mates:
             if self.trigger.samples >= self.trigger.target:
                 self._round = self._spawn(self._local_step())
