@@ -347,3 +347,26 @@ def test_every_fuzz_case_of_the_round_protocol_gets_a_typed_answer_with_the_grac
 
     asyncio.run(scenario())
     assert outcomes.get("not_a_mate", 0) >= 1 and "internal_error" not in outcomes, outcomes
+
+
+def test_the_round_digest_is_equal_for_equal_weights_and_differs_once_they_drift() -> None:
+    from collections import Counter
+
+    from swarmd.pipeline.stepping import DIGEST_PIECE_BYTES, DIGEST_PIECES, Stepper
+
+    def stage(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)  # a big layer (sampled) and a small one (hashed whole)
+        return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+
+    a, b, other = stage(0), stage(0), stage(1)
+    assert a[0].weight.numel() * 4 > DIGEST_PIECES * DIGEST_PIECE_BYTES
+    digest = {name: Stepper(m, None, None, Counter()).round_digest()
+              for name, m in (("a", a), ("b", b), ("other", other))}
+    assert digest["a"] == digest["b"] != digest["other"]
+    optimizer = torch.optim.AdamW(b.parameters(), lr=1e-3)  # b steps once alone: drifted
+    b(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    assert Stepper(b, None, None, Counter()).round_digest() != digest["a"]
+    # parsed as a start's digest
+    m.Start(stage=0, step=0, round_id="r", group=("a", "b"), bandwidths=(None, None),
+            digest=digest["a"])

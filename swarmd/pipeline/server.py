@@ -227,8 +227,8 @@ class _SyncPort:
         return self._s.worker.samples_accumulated
 
     async def digest(self) -> str:
-        """The weights' digest, in the compute thread (between two steps)."""
-        return await self._s.compute.run(self._s.stepper.digest)
+        """The weights' round digest (sampled), in the compute thread (between two steps)."""
+        return await self._s.compute.run(self._s.stepper.round_digest)
 
     async def step_alone(self) -> None:
         await self._s.gate.between(self._s.stepper.step_alone)
