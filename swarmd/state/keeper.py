@@ -46,6 +46,10 @@ FETCH_TIMEOUT_S = 3600.0
 MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
+#: after a drift repaired, the next repair waits at least this long: peers whose optimizer
+#: results differ in the last bits (other devices or kernels) would otherwise download on
+#: every round
+REPAIR_GAP_S = 30.0
 #: how long a peer that expects mates waits for its view to name one, and how often it looks
 MATES_WAIT_S = 5.0
 MATES_POLL_S = 0.2
@@ -96,6 +100,7 @@ class StageKeeper:
                                     step=lambda: self.server.step)
         self._catching_up: asyncio.Task[None] | None = None
         self._last_catch_up = 0.0
+        self._last_repair = -REPAIR_GAP_S
         self._saving = asyncio.Lock()
         self._saved_step = -1
         #: set once a save is abandoned: the writer stops, no save starts after it
@@ -252,18 +257,25 @@ class StageKeeper:
         self._count("diverged")
         if self._catching_up is not None and not self._catching_up.done():
             return  # a download under way: what it brings is looked at again next round
-        if time.monotonic() - self._last_catch_up < CATCH_UP_GAP_S:
+        now = time.monotonic()
+        if now - self._last_catch_up < CATCH_UP_GAP_S or now - self._last_repair < REPAIR_GAP_S:
             self._count("diverged_deferred")
             return
-        self._last_catch_up = time.monotonic()
+        self._last_catch_up = now
+        log.warning("stage %d: our weights at step %d differ from the stage's (%s): taking its "
+                    "state", self.stage, step, peer)
         self._catching_up = asyncio.create_task(self._repair(peer, step))
 
     async def _repair(self, peer: str, step: int) -> None:
         """A drift: our rounds are held from now until the winner's state is taken over, so
         that its state (at our step or later) cannot be overtaken by ours while it downloads;
         the winner steps without us meanwhile, and we catch up from there."""
+        taken = self._counts.get("caught_up", 0)
         async with self.server.rounds_held():
             await self._catch_up(peer, at_least=max(step, self.server.step))
+        if self._counts.get("caught_up", 0) > taken:
+            self._count("drift_repaired")
+            self._last_repair = time.monotonic()
 
     async def _watch(self, announced: Callable[[], dict[str, int]]) -> None:
         """Every ``WATCH_S``: a mate whose announcement shows a later step than ours means we
