@@ -36,6 +36,7 @@ CORES = frozenset({
     "swarmd.membership.schedule",
     "swarmd.membership.view",
     "swarmd.averaging.trigger",
+    "swarmd.averaging.authority",
     "swarmd.averaging.plan",
     "swarmd.averaging.aggregation",
     "swarmd.averaging.messages",

@@ -42,6 +42,9 @@ MAX_STEP = 1 << 53
 #: the largest bandwidth a peer may report (bytes per second)
 MAX_BANDWIDTH = 1e15
 _DIGEST_CHARS = 16
+#: the longest weights digest a ``start`` may carry (hex; blake2b-128 is 32)
+MAX_PARAMS_DIGEST_CHARS = 64
+_HEX = frozenset("0123456789abcdef")
 
 
 def _is_int(value: object) -> bool:
@@ -119,13 +122,17 @@ class PrepareReply:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Start:
     """The leader tells the group to average now: every member runs ``round_id`` with
-    ``group`` and ``bandwidths`` (one per member, in ``group``'s order, None if unknown)."""
+    ``group`` and ``bandwidths`` (one per member, in ``group``'s order, None if unknown).
+    ``digest`` is the hex digest of the leader's weights before this step (None: not sent, an
+    older peer); a member at the same step with other weights has drifted
+    (:func:`swarmd.averaging.authority.same_step_verdict`)."""
 
     stage: int
     step: int
     round_id: str
     group: tuple[str, ...]
     bandwidths: tuple[float | None, ...]
+    digest: str | None = None
 
     def __post_init__(self) -> None:
         _check_stage_step(self.stage, self.step)
@@ -138,10 +145,19 @@ class Start:
             raise BadRoundMessage("bad_group", "a start needs 2..1024 distinct peer ids")
         if not isinstance(self.bandwidths, tuple) or len(self.bandwidths) != len(group):
             raise BadRoundMessage("bad_bandwidths", "one bandwidth (or null) per member")
+        if self.digest is not None and not (
+                isinstance(self.digest, str) and 0 < len(self.digest) <= MAX_PARAMS_DIGEST_CHARS
+                and _HEX.issuperset(self.digest)):
+            raise BadRoundMessage("bad_digest", "a weights digest is 1..64 lowercase hex "
+                                                "characters")
 
     def to_meta(self) -> dict[str, Any]:
-        return {"stage": self.stage, "step": self.step, "round": self.round_id,
-                "group": list(self.group), "bandwidths": list(self.bandwidths)}
+        meta: dict[str, Any] = {"stage": self.stage, "step": self.step, "round": self.round_id,
+                                "group": list(self.group),
+                                "bandwidths": list(self.bandwidths)}
+        if self.digest is not None:
+            meta["digest"] = self.digest
+        return meta
 
 
 RoundMessage = Progress | Prepare | Start
@@ -177,7 +193,7 @@ def parse_round(kind: str, meta: Mapping[str, Any], tensors: Sequence[Any] = ()
         bandwidths = tuple(_bandwidth(b) for b in _list(meta.get("bandwidths"),
                                                        "bad_bandwidths"))
         return Start(stage=stage, step=step, round_id=meta.get("round"),  # type: ignore[arg-type]
-                     group=group, bandwidths=bandwidths)
+                     group=group, bandwidths=bandwidths, digest=meta.get("digest"))
     raise BadRoundMessage("unknown_kind", repr(kind)[:64])
 
 

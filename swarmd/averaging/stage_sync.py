@@ -13,10 +13,17 @@ over ``/swarmd/<swarm>/1/round`` (request/reply, small meta only) and runs the r
   group, then applies the same averaged gradient and moves to the next step.
 
 Authority: each request is parsed into a typed message (``swarmd.averaging.messages``) and
-taken only from a live mate of the stage; a ``start`` only from the stage's leader (the
-trigger's rule) and with a group of the stage's peers; reported samples and the weights in the
+taken only from a mate of the stage (a live one, or one listed live within the grace of
+``swarmd.averaging.authority.RecentMates``: a lagging view must not refuse the stage's own
+leader); a ``start`` only from the stage's leader (the trigger's rule) and with a group of the
+stage's peers; reported samples and the weights in the
 all-reduce are bounded by ``max_samples_factor`` times the stage's target. Anything else gets a
 typed ``bad_round_message`` reply, a counter (``bad_requests.<reason>``), and changes nothing.
+
+Same step, other weights: the leader's ``start`` carries the digest of its weights before the
+step (``digest()``); a member at that step whose own digest differs (and whose id is higher,
+``same_step_verdict``) counts ``diverged``, runs the round, then calls ``on_diverged(leader,
+step)``: its keeper downloads the leader's state even at an equal step.
 
 A peer alone in its stage steps locally when its own samples reach the target. A round that
 fails (``AllReduceFailed`` at its deadline) puts the snapshot back into the accumulated
@@ -37,6 +44,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import torch
 
 from swarmd.averaging.allreduce import AllReduceFailed, Averager
+from swarmd.averaging.authority import ADOPT, MATE_GRACE_S, RecentMates, same_step_verdict
 from swarmd.averaging.messages import (Prepare, PrepareReply, Progress, Start,
                                        parse_prepare_reply, parse_round)
 from swarmd.errors import BadPeerMessage, BadRoundMessage, SwarmdError
@@ -67,6 +75,8 @@ class SyncSettings:
     timeout_s: float = 600.0
     #: a peer's samples (reported, or weighed in a round) are at most this times the target
     max_samples_factor: float = 4.0
+    #: a peer last listed as a live mate is still taken as one for rounds this long (s)
+    mate_grace_s: float = MATE_GRACE_S
 
 
 class StageSync:
@@ -74,7 +84,9 @@ class StageSync:
     live peers; ``snapshot()`` takes (mean gradient, samples) and clears the accumulation;
     ``apply(vector)`` sets the gradient and steps; ``give_back(vector, samples)`` undoes a
     snapshot; ``on_behind(peer, step)`` is told of a mate at a later step; ``samples_now()``
-    is what this peer accumulated since its last snapshot."""
+    is what this peer accumulated since its last snapshot. ``digest()`` (optional) is the hex
+    digest of the stage's weights now; ``on_diverged(leader, step)`` is told that the leader of
+    a round at ``step`` held other weights than ours (take its state)."""
 
     def __init__(self, host: Any, *, swarm: str, stage: int, trigger: RoundTrigger,
                  averager: Averager | None, mates: Callable[[], dict[str, tuple[str, ...]]],
@@ -84,7 +96,9 @@ class StageSync:
                  on_behind: Callable[[str, int], None], samples_now: Callable[[], int],
                  on_stepped: Callable[[], None] = lambda: None,
                  step_alone: Callable[[], Awaitable[None]] | None = None,
-                 settings: SyncSettings = SyncSettings()) -> None:
+                 settings: SyncSettings = SyncSettings(),
+                 digest: Callable[[], Awaitable[str]] | None = None,
+                 on_diverged: Callable[[str, int], None] = lambda peer, step: None) -> None:
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -96,6 +110,9 @@ class StageSync:
         self._on_stepped = on_stepped
         self._step_alone = step_alone or self._snapshot_and_apply
         self.settings = settings
+        self._digest = digest
+        self._on_diverged = on_diverged
+        self._recent = RecentMates(settings.mate_grace_s)
         self.protocol = Protocols(swarm).round
         self.counters: Counter[str] = Counter()
         self._round: asyncio.Task[None] | None = None
@@ -162,9 +179,12 @@ class StageSync:
     def _consider(self) -> None:
         if self.busy or self._closed:
             return
-        mates = self.mates()
-        self.trigger.forget(mates)
         now = time.monotonic()
+        live = self.mates()
+        # the live mates and those a lagging view dropped but that spoke to us just now
+        mates = self._recent.alive(live, now)
+        # what is held of mates within the grace is kept: their suspicions still count
+        self.trigger.forget(self._recent.known(live, now))
         if not mates:
             if self.trigger.samples >= self.trigger.target:
                 self._round = self._spawn(self._local_step())
@@ -191,8 +211,9 @@ class StageSync:
         now = time.monotonic()  # a mate that just failed us is not waited for again
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
         ask = Prepare(stage=self.stage, step=step)
-        answers = await asyncio.gather(*(self._ask(p, addrs, "prepare", ask.to_meta())
-                                         for p, addrs in mates.items()))
+        digest, *answers = await asyncio.gather(
+            self._our_digest(), *(self._ask(p, addrs, "prepare", ask.to_meta())
+                                  for p, addrs in mates.items()))
         group, bandwidths = [self.trigger.me], [self.bandwidth]
         for peer, reply in zip(mates, answers):
             their = self._prepared(peer, reply)
@@ -209,19 +230,59 @@ class StageSync:
             # everyone told must run the very group it was told: a member that refuses now is
             # missing from the round, whose parts are repaired around it (swarmd.averaging.allreduce)
             start = Start(stage=self.stage, step=step, round_id=round_id, group=tuple(group),
-                          bandwidths=tuple(bandwidths))
+                          bandwidths=tuple(bandwidths), digest=digest)
             started = await asyncio.gather(*(self._ask(p, mates[p], "start", start.to_meta())
                                              for p in group[1:]))
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths)
 
+    async def _our_digest(self) -> str | None:
+        """The digest of our weights now, None when unknown (none given, or it failed)."""
+        if self._digest is None:
+            return None
+        try:
+            return await self._digest()
+        except Exception as exc:  # a digest only detects drift: the round goes on without
+            log.warning("stage %d: could not digest the weights: %r", self.stage, exc)
+            self.counters["digest_failed"] += 1
+            return None
+
+    async def _joined(self, start: Start, leader: str) -> None:
+        """A member's round. Our weights are digested beside the round (in the compute
+        thread, before the step is applied) and compared with the leader's; a drifted member
+        still averages with the stage, then takes the leader's state."""
+        step = self.trigger.step
+        digesting = asyncio.ensure_future(self._our_digest()) if start.digest else None
+        try:
+            await self._average(start.round_id, list(start.group), list(start.bandwidths),
+                                before_apply=digesting)
+        finally:
+            if digesting is not None and not digesting.done():  # the round failed early
+                digesting.cancel()
+        if digesting is None or not digesting.done() or digesting.cancelled():
+            return
+        ours = digesting.result()
+        if same_step_verdict(me=self.trigger.me, our_step=step, our_digest=ours, them=leader,
+                             their_step=start.step, their_digest=start.digest) != ADOPT:
+            return
+        self.counters["diverged"] += 1
+        log.warning("stage %d: our weights at step %d differ from those of the round's leader "
+                    "%s (%s, ours %s): taking its state", self.stage, step, leader,
+                    (start.digest or "")[:12], (ours or "")[:12])
+        self._on_diverged(leader, step)
+
     async def _average(self, round_id: str, group: list[str],
-                       bandwidths: list[float | None]) -> None:
+                       bandwidths: list[float | None],
+                       before_apply: Awaitable[Any] | None = None) -> None:
         """One round: every member passes the same group and bandwidths (the leader's lists),
-        so they derive the same parts, each sized by its peer's measured bandwidth."""
+        so they derive the same parts, each sized by its peer's measured bandwidth.
+        ``before_apply`` (a digest of the weights) is waited for before they change."""
         vector, samples = await self._snapshot()
+        pending = asyncio.ensure_future(before_apply) if before_apply is not None else None
         if len(group) == 1 or self.averager is None:
+            if pending is not None:
+                await asyncio.wait({pending})
             await self._apply(vector)
             self.counters["local_steps"] += 1
             self._stepped()
@@ -242,6 +303,8 @@ class StageSync:
             await self._give_back(vector, samples)
             self.trigger.samples = self._samples_now()
             return
+        if pending is not None:  # the weights before the step, digested beside the round
+            await asyncio.wait({pending})
         await self._apply(result.vector)
         if result.seconds > 0:
             rate = (result.bytes_sent + result.bytes_received) / result.seconds
@@ -259,6 +322,11 @@ class StageSync:
     def took_state(self, step: int, samples: int) -> None:
         """The stage's state was replaced by one at ``step`` (downloaded or loaded)."""
         self.trigger.stepped(step, carried=samples)
+
+    def known_mates(self) -> dict[str, tuple[str, ...]]:
+        """The peers taken as mates in rounds: the live mates now and those listed live within
+        ``settings.mate_grace_s`` (``RecentMates``)."""
+        return self._recent.known(self.mates(), time.monotonic())
 
     # ---- messages ----------------------------------------------------------------------------
     async def _report(self, leader: str, addrs: tuple[str, ...]) -> None:
@@ -308,13 +376,15 @@ class StageSync:
             raise
 
     async def _answer(self, request: Progress | Prepare | Start, peer: str) -> Message:
-        """Who may say what: mates of this stage only; ``start`` only from its leader."""
+        """Who may say what: mates of this stage only (live, or listed live within the grace);
+        ``start`` only from its leader."""
         if request.stage != self.stage:
             raise RoundRefused(f"this peer serves stage {self.stage}, not {request.stage}")
-        mates = self.mates()
+        mates = self.known_mates()
         if peer not in mates:
             raise BadRoundMessage("not_a_mate", f"{peer} is not a live peer of stage "
                                                 f"{self.stage} here")
+        self._recent.heard(peer, time.monotonic())
         if isinstance(request, Progress) and request.samples > self.max_samples:
             raise BadRoundMessage("bad_samples", f"{request.samples} samples at one step; "
                                                  f"at most {self.max_samples} are possible")
@@ -333,8 +403,7 @@ class StageSync:
         if request.step != self.trigger.step or self.busy:
             raise RoundRefused(f"this peer is at step {self.trigger.step}"
                                f"{' in another round' if self.busy else ''}")
-        self._round = self._spawn(self._average(request.round_id, list(request.group),
-                                                list(request.bandwidths)))
+        self._round = self._spawn(self._joined(request, peer))
         return Message(kind="ok")
 
     async def _check_start(self, start: Start, peer: str,

@@ -333,6 +333,7 @@ class Daemon:
                               aggregator=c.averaging.aggregator,
                               timeout_s=c.averaging.timeout_s),
             on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
+            on_diverged=lambda peer, step: self.keeper.diverged(peer, step),
             max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
                 c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1,
             addrs_of=self._addrs_of)

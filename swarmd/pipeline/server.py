@@ -68,6 +68,7 @@ class StageServer:
                  target_batch_size: int = 1,
                  averager: Averager | None = None, sync: SyncSettings = SyncSettings(),
                  on_behind: Callable[[str, int], None] | None = None,
+                 on_diverged: Callable[[str, int], None] | None = None,
                  module: torch.nn.Module | None = None, max_batch: int = 1,
                  addrs_of: Callable[[str], tuple[str, ...]] = lambda peer: ()) -> None:
         """``seam`` is the model (default: the built-in GPT of ``model_config``); ``module``
@@ -115,7 +116,8 @@ class StageServer:
             trigger=RoundTrigger(me=host.peer_id, target=max(1, target_batch_size)),
             mates=port.mates, snapshot=port.snapshot, apply=port.apply,
             give_back=port.give_back, on_behind=on_behind or (lambda peer, step: None),
-            samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone)
+            samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
+            digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None))
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"],
@@ -224,6 +226,10 @@ class _SyncPort:
 
     def samples_now(self) -> int:
         return self._s.worker.samples_accumulated
+
+    async def digest(self) -> str:
+        """The weights' round digest (sampled), in the compute thread (between two steps)."""
+        return await self._s.compute.run(self._s.stepper.round_digest)
 
     async def step_alone(self) -> None:
         await self._s.gate.between(self._s.stepper.step_alone)

@@ -11,7 +11,9 @@
   (``state_bytes_bound``), and a downloaded state must be finite.
 - **While serving**: a ``StateServer`` hands this stage's state to joiners, captured in the
   compute thread between two steps; a peer that learns a mate is ahead (``behind``) downloads
-  the newer state and takes it over between two steps; every ``every_steps`` steps and on
+  the newer state and takes it over between two steps; a peer told that a round's leader held
+  other weights at our step (``diverged``: the stage drifted) takes the leader's state even at
+  an equal step (``state.diverged``, then ``caught_up``); every ``every_steps`` steps and on
   shutdown the state is saved atomically (``save_checkpoint``).
 """
 
@@ -44,6 +46,10 @@ FETCH_TIMEOUT_S = 3600.0
 MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
+#: after a drift repaired, the next repair waits at least this long: peers whose optimizer
+#: results differ in the last bits (other devices or kernels) would otherwise download on
+#: every round
+REPAIR_GAP_S = 30.0
 #: how long a peer that expects mates waits for its view to name one, and how often it looks
 MATES_WAIT_S = 5.0
 MATES_POLL_S = 0.2
@@ -90,9 +96,11 @@ class StageKeeper:
         self.syncing: tuple[int, int] | None = None
         self.source_of_state = "initial"
         self._serving = StateServer(host, self.protocol, self._snapshot, stage=self.stage,
-                                    model_hash=model_hash, counters=self._served)
+                                    model_hash=model_hash, counters=self._served,
+                                    step=lambda: self.server.step)
         self._catching_up: asyncio.Task[None] | None = None
         self._last_catch_up = 0.0
+        self._last_repair = -REPAIR_GAP_S
         self._saving = asyncio.Lock()
         self._saved_step = -1
         #: set once a save is abandoned: the writer stops, no save starts after it
@@ -241,6 +249,34 @@ class StageKeeper:
         self._last_catch_up = time.monotonic()
         self._catching_up = asyncio.create_task(self._catch_up(peer))
 
+    def diverged(self, peer: str, step: int) -> None:
+        """``peer`` (a round's leader, the stage's winner by ``same_step_verdict``) held other
+        weights than ours at ``step``: take its state, even one at our step (once at a time)."""
+        if not self._ready:
+            return
+        self._count("diverged")
+        if self._catching_up is not None and not self._catching_up.done():
+            return  # a download under way: what it brings is looked at again next round
+        now = time.monotonic()
+        if now - self._last_catch_up < CATCH_UP_GAP_S or now - self._last_repair < REPAIR_GAP_S:
+            self._count("diverged_deferred")
+            return
+        self._last_catch_up = now
+        log.warning("stage %d: our weights at step %d differ from the stage's (%s): taking its "
+                    "state", self.stage, step, peer)
+        self._catching_up = asyncio.create_task(self._repair(peer, step))
+
+    async def _repair(self, peer: str, step: int) -> None:
+        """A drift: our rounds are held from now until the winner's state is taken over, so
+        that its state (at our step or later) cannot be overtaken by ours while it downloads;
+        the winner steps without us meanwhile, and we catch up from there."""
+        taken = self._counts.get("caught_up", 0)
+        async with self.server.rounds_held():
+            await self._catch_up(peer, at_least=max(step, self.server.step))
+        if self._counts.get("caught_up", 0) > taken:
+            self._count("drift_repaired")
+            self._last_repair = time.monotonic()
+
     async def _watch(self, announced: Callable[[], dict[str, int]]) -> None:
         """Every ``WATCH_S``: a mate whose announcement shows a later step than ours means we
         are behind, even when no round tells us so (training paused, or no mate leads)."""
@@ -252,17 +288,28 @@ class StageKeeper:
                 if steps[peer] > self.server.step:
                     self.behind(peer, steps[peer])
 
-    async def _catch_up(self, peer: str) -> None:
-        peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
+    async def _catch_up(self, peer: str, *, at_least: int | None = None) -> None:
+        """Download a newer state (the one ahead first) and take it over; with ``at_least``
+        (a drift), ``peer``'s own state at that step or later, even at our step."""
+        if at_least is None:
+            peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
+            newer_than = self.server.step
+        else:  # only the winner's weights repair a drift: nobody else's
+            peers = [p for p in self.sources() if p[0] == peer] or [(peer, ())]
+            newer_than = at_least - 1
         try:
-            state = await self._fetch(peers, newer_than=self.server.step)
+            state = await self._fetch(peers, newer_than=newer_than)
         except (StateTransferFailed, TransportError) as exc:
             log.warning("stage %d: catching up failed: %s", self.stage, exc)
             return
         if state is None:
+            self._count("catch_up_none_offered")
+            log.info("stage %d: no source offered a state after step %d", self.stage,
+                     newer_than)
             return
         async with self.server.rounds_held():  # a round must not step beside the restore
-            if state.step <= self.server.step:  # our rounds went on meanwhile: keep ours
+            if state.step < self.server.step or at_least is None and (
+                    state.step == self.server.step):  # our rounds went on: keep ours
                 self._count("catch_up_stale")
                 log.info("stage %d: the downloaded state (step %d) is no newer than ours "
                          "(%d) by now: kept ours", self.stage, state.step, self.server.step)

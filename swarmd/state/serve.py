@@ -36,7 +36,8 @@ class StateServer:
 
     ``snapshot()`` captures the live state (between optimizer steps: the daemon's business) or
     returns None while this peer has none to give. A snapshot younger than ``fresh_s`` is reused
-    for new ``state_info`` requests; at most ``keep`` snapshots are kept, each until unused for
+    for new ``state_info`` requests, unless ``step()`` (the step the live state is at, if given)
+    has moved past it: a mate catching up must be offered the step we are at now; at most ``keep`` snapshots are kept, each until unused for
     ``keep_s``. ``clock`` is a parameter for tests. A state holding NaN/Inf is never served
     (``no_state`` to the requester, counted as ``non_finite_snapshots``). ``counters`` (a dict
     to update, e.g. the keeper's) defaults to a new one.
@@ -47,7 +48,8 @@ class StateServer:
                  model_hash: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 2,
                  keep_s: float = 60.0, fresh_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
-                 counters: dict[str, int] | None = None) -> None:
+                 counters: dict[str, int] | None = None,
+                 step: Callable[[], int] | None = None) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or keep < 1 or keep_s <= 0:
             raise ValueError(f"StateServer needs chunk_bytes in {MIN_CHUNK_BYTES}.."
                              f"{MAX_CHUNK_BYTES}, keep >= 1 and keep_s > 0")
@@ -63,6 +65,7 @@ class StateServer:
         for name in ("infos", "chunks", "bytes", "snapshots", "errors"):
             self.counters.setdefault(name, 0)
         self._snapshot = snapshot
+        self._step = step
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
         self._lock = asyncio.Lock()
@@ -116,7 +119,8 @@ class StateServer:
             now = self._clock()
             self._expire(now)
             newest = max(self._cache.values(), key=lambda c: c.created, default=None)
-            if newest is None or now - newest.created > self.fresh_s:
+            if newest is None or now - newest.created > self.fresh_s or (
+                    self._step is not None and newest.info.step != self._step()):
                 newest = await self._freeze()
             newest.used = self._clock()
         return Message(kind="state_info", meta=newest.info.to_meta())

@@ -1,0 +1,88 @@
+"""A stage whose peers hold other weights at the same step repairs itself (issue 14): real
+``swarmd join`` processes on 127.0.0.1, one stage-1 peer started from a checkpoint of its own
+at step 0 (other initial weights), then a training run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from daemon_harness import DaemonProcess, stop_all, wait_until
+from swarmd.config import load_config
+from swarmd.local.demo import DEMO_ENV
+from swarmd.training.run import train
+
+pytestmark = pytest.mark.integration
+
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "drift-test",
+       "SWARMD_AVERAGING_TIMEOUT_S": "8", "SWARMD_BALANCING_ENABLED": "false"}
+
+
+def _stage(d: DaemonProcess) -> dict[str, Any]:
+    return wait_until(lambda: d.get("/api/v0/stage", timeout=15), 60, "the stage info")
+
+
+def _counters(d: DaemonProcess) -> dict[str, Any]:
+    return {k: v for k, v in d.get("/api/v0/status", timeout=15)["counters"].items()
+            if k.startswith(("sync.", "state."))}
+
+
+def _keeper_lines(d: DaemonProcess) -> str:
+    return "\n".join(line for line in d.stderr().splitlines()
+                     if "swarmd.keeper" in line or "swarmd.sync" in line)[-3000:]
+
+
+@pytest.mark.timeout(300)  # four daemon starts and a training run; slow on a loaded machine
+def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
+        daemons: Any, tmp_path: Path) -> None:
+    # a stage-1 peer alone in a swarm of its own, with another seed: a checkpoint at step 0
+    lone = DaemonProcess(tmp_path / "drifter", "--stage", "1",
+                         env={**ENV, "SWARMD_TRAINING_SEED": "7"})
+    try:
+        lone.wait_started()
+        other = _stage(lone)["params_digest"]
+    finally:
+        stop_all([lone])  # a graceful stop saves the checkpoint
+    d0, a = daemons(0, 1)
+    b = DaemonProcess(tmp_path / "drifter", "--stage", "1", "--bootstrap", d0.addr, env=ENV)
+    try:
+        b.wait_started()
+        for d in (d0, a, b):  # each stage-1 peer lists the other: rounds from the first step
+            wait_until(lambda: d.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
+                       "two stage-1 peers routable")
+        ia, ib = _stage(a), _stage(b)
+        # the same step, other weights: b's checkpoint is no older than a's state
+        assert ib["state_from"] == "checkpoint" and ib["params_digest"] == other
+        assert ia["step"] == ib["step"] == 0 and ia["params_digest"] != ib["params_digest"]
+        config = load_config(None, {**os.environ, **ENV})
+        result = uvloop.run(asyncio.wait_for(
+            train(config, bootstrap=[d0.addr], steps=10, progress=lambda line: None,
+                  bar=False), 280))
+        assert result.lost == 0
+
+        def agree() -> dict[str, Any] | None:
+            infos = [d.get("/api/v0/stage", timeout=15) for d in (a, b)]
+            if len({i["step"] for i in infos}) == len({i["params_digest"] for i in infos}) == 1:
+                return infos[0]
+            return None
+        try:
+            info = wait_until(agree, 60, "both stage-1 peers at one step with equal weights")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; a: {_counters(a)}; b: {_counters(b)}; a's log: "
+                                 f"{_keeper_lines(a)}; b's log: {_keeper_lines(b)}") from None
+        assert info["step"] >= 3
+        counted = [_counters(d) for d in (a, b)]
+        # repaired: the higher peer id found the drift in a round and took the other's state
+        # (sync.diverged); or, where one peer stepped alone first (a view lagging under load),
+        # the other one took its newer state (the step catch-up) and the drift with it
+        assert any(c.get("state.caught_up", 0) >= 1 for c in counted), \
+            json.dumps([a.peer_id < b.peer_id, counted])
+    finally:
+        stop_all([b])
