@@ -146,6 +146,25 @@ def test_handler_that_raises_gets_error_reply_and_host_keeps_serving(peer: PeerP
     run(scenario)
 
 
+def test_hundreds_of_refused_requests_leave_the_connection_usable(peer: PeerProcess) -> None:
+    """Each refusal (a typed error reply) frees its stream: py-libp2p allows 256 a connection,
+    and streams kept after an error once made every later request wait out its deadline."""
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+        codes = []
+        for _ in range(300):  # bounded: one at a time, each within 5 s
+            try:
+                await host.request(peer.peer_id, "/test/refuse/1", Message(kind="x"), timeout=5)
+            except RemoteError as exc:
+                codes.append(exc.code)
+            except TransportError as exc:
+                codes.append(type(exc).__name__)
+        assert codes == ["busy"] * 300, sorted(set(codes))
+        await assert_still_serving(host, peer)
+
+    run(scenario)
+
+
 def test_unknown_kind_is_refused(peer: PeerProcess) -> None:
     async def scenario(host: Host) -> None:
         await host.dial(peer.addr)

@@ -58,6 +58,12 @@ async def serve(max_message_mib: int, key: str | None, port: int, idle: float) -
     async def fail(message: Message, peer: str) -> Message:
         raise RuntimeError("this handler always fails")
 
+    class Busy(Exception):
+        code = "busy"
+
+    async def refuse(message: Message, peer: str) -> Message:  # a typed refusal, every time
+        raise Busy("always busy")
+
     async def stats(message: Message, peer: str) -> Message:
         return Message(kind="stats", meta={"counters": host.counters.snapshot(), **rss()})
 
@@ -73,6 +79,7 @@ async def serve(max_message_mib: int, key: str | None, port: int, idle: float) -
 
     host.set_request_handler("/test/echo/1", echo)
     host.set_request_handler("/test/fail/1", fail)
+    host.set_request_handler("/test/refuse/1", refuse)
     host.set_request_handler("/test/stats/1", stats)
     async def publish(message: Message, peer: str) -> Message:
         await host.publish(message.meta["topic"], message.meta["data"])

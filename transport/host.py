@@ -204,22 +204,30 @@ class Host:
             async with asyncio.timeout(timeout):
                 pooled = self._idle.get(key)
                 if pooled:
-                    stream = pooled.pop()
                     try:
-                        reply = await stream.exchange(message, codec=codec)
+                        return await self._exchange(key, pooled.pop(), message, codec)
                     except PeerUnavailable:
                         self.counters.add("pooled_stream_stale")
-                    else:
-                        self._return_to_pool(key, stream)
-                        return reply
                 stream = await self.open_stream(peer_id, protocol, timeout=timeout)
-                reply = await stream.exchange(message, codec=codec)
-                self._return_to_pool(key, stream)
-                return reply
+                return await self._exchange(key, stream, message, codec)
         except TimeoutError:
             self.counters.add("deadlines_missed")
             raise DeadlineExceeded(f"{protocol} with {peer_id}: no reply within "
                                    f"{timeout:.3g} s") from None
+
+    async def _exchange(self, key: tuple[str, str], stream: Stream, message: Message,
+                        codec: CodecSpec | None) -> Message:
+        """One exchange on ``stream``; pooled again after a reply, reset after anything else
+        (an error reply, a deadline, a dead stream): py-libp2p counts a stream against the
+        connection's 256 until both sides let go, and the serving side closed its half after
+        an error, so a kept one would use a slot for good."""
+        try:
+            reply = await stream.exchange(message, codec=codec)
+        except BaseException:
+            stream.reset_soon()
+            raise
+        self._return_to_pool(key, stream)
+        return reply
 
     def _return_to_pool(self, key: tuple[str, str], stream: Stream) -> None:
         idle = self._idle.setdefault(key, [])
