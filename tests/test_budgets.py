@@ -114,6 +114,10 @@ ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
 #: forwards the hostile peer sends at most, and how long it keeps flooding at most
 FLOOD_MAX = 2000
 FLOOD_S = 400.0
+#: the flooder's own requests unanswered at once, at most: twice its budget keeps the budget
+#: full and the excess refused, and stays far below py-libp2p's 256 streams a connection
+#: (beyond them new requests wait for a stream until their own deadline, never answered)
+FLOOD_OUTSTANDING = 2 * BudgetConfig().max_requests
 PIPE = Protocols(ENV["SWARMD_SWARM_NAME"]).pipeline()
 
 
@@ -158,10 +162,14 @@ async def _flood(d0: Any, model: str, width: int, trainer: subprocess.Popen[str]
         await hostile.dial(d0.addr)
         tasks: set[asyncio.Task[None]] = set()
         t0 = time.monotonic()
-        for i in range(FLOOD_MAX):
+        while len(tasks) < FLOOD_MAX:
             if trainer.poll() is not None or time.monotonic() - t0 > FLOOD_S:
                 break
-            task = asyncio.create_task(forward(i))
+            pending = {t for t in tasks if not t.done()}
+            if len(pending) >= FLOOD_OUTSTANDING:  # the budget is full and more are queued
+                await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            task = asyncio.create_task(forward(len(tasks)))
             tasks.add(task)
             # a held one waits on, a refused one ends: the budget fills within a second,
             # however fast the honest trainer is
