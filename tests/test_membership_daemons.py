@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from daemon_harness import DaemonProcess, start_swarm, wait_until
+from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from swarmd.config import load_config
 from swarmd.membership import Announcement, PeerState, encode_signed
 from transport import identity
@@ -40,12 +40,23 @@ def swarm(tmp_path: Path) -> Any:
         return start_swarm(tmp_path, [0, *[None] * (n - 1)], into=daemons)
 
     yield start
-    for d in daemons:
-        d.stop()
+    stop_all(daemons)
 
 
-def test_daemons_agree_on_the_full_view_and_spread_over_stages(swarm: Any) -> None:
-    daemons = swarm(4)
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One swarm of four daemons (stage 0, then three ``auto``) for this module: the tests that
+    only read it come first, the one that stops two of them last (pytest keeps file order)."""
+    daemons: list[DaemonProcess] = []
+    try:
+        yield start_swarm(tmp_path_factory.mktemp("four"), [0, None, None, None],
+                          into=daemons)
+    finally:
+        stop_all(daemons)
+
+
+def test_daemons_agree_on_the_full_view_and_spread_over_stages(four: Any) -> None:
+    daemons = four
     everyone = {d.peer_id for d in daemons}
     wait_until(lambda: all(view_ids(d) == everyone for d in daemons), 30,
                "every daemon listing all four")
@@ -54,8 +65,9 @@ def test_daemons_agree_on_the_full_view_and_spread_over_stages(swarm: Any) -> No
     assert all(d.get("/api/v0/swarm")["peers_total"] == 4 for d in daemons)
 
 
-def test_graceful_stop_and_sigkill_both_leave_every_view(swarm: Any) -> None:
-    daemons = swarm(4)
+def test_graceful_stop_and_sigkill_both_leave_every_view(four: Any) -> None:
+    daemons = four
+    assert all(d.proc.poll() is None for d in daemons)  # the module's swarm, still whole
     everyone = {d.peer_id for d in daemons}
     wait_until(lambda: all(view_ids(d) == everyone for d in daemons), 30, "a full view")
     stopped, killed, rest = daemons[1], daemons[2], [daemons[0], daemons[3]]
