@@ -90,6 +90,7 @@ class Daemon:
         #: called with each new budget (``run_join`` arms its watchdog with it)
         self.on_budget: Callable[[StopBudget], None] | None = None
         self._rng = random.Random()
+        self._view_waited = False
 
     # ---- DaemonApi ---------------------------------------------------------------------
     def id_info(self) -> IdInfo:
@@ -370,13 +371,16 @@ class Daemon:
             log.info("stopped serving the stage %.1f s into the stop", self._since_stop())
 
     async def _wait_for_view(self) -> None:
-        if not (self.options.bootstrap or self.config.network.bootstrap):
+        """Wait for a first view from the swarm, at most ``PLACEMENT_WAIT_S`` once in the
+        daemon's life (``--stage auto`` then serving the stage would wait it out twice)."""
+        if self._view_waited or not (self.options.bootstrap or self.config.network.bootstrap):
             return  # a first peer of a new swarm has nobody to ask
         try:
             await asyncio.wait_for(self.membership.has_view.wait(), PLACEMENT_WAIT_S)
         except TimeoutError:
             log.warning("no view from the swarm within %.0f s: going on with what is known",
                         PLACEMENT_WAIT_S)
+        self._view_waited = True
 
     async def _warn_other_models(self) -> None:
         """Say once what differs when the view holds peers of another model (they and this
