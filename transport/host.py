@@ -40,6 +40,7 @@ from transport.errors import (
 from transport.errors import cause_of as _cause
 from transport.frames import Message
 from transport.identity import Identity
+from transport.liveness import find_socket, notifee, tune
 from transport.options import HostOptions
 from transport.pubsub import PubsubBridge, Subscription
 from transport.relay.node import RelayNode
@@ -378,6 +379,9 @@ class Host:
             self._t_register(protocol)
         async with host.run(listen), trio.open_nursery() as nursery:
             self._t_nursery = nursery
+            if self.options.liveness is not None:
+                host.get_network().register_notifee(notifee(
+                    self._t_tune_connection))
             if self._pubsub is not None:
                 await self._pubsub.t_start(host, nursery)
             if self.relay is not None:
@@ -387,6 +391,15 @@ class Host:
                            for a in (str(m) for m in host.get_addrs())]
             ready()
             await trio.sleep_forever()
+
+    def _t_tune_connection(self, conn: Any) -> None:
+        sock = find_socket(conn)
+        if sock is None:
+            self.counters.add("liveness.no_socket")  # relayed, or a transport we do not know
+        elif tune(sock, self.options.liveness):
+            self.counters.add("liveness.tuned")
+        else:
+            self.counters.add("liveness.tune_failed")
 
     def spawn_trio(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Trio side: run a background task owned by the host's nursery."""
