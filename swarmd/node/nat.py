@@ -29,6 +29,8 @@ __all__ = ["NatService", "NatStatus", "OPEN_PORT_HINT"]
 #: relays tried per round at most (a swarm where most peers refuse costs bounded time)
 MAX_TRIES_PER_ROUND = 6
 ROUND_S = 20.0
+#: while private: how often the relays' connections are checked (one local call)
+CHECK_S = 3.0
 OPEN_PORT_HINT = ("peers cannot dial this machine: if you can, forward TCP port {port} on your "
                   "router to it and set network.announce to your public address "
                   "(/ip4/<public ip>/tcp/{port}); until then it is reached through relays")
@@ -106,14 +108,32 @@ class NatService:
             verdict = self.dialback.verdict()
             relay = self.host.relay
             held = set(relay.reservations)
+            connected = set(await self.host.connected_peers())
             if verdict == PUBLIC and held:
                 for peer in held:  # reachable again: free the relays' slots
                     await relay.release(peer)
-            elif verdict == PRIVATE and len(held) < self.want:
-                await self._reserve_more(held)
-            if not await self.host.connected_peers():
+            elif verdict == PRIVATE:
+                await self._rejoin(held - connected)
+                if len(relay.reservations) < self.want:
+                    await self._reserve_more(set(relay.reservations))
+            if not connected:
                 self.dialback.recheck()  # everything dropped (our router restarted?)
-            await asyncio.sleep(ROUND_S if verdict != PRIVATE or len(held) >= self.want else 2)
+            await asyncio.sleep(ROUND_S if verdict != PRIVATE else CHECK_S)
+
+    async def _rejoin(self, lost: set[str]) -> None:
+        """Relays we hold a slot on but are no longer connected to (our router restarted, or
+        theirs): reserve again now, which dials them, rather than at the next renewal (half
+        an hour away): a relay can only hand us circuits over a live connection."""
+        for peer in sorted(lost)[:MAX_TRIES_PER_ROUND]:
+            try:
+                await self.host.relay.reserve(peer, self._addrs_of(peer))
+            except TransportError as exc:
+                self._count("relay.rejoin_failed")
+                log.debug("relay %s: reserving again failed: %s", peer, exc)
+                continue
+            self._count("relay.rejoined")
+            log.info("reconnected to relay %s and renewed the slot", peer)
+            self.membership.changed()
 
     async def _reserve_more(self, held: set[str]) -> None:
         relayed = {p for p, how in (await self.host.relay.paths()).items() if how == "relayed"}

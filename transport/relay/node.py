@@ -65,6 +65,8 @@ class RelayNode:
         self.counters = host.counters
         self._held: dict[str, HeldReservation] = {}
         self._renewers: dict[str, trio.CancelScope] = {}
+        #: where each relay was dialed (a renewal or a reserve-again may have no fresher ones)
+        self._relay_addrs: dict[str, tuple[str, ...]] = {}
         self._t_host: Any = None
         self._nursery: trio.Nursery | None = None
         self.hop: Any = None  # transport.relay.hop.CountingHop, trio side
@@ -232,7 +234,10 @@ class RelayNode:
 
     async def _t_reserve(self, relay: str, addrs: tuple[str, ...], timeout: float
                          ) -> HeldReservation:
+        addrs = addrs or self._relay_addrs.get(relay, ())
         held = await self._t_reserve_once(relay, addrs, timeout)
+        if addrs:
+            self._relay_addrs[relay] = addrs
         if relay not in self._renewers and self._nursery is not None:
             scope = trio.CancelScope()
             self._renewers[relay] = scope
@@ -315,6 +320,7 @@ class RelayNode:
         if scope is not None:
             scope.cancel()
         self._held.pop(relay, None)
+        self._relay_addrs.pop(relay, None)
 
     async def _t_dial(self, addr: str, timeout: float) -> str:
         import multiaddr
