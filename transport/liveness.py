@@ -26,7 +26,7 @@ from typing import Any
 
 log = logging.getLogger("transport.liveness")
 
-__all__ = ["Liveness", "find_socket", "tune"]
+__all__ = ["Liveness", "find_socket", "tune", "tune_connection", "notifee"]
 
 #: attributes from a SwarmConn down to the trio.SocketStream, in the order they are tried:
 #: SwarmConn.muxed_conn (Yamux) .secured_conn (Noise session) .conn (RawConnection)
@@ -94,6 +94,17 @@ def tune(sock: Any, liveness: Liveness) -> bool:
             log.debug("setsockopt(%s, %s) failed: %s", level, option, exc)
             ok = False
     return ok
+
+
+def tune_connection(conn: Any, liveness: Liveness, counters: Any) -> None:
+    """Trio side, for each new connection: tune its TCP socket, counting what happened."""
+    sock = find_socket(conn)
+    if sock is None:
+        counters.add("liveness.no_socket")  # relayed, or a transport we do not know
+    elif tune(sock, liveness):
+        counters.add("liveness.tuned")
+    else:
+        counters.add("liveness.tune_failed")
 
 
 def notifee(on_connected: Any) -> Any:
