@@ -149,3 +149,26 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
             except subprocess.TimeoutExpired:
                 trainer.kill()
         stop_all(daemons)
+
+
+def test_the_router_counts_bytes_between_two_hosts(wanlab: Any) -> None:
+    from tools.wanlab import HostSpec
+
+    lab = wanlab(HostSpec(name="a"), HostSpec(name="b"), HostSpec(name="c"))
+    assert lab.bytes_between("a", "b") == 0
+    with lab.inside("b"):
+        ls = socket.create_server((lab.addr("b"), 0))
+    with ls:
+        with lab.inside("a"):
+            c = socket.create_connection((lab.addr("b"), ls.getsockname()[1]), timeout=5)
+        with c:
+            peer, _ = ls.accept()
+            c.sendall(b"x" * 100_000)
+            got = 0
+            peer.settimeout(5)
+            while got < 100_000:
+                got += len(peer.recv(65536))
+            peer.close()
+    assert lab.bytes_between("a", "b") >= 100_000
+    assert lab.bytes_between("b", "a") >= 100_000  # the same pair
+    assert lab.bytes_between("a", "c") == 0

@@ -185,8 +185,11 @@ class NatService:
 
     async def _reserve_more(self, held: set[str]) -> None:
         relayed = {p for p, how in (await self.host.relay.paths()).items() if how == "relayed"}
-        # a peer we reach only through a relay is behind NAT itself: no relay for us
-        peers = [p for p in self._candidates() if p not in held and p not in relayed]
+        # a peer we reach only through a relay, or one that announces relayed addresses of its
+        # own, is behind NAT itself (a hole-punched connection to it does not make it one
+        # others can reach): no relay for us
+        peers = [p for p in self._candidates() if p not in held and p not in relayed
+                 and not any("/p2p-circuit" in a for a in self._addrs_of(p))]
         self._rng.shuffle(peers)
         for peer in peers[:MAX_TRIES_PER_ROUND]:
             if len(self.host.relay.reservations) >= self.want:

@@ -83,6 +83,7 @@ class WanLab:
         self._gateway_down: set[str] = set()
         self._timers: list[threading.Timer] = []
         self._gateway_lock = threading.Lock()
+        self._accounted: set[tuple[str, str]] = set()
         self._delayer: subprocess.Popen[bytes] | None = None
         self._delayer_lock = threading.Lock()
         self._control_seq = 0
@@ -174,6 +175,11 @@ class WanLab:
                 netns.in_ns(edge, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
                 netns.in_ns(edge, [netns.IPTABLES, "-w", "-t", "nat", "-A", "POSTROUTING",
                                    "-o", "eth0", "-j", "MASQUERADE"])
+                # like a home router: a connection attempt from outside that no mapping
+                # expects is dropped silently, not answered with a reset (a reset would
+                # abort the far side of a TCP simultaneous open whose SYN came first)
+                netns.in_ns(edge, [netns.IPTABLES, "-w", "-A", "INPUT", "-i", "eth0", "-p",
+                                   "tcp", "--syn", "-j", "DROP"])
         self._start_delayer()
         for name in self.hosts:
             self._apply(name, self.links[name], rates=True)
@@ -282,6 +288,29 @@ class WanLab:
 
     def gateway_is_down(self, host: str) -> bool:
         return host in self._gateway_down
+
+    def bytes_between(self, a: str, b: str) -> int:
+        """Bytes the router forwarded between hosts ``a`` and ``b`` directly (both ways, IP
+        headers included), counted from the first call for this pair: traffic between them
+        through a third host (a relay) is not counted."""
+        self._alive()
+        src, dst = self.public_addr(a), self.public_addr(b)
+        pair = tuple(sorted((src, dst)))
+        with self._gateway_lock:
+            if pair not in self._accounted:
+                for x, y in ((src, dst), (dst, src)):
+                    netns.in_ns(self.ns["r"], [netns.IPTABLES, "-w", "-I", "FORWARD", "1",
+                                               "-s", x, "-d", y])  # no target: counts only
+                self._accounted.add(pair)
+        out = netns.in_ns(self.ns["r"], [netns.IPTABLES, "-w", "-L", "FORWARD", "-v", "-x",
+                                         "-n"])
+        total = 0
+        for line in out.splitlines():
+            cols = line.split()
+            # pkts bytes target prot opt in out source destination (no target: one fewer)
+            if len(cols) >= 7 and cols[0].isdigit() and {cols[-2], cols[-1]} == {src, dst}:
+                total += int(cols[1])
+        return total
 
     def counters(self) -> dict[str, Any]:
         """The delayer's counters: passed, held, released, lost, blocked, overflow."""
