@@ -116,3 +116,30 @@ def test_nated_stage_mates_punch_a_hole_and_talk_directly(wanlab: Any, tmp_path:
         assert share >= DIRECT_SHARE, (share, direct, relayed, punched)
     finally:
         _stop(daemons, trainer)
+
+
+@pytest.mark.timeout(600)
+def test_with_hole_punching_off_the_relayed_path_trains(wanlab: Any, tmp_path: Path) -> None:
+    from daemon_harness import wait_until
+
+    env = {**ENV, "SWARMD_NETWORK_HOLE_PUNCH": "false"}
+    lab = _lab(wanlab)
+    daemons, trainer = [], None
+    try:
+        daemons, trainer = _swarm(lab, tmp_path, env)
+        pub, n1, n2 = daemons
+        # both NATed peers serve, and their stage's rounds run (the relay carries them)
+        for d in (n1, n2):
+            wait_until(lambda d=d: _counters(d).get("stage.forward", 0) >= 8, 240,
+                       f"{d.host} to serve microbatches")
+        wait_until(lambda: all(_counters(d).get("stage.step", 0) >= 3 for d in (n1, n2)), 240,
+                   "the NATed stage to take optimizer steps")
+        assert trainer.poll() is None, (tmp_path / "trainer" / "train.stderr").read_text()[-3000:]
+        assert _counters(pub).get("relay.bytes_relayed", 0) > 0
+        assert lab.bytes_between("n1", "n2") == 0  # counted from here on: still nothing direct
+        for d in (n1, n2):
+            assert _counters(d).get("relay.hole_punch_ok", 0) == 0
+        wait_until(lambda: _counters(n1).get("stage.step", 0) >= 5, 240, "more steps")
+        assert lab.bytes_between("n1", "n2") == 0
+    finally:
+        _stop(daemons, trainer)
