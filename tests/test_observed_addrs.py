@@ -119,3 +119,61 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
                    for a in pub_status["observed_addrs"]), pub_status["observed_addrs"]
     finally:
         stop_all(daemons)
+
+
+class _Host:
+    """What NatService reads of a host before it starts (no network: a unit test)."""
+
+    peer_id = "QmSelf"
+    addrs = ["/ip4/198.19.3.2/tcp/4001/p2p/QmSelf"]
+    relay = None
+    on_observed = None
+
+
+class _Membership:
+    def __init__(self) -> None:
+        self.changes = 0
+
+    def changed(self) -> None:
+        self.changes += 1
+
+
+def _nat(**network: Any) -> Any:
+    import dataclasses
+
+    from swarmd.config.load import Config
+    from swarmd.node.nat import NatService
+
+    config = Config()
+    config = dataclasses.replace(config, network=dataclasses.replace(config.network,
+                                                                     **network))
+    membership = _Membership()
+    return NatService(_Host(), membership, config), membership
+
+
+def test_the_nat_service_announces_an_address_once_three_peers_agree() -> None:
+    nat, membership = _nat()
+    nat._on_observed("a", "/ip4/198.18.3.2/tcp/50001")
+    nat._on_observed("b", "/ip4/198.18.3.2/tcp/50002")  # each connection its own NAT port
+    nat._on_observed("liar", "/ip4/203.0.113.9/tcp/4001")
+    nat._on_observed("liar", "/ip4/203.0.113.9/tcp/4001")
+    assert nat._extra_addrs() == () and membership.changes == 0
+    nat._on_observed("c", "/ip4/198.18.3.2/tcp/50003")
+    assert nat._extra_addrs() == ("/ip4/198.18.3.2/tcp/4001/p2p/QmSelf",)
+    assert nat.status().observed_addrs == ("/ip4/198.18.3.2/tcp/4001",)
+    assert membership.changes == 1  # announced now
+    nat._on_observed("d", "/ip4/198.18.3.2/tcp/50004")
+    assert membership.changes == 1  # nothing new
+    nat._on_observed("e", "not an address")
+    assert nat.counters["observed.unusable"] == 1
+
+
+def test_announce_set_or_no_announce_keep_observed_addresses_out() -> None:
+    nat, _ = _nat(announce=("/ip4/203.0.113.1/tcp/4001",))
+    nat2, _ = _nat(no_announce=("198.18.0.0/15",))
+    for n in (nat, nat2):
+        for peer in "abc":
+            n._on_observed(peer, "/ip4/198.18.3.2/tcp/5000")
+        assert n._extra_addrs() == ()
+    assert nat.status().observed_addrs == ("/ip4/198.18.3.2/tcp/4001",)  # shown, not announced
+    assert nat2.status().observed_addrs == ()
