@@ -118,6 +118,7 @@ def test_nated_stage_mates_punch_a_hole_and_talk_directly(wanlab: Any, tmp_path:
         _stop(daemons, trainer)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_with_hole_punching_off_the_relayed_path_trains(wanlab: Any, tmp_path: Path) -> None:
     from daemon_harness import wait_until
