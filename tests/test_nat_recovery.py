@@ -172,3 +172,49 @@ def test_the_router_counts_bytes_between_two_hosts(wanlab: Any) -> None:
     assert lab.bytes_between("a", "b") >= 100_000
     assert lab.bytes_between("b", "a") >= 100_000  # the same pair
     assert lab.bytes_between("a", "c") == 0
+
+
+def test_a_lost_relay_is_reserved_again_and_given_up_after_three_failures() -> None:
+    """NatService._rejoin, with a stand-in relay client (a unit test: no network)."""
+    import asyncio
+
+    from swarmd.config.load import Config
+    from swarmd.node.nat import REJOIN_TRIES, NatService
+    from transport.errors import PeerUnavailable
+
+    class Relay:
+        def __init__(self) -> None:
+            self.reserved: list[str] = []
+            self.released: list[str] = []
+            self.down = {"gone"}
+
+        async def reserve(self, peer: str, addrs: Any = ()) -> None:
+            self.reserved.append(peer)
+            if peer in self.down:
+                raise PeerUnavailable(f"dial {peer} failed")
+
+        async def release(self, peer: str) -> None:
+            self.released.append(peer)
+
+    class Host:
+        peer_id, addrs, relay = "QmSelf", ["/ip4/198.19.3.2/tcp/4001"], Relay()
+
+    class Membership:
+        changes = 0
+        view: dict[str, Any] = {}
+
+        def changed(self) -> None:
+            self.changes += 1
+
+    nat = NatService(Host(), Membership(), Config())
+
+    async def main() -> None:
+        await nat._rejoin({"back", "gone"})
+        assert Host.relay.reserved == ["back", "gone"] and nat.counters["relay.rejoined"] == 1
+        for _ in range(REJOIN_TRIES - 1):
+            await nat._rejoin({"gone"})
+        assert Host.relay.released == ["gone"]
+        assert nat.counters["relay.abandoned"] == 1
+        assert nat.counters["relay.rejoin_failed"] == REJOIN_TRIES
+
+    asyncio.run(main())

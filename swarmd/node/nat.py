@@ -38,6 +38,8 @@ OBSERVED_WINDOW_S = 6 * 3600.0
 ROUND_S = 20.0
 #: while private: how often the relays' connections are checked (one local call)
 CHECK_S = 3.0
+#: failed reserve-agains after which a relay we lost is given up for another
+REJOIN_TRIES = 3
 OPEN_PORT_HINT = ("peers cannot dial this machine: if you can, forward TCP port {port} on your "
                   "router to it and set network.announce to your public address "
                   "(/ip4/<public ip>/tcp/{port}); until then it is reached through relays")
@@ -77,6 +79,7 @@ class NatService:
         self._announce_set = bool(tuple(network.announce))
         self._policy = AddressPolicy(no_announce=tuple(network.no_announce))
         self._confirmed: tuple[str, ...] = ()
+        self._rejoin_failures: dict[str, int] = {}
 
     async def __aenter__(self) -> NatService:
         await self.dialback.__aenter__()
@@ -177,8 +180,16 @@ class NatService:
                 await self.host.relay.reserve(peer, self._addrs_of(peer))
             except TransportError as exc:
                 self._count("relay.rejoin_failed")
-                log.debug("relay %s: reserving again failed: %s", peer, exc)
+                failures = self._rejoin_failures[peer] = self._rejoin_failures.get(peer, 0) + 1
+                log.debug("relay %s: reserving again failed (%d): %s", peer, failures, exc)
+                if failures >= REJOIN_TRIES:  # gone: free the place for another relay
+                    self._rejoin_failures.pop(peer, None)
+                    await self.host.relay.release(peer)
+                    self._count("relay.abandoned")
+                    log.info("relay %s is unreachable: moving to another", peer)
+                    self.membership.changed()
                 continue
+            self._rejoin_failures.pop(peer, None)
             self._count("relay.rejoined")
             log.info("reconnected to relay %s and renewed the slot", peer)
             self.membership.changed()
