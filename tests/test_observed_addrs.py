@@ -91,7 +91,9 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
     from tools.wanlab import HostSpec, Link
     from tools.wanlab.daemons import LabDaemon, stop_all
 
-    env = {"SWARMD_BALANCING_ENABLED": "false"}
+    # a slot on each of the three public peers: n1 dials each of them itself, so each runs
+    # identify over a direct connection (one that dials n1 through a relay observes nothing)
+    env = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_NETWORK_RELAY_RESERVATIONS": "3"}
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="p1", link=link),
                  HostSpec(name="p2", link=link), HostSpec(name="n1", link=link, nat=True))
@@ -108,8 +110,14 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
         port = n1.addr.split("/tcp/")[1].split("/")[0]
         want = f"/ip4/{lab.public_addr('n1')}/tcp/{port}"
         assert lab.public_addr("n1") not in n1.addr  # it is bound to its private address
-        wait_until(lambda: want in n1.get("/api/v0/status")["observed_addrs"], 120,
-                   f"n1 to learn it is seen at {want}")
+        try:
+            wait_until(lambda: want in n1.get("/api/v0/status")["observed_addrs"], 120,
+                       f"n1 to learn it is seen at {want}")
+        except AssertionError as exc:
+            st = n1.get("/api/v0/status")
+            raise AssertionError(f"{exc}: relays {st['relays']}, counters "
+                                 f"{ {k: v for k, v in st['counters'].items() if 'obs' in k} }"
+                                 ) from None
         status = n1.get("/api/v0/status")
         assert status["counters"].get("observed.reports", 0) >= 3, status["counters"]
         assert status["observed_addrs"] == [want], status["observed_addrs"]

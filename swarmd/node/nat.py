@@ -195,11 +195,11 @@ class NatService:
             self.membership.changed()
 
     async def _reserve_more(self, held: set[str]) -> None:
-        relayed = {p for p, how in (await self.host.relay.paths()).items() if how == "relayed"}
-        # a peer we reach only through a relay, or one that announces relayed addresses of its
-        # own, is behind NAT itself (a hole-punched connection to it does not make it one
-        # others can reach): no relay for us
-        peers = [p for p in self._candidates() if p not in held and p not in relayed
+        # a peer that announces relayed addresses of its own is behind NAT itself (a
+        # hole-punched connection to it does not make it one others can reach): no relay for
+        # us. One that dialed us through a relay may well be public: it is asked (a dial to
+        # a NATed one that has no relay yet fails and costs one try of this round)
+        peers = [p for p in self._candidates() if p not in held
                  and not any("/p2p-circuit" in a for a in self._addrs_of(p))]
         self._rng.shuffle(peers)
         for peer in peers[:MAX_TRIES_PER_ROUND]:

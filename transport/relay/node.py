@@ -214,7 +214,8 @@ class RelayNode:
             pid = ID.from_base58(peer_text)
         except Exception:
             raise LocalUsageError(f"{peer_text!r} is not a libp2p peer id") from None
-        if pid in self._t_host.get_connected_peers():
+        connected = pid in self._t_host.get_connected_peers()
+        if connected and self._t_path(pid) == "direct":
             return pid
         plain = []
         for a in addrs:
@@ -223,6 +224,15 @@ class RelayNode:
                 plain.extend(info_from_p2p_addr(ma).addrs if "/p2p/" in a else [ma])
             except Exception:
                 raise LocalUsageError(f"{a!r} is not a multiaddr of {peer_text}") from None
+        if connected:  # only through a relay: a relay refuses a reservation made that way
+            network = self._t_host.get_network()
+            for ma in plain[:4]:
+                try:
+                    await network.dial_addr(ma, pid)
+                    return pid
+                except Exception as exc:
+                    log.debug("direct dial of %s at %s failed: %s", peer_text, ma, exc)
+            return pid  # let the relayed connection answer (it may refuse)
         if not plain:
             raise PeerUnavailable(f"not connected to {peer_text} and no address to dial")
         self._t_host.get_network().unblock_peer(pid)
@@ -380,6 +390,17 @@ class RelayNode:
             raise PeerUnavailable(f"dial {addr} failed: {exc}") from None
         self.counters.add("relay.circuits_dialed")
         return dest_text
+
+    def _t_path(self, pid: Any) -> str:
+        """``"direct"`` when any connection to ``pid`` is direct, else ``"relayed"``."""
+        conns = self._t_host.get_network().connections.get(pid, [])
+        for conn in conns if isinstance(conns, list) else [conns]:
+            try:
+                if path_of([str(a) for a in conn.get_transport_addresses()]) == "direct":
+                    return "direct"
+            except Exception:
+                continue
+        return "relayed"
 
     async def _t_paths(self) -> dict[str, str]:
         out: dict[str, str] = {}
