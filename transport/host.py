@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import trio
 
-from transport import libp2p_events, libp2p_tuning
+from transport import libp2p_events, libp2p_tuning, liveness, observed
 from transport.bridge import TrioThread
 from transport.codecs import CodecSpec
 from transport.counters import Counters
@@ -81,6 +81,10 @@ class Host:
         self._idle: dict[tuple[str, str], list[Stream]] = {}
         #: payload writes are cut into whole yamux frames (set at start)
         self.write_chunk_bytes = self.options.limits.chunk_bytes
+        #: ``on_observed(peer_id, multiaddr)``, on the asyncio side: a peer connected directly
+        #: said (identify's ``observed_addr``) it sees us at that address. Unchecked: one peer
+        #: can say anything, believe an address only when several agree
+        self.on_observed: Callable[[str, str], None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def __aenter__(self) -> Host:
@@ -382,10 +386,15 @@ class Host:
             listen_addrs=listen,
         )
         self._t_host = host
+        self._t_watch_observed(host)
         for protocol in self._handlers:
             self._t_register(protocol)
         async with host.run(listen), trio.open_nursery() as nursery:
             self._t_nursery = nursery
+            if self.options.liveness is not None:
+                host.get_network().register_notifee(liveness.notifee(
+                    lambda conn: liveness.tune_connection(conn, self.options.liveness,
+                                                          self.counters)))
             if self._pubsub is not None:
                 await self._pubsub.t_start(host, nursery)
             if self.relay is not None:
@@ -395,6 +404,25 @@ class Host:
                            for a in (str(m) for m in host.get_addrs())]
             ready()
             await trio.sleep_forever()
+
+    def _t_watch_observed(self, lhost: Any) -> None:
+        if not observed.watch(lhost, self._deliver_observed, self.counters):
+            log.warning("py-libp2p's identify changed: observed addresses are not used "
+                        "(expected 0.8.1)")
+
+    def _deliver_observed(self, peer_id: str, addr: str) -> None:  # trio side
+        self.bridge.to_asyncio(self._observed, peer_id, addr)
+
+    def _observed(self, peer_id: str, addr: str) -> None:
+        self.counters.add("observed_addrs.reports")
+        callback = self.on_observed
+        if callback is None:
+            return
+        try:
+            callback(peer_id, addr)
+        except Exception:
+            self.counters.add("observed_addrs.callback_errors")
+            log.exception("on_observed failed")
 
     def spawn_trio(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Trio side: run a background task owned by the host's nursery."""

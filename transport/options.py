@@ -8,6 +8,7 @@ from transport.codecs import CodecSpec
 from transport.errors import LocalUsageError
 from transport.limits import Limits
 from transport.pubsub import PubsubOptions
+from transport.liveness import Liveness
 from transport.relay.policy import RelayLimits
 
 __all__ = ["HostOptions", "RelayOptions"]
@@ -68,6 +69,10 @@ class HostOptions:
     download_bytes_s: int | None = None
     #: burst of both buckets (None: a quarter second of the rate, at least 16 KiB)
     rate_burst_bytes: int | None = None
+    #: keepalive and the TCP user timeout on every TCP connection (``transport.liveness``):
+    #: a connection through a router that restarted dies in seconds, not minutes; None: the
+    #: kernel's defaults
+    liveness: Liveness | None = field(default_factory=Liveness)
 
     def __post_init__(self) -> None:
         if not self.listen:

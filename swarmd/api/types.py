@@ -168,6 +168,8 @@ class StatusInfo:
     relays: tuple[str, ...] = ()
     #: what to do about being private (empty otherwise)
     reachability_hint: str = ""
+    #: our addresses as several peers observed them (identify), with our listen port
+    observed_addrs: tuple[str, ...] = ()
     #: the deadline policy and, per peer, measured round trip and bandwidth and the deadlines
     #: derived from them (swarmd.links)
     links: dict[str, Any] = field(default_factory=dict)
@@ -181,8 +183,9 @@ class StatusInfo:
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}  # a newer daemon's extra keys
-        if "relays" in data:
-            data["relays"] = tuple(data["relays"])
+        for key in ("relays", "observed_addrs"):
+            if key in data:
+                data[key] = tuple(data[key])
         return cls(**data)
 
 

@@ -79,6 +79,8 @@ def text_status(st) -> str:
              + (f" (relays: {', '.join(r[-8:] for r in st.relays)})" if st.relays else "")]
     if st.reachability_hint:
         lines.append(f"            {st.reachability_hint}")
+    if st.observed_addrs:
+        lines.append(f"observed    {', '.join(st.observed_addrs)}")
     lines += _limits_lines(st.limits)
     if st.counters:
         width = max(len(name) for name in st.counters)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["AddressPolicy", "announced_addrs", "parse_filter", "ObservedAddresses",
-           "MAX_ANNOUNCED"]
+           "MAX_ANNOUNCED", "at_listen_port"]
 
 #: most addresses in one announcement (membership bounds what it accepts the same way)
 MAX_ANNOUNCED = 8
@@ -129,6 +129,28 @@ def announced_addrs(bound: Iterable[str], interfaces: Sequence[str], policy: Add
         if full not in out:
             out.append(full)
     return tuple(out[:MAX_ANNOUNCED])
+
+
+def at_listen_port(observed: str, bound: Sequence[str]) -> str | None:
+    """What an observed address (identify) says about where peers could dial us: its IP with
+    our listen port. A NAT gives each outbound connection a source port of its own, so the
+    observed port is that connection's, never one a dialer can use; a forwarded port, or a
+    NAT that keeps ports (a cloud VM's 1:1 NAT), reaches us at the listen port. Kept as is
+    when it already is one of our listen ports; None when it is not a TCP address or we
+    listen on no TCP port of its family."""
+    parts = strip_peer_id(observed).strip("/").split("/")
+    ip = _ip_of(strip_peer_id(observed))
+    if ip is None or len(parts) != 4 or parts[2] != "tcp" or not parts[3].isdigit():
+        return None
+    ports = []
+    for addr in bound:
+        b = strip_peer_id(addr).strip("/").split("/")
+        if len(b) >= 4 and b[0] == parts[0] and b[2] == "tcp" and b[3].isdigit():
+            ports.append(b[3])
+    if not ports:
+        return None
+    port = parts[3] if parts[3] in ports else ports[0]
+    return f"/{parts[0]}/{ip}/tcp/{port}"
 
 
 @dataclass(slots=True)

@@ -125,6 +125,7 @@ class Daemon:
             queue=queue, counters=counters,
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
+            observed_addrs=nat.observed_addrs if nat else (),
             links=self._links_status(),
             limits=limits_status(self.config, self.host, self.stage_server),
             grace_left_s=self.budget.left(time.monotonic()) if self.budget else None)

@@ -45,6 +45,9 @@ DELAYER_ANSWER_S = 10.0
 STOP_GRACE_S = 5.0
 _UNSET: Any = object()
 
+#: where a gateway that is down drops packets: forwarded ones and its own (a restarting
+#: router neither forwards nor answers)
+_GATEWAY_CHAINS = ("FORWARD", "INPUT", "OUTPUT")
 _live: list["WanLab"] = []
 _checked: set[str] = set()
 _live_lock = threading.Lock()
@@ -57,7 +60,8 @@ class WanLab:
     """``with WanLab(hosts=[HostSpec(name="s0", link=Link(delay_ms=25, down_mbit=200,
     up_mbit=200)), ...]) as lab:`` builds the lab; ``lab.addr("s0")`` is a host's address,
     ``lab.run("s0", argv)`` starts a process inside it, ``lab.set_link(...)``, ``stall``,
-    ``partition`` and ``heal`` change links while it runs. Also usable with ``async with``."""
+    ``partition`` and ``heal`` change links while it runs, ``gateway_outage`` restarts a NAT
+    gateway. Also usable with ``async with``."""
 
     def __init__(self, hosts: Sequence[HostSpec], *, python: str = sys.executable,
                  seed: int = 0) -> None:
@@ -76,6 +80,10 @@ class WanLab:
         self._queued: dict[str, bool] = {name: False for name in self.hosts}
         self._faulted: dict[str, bool] = {name: False for name in self.hosts}
         self._blocked: dict[str, bool] = {name: False for name in self.hosts}
+        self._gateway_down: set[str] = set()
+        self._timers: list[threading.Timer] = []
+        self._gateway_lock = threading.Lock()
+        self._accounted: set[tuple[str, str]] = set()
         self._delayer: subprocess.Popen[bytes] | None = None
         self._delayer_lock = threading.Lock()
         self._control_seq = 0
@@ -121,6 +129,8 @@ class WanLab:
         if self._closed:
             return
         self._closed = True
+        for timer in self._timers:
+            timer.cancel()
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -165,6 +175,11 @@ class WanLab:
                 netns.in_ns(edge, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
                 netns.in_ns(edge, [netns.IPTABLES, "-w", "-t", "nat", "-A", "POSTROUTING",
                                    "-o", "eth0", "-j", "MASQUERADE"])
+                # like most home routers: a connection attempt from outside that no mapping
+                # expects is dropped silently, not answered with a reset (hole punching is
+                # measured against that; it also worked with resets, see test_nat_punch)
+                netns.in_ns(edge, [netns.IPTABLES, "-w", "-A", "INPUT", "-i", "eth0", "-p",
+                                   "tcp", "--syn", "-j", "DROP"])
         self._start_delayer()
         for name in self.hosts:
             self._apply(name, self.links[name], rates=True)
@@ -235,6 +250,68 @@ class WanLab:
         self._blocked[host] = False
         self._control([self._state(host)])
 
+    def gateway_down(self, host: str) -> None:
+        """``host``'s NAT gateway stops forwarding (every packet through it, to it and from it
+        is dropped) and forgets its NAT mappings, as a home router that restarts; until
+        :meth:`gateway_up`."""
+        gw = self._gateway_ns(host)
+        with self._gateway_lock:
+            if host in self._gateway_down:
+                return
+            for chain in _GATEWAY_CHAINS:
+                netns.in_ns(gw, [netns.IPTABLES, "-w", "-I", chain, "1", "-j", "DROP"])
+            self._gateway_down.add(host)
+            netns.flush_conntrack(gw)
+
+    def gateway_up(self, host: str) -> None:
+        """``host``'s NAT gateway is back, with an empty NAT table: connections through it
+        that outlived the outage meet a router that knows nothing of them."""
+        gw = self._gateway_ns(host)
+        with self._gateway_lock:
+            if host not in self._gateway_down or self._closed:
+                return
+            netns.flush_conntrack(gw)
+            for chain in _GATEWAY_CHAINS:
+                netns.in_ns(gw, [netns.IPTABLES, "-w", "-D", chain, "-j", "DROP"])
+            self._gateway_down.discard(host)
+
+    def gateway_outage(self, host: str, seconds: float) -> None:
+        """:meth:`gateway_down` now and :meth:`gateway_up` after ``seconds`` (in a timer
+        thread; the lab's teardown cancels it). Returns at once."""
+        if not 0 < seconds <= 3600:
+            raise LabError(f"a gateway outage lasts 0-3600 s, not {seconds}")
+        self.gateway_down(host)
+        timer = threading.Timer(seconds, self._gateway_up_quietly, args=(host,))
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def gateway_is_down(self, host: str) -> bool:
+        return host in self._gateway_down
+
+    def bytes_between(self, a: str, b: str) -> int:
+        """Bytes the router forwarded between hosts ``a`` and ``b`` directly (both ways, IP
+        headers included), counted from the first call for this pair: traffic between them
+        through a third host (a relay) is not counted."""
+        self._alive()
+        src, dst = self.public_addr(a), self.public_addr(b)
+        pair = tuple(sorted((src, dst)))
+        with self._gateway_lock:
+            if pair not in self._accounted:
+                for x, y in ((src, dst), (dst, src)):
+                    netns.in_ns(self.ns["r"], [netns.IPTABLES, "-w", "-I", "FORWARD", "1",
+                                               "-s", x, "-d", y])  # no target: counts only
+                self._accounted.add(pair)
+        out = netns.in_ns(self.ns["r"], [netns.IPTABLES, "-w", "-L", "FORWARD", "-v", "-x",
+                                         "-n"])
+        total = 0
+        for line in out.splitlines():
+            cols = line.split()
+            # pkts bytes target prot opt in out source destination (no target: one fewer)
+            if len(cols) >= 7 and cols[0].isdigit() and {cols[-2], cols[-1]} == {src, dst}:
+                total += int(cols[1])
+        return total
+
     def counters(self) -> dict[str, Any]:
         """The delayer's counters: passed, held, released, lost, blocked, overflow."""
         return self._control([], stats=True)
@@ -245,6 +322,20 @@ class WanLab:
         if host not in self.index:
             raise LabError(f"no host {host!r} in this lab (hosts: {sorted(self.index)})")
         return self.index[host]
+
+    def _gateway_ns(self, host: str) -> str:
+        self._alive()
+        self._index(host)
+        if not self.hosts[host].nat:
+            raise LabError(f"host {host!r} is not behind a NAT gateway")
+        return self.ns[f"{host}-gw"]
+
+    def _gateway_up_quietly(self, host: str) -> None:
+        try:
+            self.gateway_up(host)
+        except LabError as exc:  # the lab closed meanwhile
+            if not self._closed:
+                print(f"wanlab: bringing {host}'s gateway back failed: {exc}", file=sys.stderr)
 
     def _alive(self) -> None:
         if self._closed:

@@ -9,6 +9,8 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import time
 from contextlib import contextmanager
@@ -147,6 +149,35 @@ def entered(ns: str) -> Iterator[None]:
             _setns(own)
     finally:
         os.close(own)
+
+
+NETLINK_NETFILTER = 12
+#: ctnetlink's "delete" with no tuple: the whole table (what ``conntrack -F`` sends)
+_CT_FLUSH = (1 << 8) | 2  # NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE
+_NLM_F_REQUEST_ACK = 0x1 | 0x4
+_NLMSG_ERROR = 2
+
+
+def flush_conntrack(ns: str) -> None:
+    """Forget every connection the namespace's netfilter tracks (its NAT mappings too), as a
+    router that restarts does: ``conntrack -F`` without the conntrack tool, over netlink."""
+    with entered(ns):
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        sock.settimeout(COMMAND_TIMEOUT_S)
+        sock.bind((0, 0))
+        body = struct.pack("=BBH", socket.AF_INET, 0, 0)  # nfgenmsg: family, version, res_id
+        sock.send(struct.pack("=IHHII", 16 + len(body), _CT_FLUSH, _NLM_F_REQUEST_ACK, 1, 0)
+                  + body)
+        reply = sock.recv(4096)
+    except OSError as exc:
+        raise LabError(f"flushing conntrack in {ns} failed: {exc}") from None
+    finally:
+        sock.close()
+    kind = struct.unpack("=H", reply[4:6])[0] if len(reply) >= 20 else None
+    err = struct.unpack("=i", reply[16:20])[0] if kind == _NLMSG_ERROR else None
+    if err not in (0, -2):  # 0: done; -ENOENT: nothing was tracked
+        raise LabError(f"flushing conntrack in {ns}: the kernel answered {kind}/{err}")
 
 
 def check_host(python: str) -> None:

@@ -65,6 +65,8 @@ class RelayNode:
         self.counters = host.counters
         self._held: dict[str, HeldReservation] = {}
         self._renewers: dict[str, trio.CancelScope] = {}
+        #: where each relay was dialed (a renewal or a reserve-again may have no fresher ones)
+        self._relay_addrs: dict[str, tuple[str, ...]] = {}
         self._t_host: Any = None
         self._nursery: trio.Nursery | None = None
         self.hop: Any = None  # transport.relay.hop.CountingHop, trio side
@@ -212,7 +214,8 @@ class RelayNode:
             pid = ID.from_base58(peer_text)
         except Exception:
             raise LocalUsageError(f"{peer_text!r} is not a libp2p peer id") from None
-        if pid in self._t_host.get_connected_peers():
+        connected = pid in self._t_host.get_connected_peers()
+        if connected and self._t_path(pid) == "direct":
             return pid
         plain = []
         for a in addrs:
@@ -221,6 +224,15 @@ class RelayNode:
                 plain.extend(info_from_p2p_addr(ma).addrs if "/p2p/" in a else [ma])
             except Exception:
                 raise LocalUsageError(f"{a!r} is not a multiaddr of {peer_text}") from None
+        if connected:  # only through a relay: a relay refuses a reservation made that way
+            network = self._t_host.get_network()
+            for ma in plain[:4]:
+                try:
+                    await network.dial_addr(ma, pid)
+                    return pid
+                except Exception as exc:
+                    log.debug("direct dial of %s at %s failed: %s", peer_text, ma, exc)
+            return pid  # let the relayed connection answer (it may refuse)
         if not plain:
             raise PeerUnavailable(f"not connected to {peer_text} and no address to dial")
         self._t_host.get_network().unblock_peer(pid)
@@ -232,7 +244,10 @@ class RelayNode:
 
     async def _t_reserve(self, relay: str, addrs: tuple[str, ...], timeout: float
                          ) -> HeldReservation:
+        addrs = addrs or self._relay_addrs.get(relay, ())
         held = await self._t_reserve_once(relay, addrs, timeout)
+        if addrs:
+            self._relay_addrs[relay] = addrs
         if relay not in self._renewers and self._nursery is not None:
             scope = trio.CancelScope()
             self._renewers[relay] = scope
@@ -315,6 +330,7 @@ class RelayNode:
         if scope is not None:
             scope.cancel()
         self._held.pop(relay, None)
+        self._relay_addrs.pop(relay, None)
 
     async def _t_dial(self, addr: str, timeout: float) -> str:
         import multiaddr
@@ -374,6 +390,17 @@ class RelayNode:
             raise PeerUnavailable(f"dial {addr} failed: {exc}") from None
         self.counters.add("relay.circuits_dialed")
         return dest_text
+
+    def _t_path(self, pid: Any) -> str:
+        """``"direct"`` when any connection to ``pid`` is direct, else ``"relayed"``."""
+        conns = self._t_host.get_network().connections.get(pid, [])
+        for conn in conns if isinstance(conns, list) else [conns]:
+            try:
+                if path_of([str(a) for a in conn.get_transport_addresses()]) == "direct":
+                    return "direct"
+            except Exception:
+                continue
+        return "relayed"
 
     async def _t_paths(self) -> dict[str, str]:
         out: dict[str, str] = {}
