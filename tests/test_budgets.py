@@ -111,10 +111,9 @@ def test_in_flight_never_exceeds_the_budget_and_releases_add_up(
 ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
        "SWARMD_MODEL_LAYERS": "2", "SWARMD_DATA_MAX_BYTES": "2000000",
        "SWARMD_SWARM_NAME": "budgets-test", "SWARMD_SWARM_STAGES": "1"}
-#: forwards the hostile peer sends at most, and how long it keeps flooding at most: py-libp2p
-#: 0.8.1 allows 256 streams a connection, and a request refused with an error keeps its stream
-#: (transport.Host.request), so from the 257th on every forward waited out its own deadline
-#: unanswered (the test spent two of its 2.5 minutes there)
+#: forwards the hostile peer sends at most, and how long it keeps flooding at most (before
+#: transport.Host.request freed refused requests' streams, the 257th on waited out its deadline:
+#: this test spent two of its 2.5 minutes there)
 FLOOD_MAX = 200
 FLOOD_S = 400.0
 #: seconds between forwards while the budget is full (the flood then covers ~15 s of training

@@ -101,9 +101,9 @@ async def _attack(targets: dict[str, tuple[str, tuple[str, ...]]], swarm: str,
                 if c.protocol.rsplit("/", 1)[1] in served:
                     by_protocol.setdefault(c.protocol, []).append(c)
             for group in by_protocol.values():
-                # a fresh connection for each protocol's cases: py-libp2p 0.8.1 allows 256
-                # streams a connection, and a request answered with an error keeps its stream
-                # (transport.Host.request), so past ~256 cases every send timed out unanswered
+                # a fresh connection for each protocol's cases, sent all at once: py-libp2p
+                # 0.8.1 allows 256 streams a connection (refused requests free theirs: see
+                # test_transport_integration's test of 300 refusals in a row)
                 await host.disconnect(peer)
                 assert await host.ensure_connected(peer, addrs), f"cannot reach {name}"
                 await asyncio.gather(*(one(c) for c in group))

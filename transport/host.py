@@ -25,10 +25,8 @@ import trio
 
 from transport import libp2p_events, libp2p_tuning, liveness, observed
 from transport.bridge import TrioThread
-from transport.codecs import CodecSpec
 from transport.counters import Counters
 from transport.errors import (
-    DeadlineExceeded,
     HandlerFailure,
     LocalUsageError,
     PeerProtocolError,
@@ -38,11 +36,11 @@ from transport.errors import (
     TransportError,
 )
 from transport.errors import cause_of as _cause
-from transport.frames import Message
 from transport.identity import Identity
 from transport.options import HostOptions
 from transport.pubsub import PubsubBridge, Subscription
 from transport.relay.node import RelayNode
+from transport.requests import RequestReply
 from transport.stream import Stream
 from transport.throttle import Throttle
 
@@ -54,11 +52,8 @@ Handler = Callable[[Stream], Awaitable[None]]
 MAX_DIAL_ADDRS = 8
 
 
-class Host:
+class Host(RequestReply):
     """``async with Host(identity, options) as host:`` — listening once entered."""
-
-    #: idle request streams kept per (peer, protocol)
-    IDLE_STREAMS_PER_KEY = 8
 
     def __init__(self, identity: Identity, options: HostOptions | None = None) -> None:
         self.identity = identity
@@ -190,91 +185,6 @@ class Host:
         except Exception as exc:  # a libp2p exception the trio side did not convert
             self.counters.add("unconverted_libp2p_errors")
             raise PeerUnavailable(f"{what} failed: {_cause(exc)}") from None
-
-    async def request(self, peer_id: str, protocol: str, message: Message, *,
-                      timeout: float | None = None, codec: CodecSpec | None = None
-                      ) -> Message:
-        """Send one message and return the peer's reply (served by ``set_request_handler``).
-
-        Streams are pooled per (peer, protocol) and reused, so a request costs one round trip.
-        If a pooled stream turns out dead before any reply arrived (the peer restarted), the
-        request is sent once more on a fresh stream: handlers must tolerate a duplicate.
-        """
-        timeout = timeout or self.options.request_timeout_s
-        key = (peer_id, protocol)
-        if not timeout > 0:
-            raise DeadlineExceeded(f"{protocol} with {peer_id}: no time left to send")
-        try:
-            async with asyncio.timeout(timeout):
-                pooled = self._idle.get(key)
-                if pooled:
-                    try:
-                        return await self._exchange(key, pooled.pop(), message, codec)
-                    except PeerUnavailable:
-                        self.counters.add("pooled_stream_stale")
-                stream = await self.open_stream(peer_id, protocol, timeout=timeout)
-                return await self._exchange(key, stream, message, codec)
-        except TimeoutError:
-            self.counters.add("deadlines_missed")
-            raise DeadlineExceeded(f"{protocol} with {peer_id}: no reply within "
-                                   f"{timeout:.3g} s") from None
-
-    async def _exchange(self, key: tuple[str, str], stream: Stream, message: Message,
-                        codec: CodecSpec | None) -> Message:
-        """One exchange on ``stream``; pooled again after a reply, reset after anything else
-        (an error reply, a deadline, a dead stream): py-libp2p counts a stream against the
-        connection's 256 until both sides let go, and the serving side closed its half after
-        an error, so a kept one would use a slot for good."""
-        try:
-            reply = await stream.exchange(message, codec=codec)
-        except BaseException:
-            stream.reset_soon()
-            raise
-        self._return_to_pool(key, stream)
-        return reply
-
-    def _return_to_pool(self, key: tuple[str, str], stream: Stream) -> None:
-        idle = self._idle.setdefault(key, [])
-        if stream.closed or len(idle) >= self.IDLE_STREAMS_PER_KEY:
-            stream.reset_soon() if not stream.closed else None
-            return
-        idle.append(stream)
-
-    def set_request_handler(self, protocol: str,
-                            serve: Callable[[Message, str], Awaitable[Message]], *,
-                            codec: CodecSpec | None = None) -> None:
-        """Answer requests on ``protocol``: ``serve(message, peer_id)`` returns the reply.
-
-        A typed error raised by ``serve`` (``TransportError`` or any exception with a string
-        ``code``) goes back to the requester as an error reply, which raises ``RemoteError``
-        there; then the stream is closed. Anything else is also counted and logged as our bug.
-        Replies are encoded with ``codec`` (default: the host's).
-        """
-
-        async def handler(stream: Stream) -> None:
-            idle = self.options.idle_stream_timeout_s
-            while True:
-                try:
-                    message = await stream.receive(timeout=idle)
-                except DeadlineExceeded:  # an idle (or silent) stream: free its tasks
-                    self.counters.add("idle_streams_closed")
-                    return
-                if message is None:
-                    return
-                try:
-                    reply = await serve(message, stream.peer_id)
-                except (PeerProtocolError, PeerUnavailable, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    code = getattr(exc, "code", None)
-                    if not isinstance(code, str):
-                        raise
-                    self.counters.add(f"request_errors.{code}")
-                    await stream.send_error(code, str(exc))
-                    return
-                await stream.send(reply, codec=codec)
-
-        self.set_handler(protocol, handler)
 
     async def ping(self, peer_id: str, *, timeout: float = 5.0) -> float:
         """Round trip of a standard libp2p ping, in seconds (full precision)."""
