@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("transport.liveness")
 
@@ -107,31 +107,8 @@ def tune_connection(conn: Any, liveness: Liveness, counters: Any) -> None:
         counters.add("liveness.tune_failed")
 
 
-def notifee(on_connected: Any) -> Any:
-    """A py-libp2p network notifee calling ``on_connected(conn)`` for every new connection
-    (inbound and outbound); nothing it raises reaches the swarm."""
-    from libp2p.abc import INotifee
+def notifee(on_connected: Callable[[Any], None]) -> Any:
+    """A py-libp2p network notifee calling ``on_connected(conn)`` for every new connection."""
+    from transport.notifee import on_connected as notify
 
-    class _Connected(INotifee):
-        async def connected(self, network: Any, conn: Any) -> None:
-            try:
-                on_connected(conn)
-            except Exception:
-                log.debug("tuning a new connection failed", exc_info=True)
-
-        async def opened_stream(self, network: Any, stream: Any) -> None:
-            pass
-
-        async def closed_stream(self, network: Any, stream: Any) -> None:
-            pass
-
-        async def disconnected(self, network: Any, conn: Any) -> None:
-            pass
-
-        async def listen(self, network: Any, multiaddr: Any) -> None:
-            pass
-
-        async def listen_close(self, network: Any, multiaddr: Any) -> None:
-            pass
-
-    return _Connected()
+    return notify(on_connected, "tuning a new connection")

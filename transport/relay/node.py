@@ -432,31 +432,9 @@ class RelayNode:
 
 
 def _direct_watch(node: RelayNode) -> Any:
-    from libp2p.abc import INotifee
+    from transport.notifee import on_connected
 
-    class DirectWatch(INotifee):
-        async def connected(self, network: Any, conn: Any) -> None:
-            try:
-                node.t_on_connected(conn)
-            except Exception:  # never into the swarm's add_conn
-                log.debug("direct-connection watch failed", exc_info=True)
-
-        async def opened_stream(self, network: Any, stream: Any) -> None:
-            pass
-
-        async def closed_stream(self, network: Any, stream: Any) -> None:
-            pass
-
-        async def disconnected(self, network: Any, conn: Any) -> None:
-            pass
-
-        async def listen(self, network: Any, multiaddr: Any) -> None:
-            pass
-
-        async def listen_close(self, network: Any, multiaddr: Any) -> None:
-            pass
-
-    return DirectWatch()
+    return on_connected(node.t_on_connected, "direct-connection watch")
 
 
 def _only_cancelled(exc: BaseException) -> bool:
