@@ -23,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.integration
 
-ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4"}
+#: a TCP user timeout, as a volunteer behind a home router sets it (off by default: it also
+#: drops a live peer that stops reading that long)
+ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4",
+       "SWARMD_NETWORK_TCP_USER_TIMEOUT_S": "25"}
 OUTAGE_S = 30.0
 #: the figure: serving again within this long of the recovery
 RECOVERY_S = 60.0

@@ -37,8 +37,11 @@ _MAX_DEPTH = 8
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Liveness:
-    #: unacknowledged data for this long kills the connection (0: the kernel's default)
-    dead_after_s: float = 25.0
+    #: unacknowledged data for this long kills the connection (0: the kernel's default). Off
+    #: by default: Linux counts a zero window (a live peer that stops reading, as py-libp2p
+    #: does while a stream's buffer is full) against it too, and aborted a 100 MB all-reduce
+    #: at 50 Mbit/s after 25 s; keepalive still finds idle dead connections
+    dead_after_s: float = 0.0
     #: silence before the first keepalive probe
     keepalive_idle_s: float = 10.0
     #: between probes

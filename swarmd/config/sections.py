@@ -279,6 +279,13 @@ class NetworkConfig(_Section):
     hole_punch: bool = _opt(
         True, "Try to turn relayed connections into direct ones (DCUtR).", "true or false",
     )
+    tcp_user_timeout_s: float = _opt(
+        0.0, "Seconds sent data may stay unacknowledged before a TCP connection is dropped "
+        "(0: the kernel's, many minutes). 25 finds connections through a restarted home router "
+        "in seconds, but also drops a live peer that stops reading that long (a big averaging "
+        "round over a slow link), so it is off by default.", "a number of seconds, 0 or more",
+        _non_negative,
+    )
     max_connections: int = _opt(
         1024, "Most peer connections open at once.", "an integer from 1 to 1000000",
         _int_range(1, 1_000_000),

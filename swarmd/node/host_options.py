@@ -31,9 +31,11 @@ def codec_spec(config: Config) -> CodecSpec:
 def host_options(config: Config, listen: Sequence[str] | None = None) -> HostOptions:
     """Transport options from ``config``; ``listen`` overrides ``network.listen``."""
     from transport.host import HostOptions
+    from transport.liveness import Liveness
 
     n = config.network
     return HostOptions(
+        liveness=Liveness(dead_after_s=n.tcp_user_timeout_s),
         listen=tuple(listen) if listen else tuple(n.listen),
         max_connections=n.max_connections,
         handshake_timeout_s=n.handshake_timeout_s,
