@@ -65,13 +65,7 @@ def _swarm(lab: Any, tmp_path: Path, env: dict[str, str]) -> tuple[list[Any], An
 def _stop(daemons: list[Any], trainer: Any) -> None:
     from tools.wanlab.daemons import stop_all
 
-    if trainer is not None and trainer.poll() is None:
-        trainer.terminate()
-        try:
-            trainer.wait(15)
-        except subprocess.TimeoutExpired:
-            trainer.kill()
-    stop_all(daemons)
+    stop_all(daemons, trainer=trainer)
 
 
 def _lab(wanlab: Any) -> Any:

@@ -145,13 +145,7 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
         print(f"n1 served again {time.monotonic() - t_recovery:.1f} s after its gateway "
               f"came back")  # the figure, shown with -s
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.terminate()
-            try:
-                trainer.wait(15)
-            except subprocess.TimeoutExpired:
-                trainer.kill()
-        stop_all(daemons)
+        stop_all(daemons, trainer=trainer)
 
 
 def test_the_router_counts_bytes_between_two_hosts(wanlab: Any) -> None:

@@ -59,7 +59,17 @@ class LabDaemon:
         stop_all([self], seconds)
 
 
-def stop_all(daemons: Sequence[LabDaemon], seconds: float = 15.0) -> None:
+def stop_all(daemons: Sequence[LabDaemon], seconds: float = 15.0, *,
+             trainer: subprocess.Popen[Any] | None = None) -> None:
+    """SIGTERM every daemon (a ``trainer`` process first, killed if it lingers) and wait for
+    them together, killing what is left after ``seconds``."""
+    if trainer is not None and trainer.poll() is None:
+        trainer.terminate()
+        try:
+            trainer.wait(seconds)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+            trainer.wait()
     for d in daemons:
         if d.proc.poll() is None:
             d.proc.send_signal(signal.SIGTERM)
