@@ -66,6 +66,7 @@ import random
 from bisect import bisect_left
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["STATES", "BalancingConfig", "PeerLoad", "Decision", "SwarmLoad", "swarm_gain",
            "decide", "Balancer"]
@@ -138,6 +139,11 @@ class Decision:
     reason: str
 
 
+#: an announced state as the balancer counts it ("syncing" peers are still arriving)
+_VIEW_STATES = {"online": "online", "joining": "joining", "syncing": "joining",
+                "migrating": "migrating", "leaving": "leaving"}
+
+
 class SwarmLoad:
     """Peers per stage with their throughput and state, kept ready for :func:`decide`.
 
@@ -165,6 +171,20 @@ class SwarmLoad:
         load = cls(stages)
         for p in peers:
             load.set(p)
+        return load
+
+    @classmethod
+    def from_view(cls, stages: int, info: Any) -> SwarmLoad:
+        """The view (a :class:`swarmd.api.types.SwarmInfo`) as the balancer sees it: every
+        peer with our model and a stage, with the stage it serves or loads, its announced
+        throughput and its state; peers kept out of routing for another reason are left out."""
+        load = cls(stages)
+        for stage_row in info.stages:
+            for p in stage_row.peers:
+                state = _VIEW_STATES.get(p.state)
+                if p.reason in (None, "joining", "syncing", "migrating") and state is not None:
+                    load.set(PeerLoad(peer_id=p.peer_id, stage=stage_row.stage,
+                                      throughput=float(p.throughput), state=state))
         return load
 
     def __len__(self) -> int:

@@ -164,6 +164,12 @@ class ModelSeam(abc.ABC):
                       weights: object | None = None) -> TrainerParts:
         """The trainer's embedding, head and loss."""
 
+    def own_weights(self) -> object | None:
+        """The weights a model directory ships (its ``checkpoint()``), None for a seam that
+        has none: parts are then initialised deterministically."""
+        checkpoint = getattr(self, "checkpoint", None)
+        return checkpoint() if callable(checkpoint) else None
+
     def stage_ranges(self, num_stages: int) -> list[range]:
         """The blocks of each stage; override to cut elsewhere (e.g. between shared groups)."""
         return split_evenly(self.num_blocks, num_stages)

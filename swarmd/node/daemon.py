@@ -322,8 +322,9 @@ class Daemon:
         await self._wait_for_view()  # a peer of the stage must be known before we decide
         self._spawn(self._warn_other_models())
         module = await asyncio.to_thread(  # seconds for a big model: not on the event loop
-            _build_stage, seam, stage, c.swarm.stages, c.training.seed, self._device,
-            self._dtype)
+            lambda: seam.build_stage(stage, c.swarm.stages, seed=c.training.seed,
+                                     device=self._device, dtype=self._dtype,
+                                     weights=seam.own_weights()))
         server = StageServer(
             self.host, swarm=c.swarm.name, stage=stage, num_stages=c.swarm.stages,
             seam=seam, model_hash=c.model_hash(), codec=codec_spec(c),
@@ -421,25 +422,10 @@ class Daemon:
         await self._serve_stage()
 
     # ---- rebalancing ----------------------------------------------------------------------
-    def _swarm_load(self) -> Any:
-        """The view as the balancer sees it: every peer with our model and a stage, with the
-        stage it serves or loads, its announced throughput and its state."""
-        from swarmd.balancing.policy import PeerLoad, SwarmLoad
-
-        states = {"online": "online", "joining": "joining", "syncing": "joining",
-                  "migrating": "migrating", "leaving": "leaving"}
-        load = SwarmLoad(self.config.swarm.stages)
-        for stage_row in self.membership.swarm_info().stages:
-            for p in stage_row.peers:
-                if p.reason in (None, "joining", "syncing", "migrating") and p.state in states:
-                    load.set(PeerLoad(peer_id=p.peer_id, stage=stage_row.stage,
-                                      throughput=float(p.throughput), state=states[p.state]))
-        return load
-
     async def _balance(self) -> None:
         """Check now and then whether this peer should serve another stage (the policy is
         ``swarmd.balancing.policy``: it moves only for a real gain, after confirmations)."""
-        from swarmd.balancing.policy import Balancer, BalancingConfig
+        from swarmd.balancing.policy import Balancer, BalancingConfig, SwarmLoad
 
         b = self.config.balancing
         self.balancer = Balancer(self.host.peer_id, BalancingConfig(
@@ -452,7 +438,8 @@ class Daemon:
             if self.state != "online" or self.stage_server is None:
                 self.balancer.reset()
                 continue
-            target = self.balancer.check(self._swarm_load(), time.monotonic(), fits)
+            load = SwarmLoad.from_view(self.config.swarm.stages, self.membership.swarm_info())
+            target = self.balancer.check(load, time.monotonic(), fits)
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
                 await self._migrate(target)
@@ -484,16 +471,6 @@ class Daemon:
                                "seconds": time.monotonic() - t0}
         log.info("moved from stage %s to stage %d in %.1f s", old, target,
                  self.last_migration["seconds"])
-
-
-def _build_stage(seam: Any, stage: int, num_stages: int, seed: int, device: Any,
-                 dtype: Any) -> Any:
-    """Stage ``stage`` of the model: a Hugging Face directory's own weights when it has
-    them, else a deterministic random initialisation."""
-    checkpoint = getattr(seam, "checkpoint", None)
-    weights = checkpoint() if callable(checkpoint) else None
-    return seam.build_stage(stage, num_stages, seed=seed, device=device, dtype=dtype,
-                            weights=weights)
 
 
 class _Stopping(Exception):

@@ -189,10 +189,9 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
 
     device, dtype = config.torch_placement()
     me = load_identity(home) if home is not None else identity.generate()
-    checkpoint = getattr(seam, "checkpoint", None)
     parts = await asyncio.to_thread(  # seconds for a big model: not on the event loop
         lambda: seam.build_trainer(seed=config.training.seed, device=device, dtype=dtype,
-                                   weights=checkpoint() if callable(checkpoint) else None))
+                                   weights=seam.own_weights()))
     async with Host(me, host_options(config, listen)) as host:
         async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
             for addr in bootstrap:
