@@ -118,6 +118,41 @@ def test_verdict_and_loss_ratio():
     assert set(plan.verdict({}).values()) == {None}
 
 
+def test_the_calm_run_trains_the_mean_of_the_steps_the_chaos_trainers_did():
+    assert plan.calm_steps([400, 411], fallback=9) == 406
+    assert plan.calm_steps([400, None, "x", True, 0], fallback=9) == 400
+    assert plan.calm_steps([], fallback=9) == plan.calm_steps([None], fallback=9) == 9
+
+
+def test_train_until_ends_swarmd_train_once_its_stop_file_exists(tmp_path, monkeypatch):
+    """The wrapper runs ``swarmd train`` with the arguments given and an ``until`` that is
+    true exactly once the stop file exists."""
+    from swarmd import cli
+    from swarmd.training import run
+    from tools.chaoslab import train_until
+
+    seen: dict[str, object] = {}
+
+    async def fake_train(*args, until=None, **kw):
+        seen["before"] = until()
+        (tmp_path / "stop").touch()
+        seen["after"] = until()
+        return "done"
+
+    def fake_main(argv):
+        import asyncio
+        seen["argv"] = argv
+        seen["result"] = asyncio.run(run.train(None, bootstrap=[], steps=3))
+        return 0
+
+    monkeypatch.setattr(run, "train", fake_train)
+    monkeypatch.setattr(cli, "main", fake_main)
+    assert train_until.main([str(tmp_path / "stop"), "--steps", "3"]) == 0
+    assert seen == {"argv": ["train", "--steps", "3"], "before": False, "after": True,
+                    "result": "done"}
+    assert train_until.main([]) == 2
+
+
 # ---- the injector, on fakes: every fault applied is undone, in time or by undo_all ----------
 
 class _Proc:
@@ -249,8 +284,12 @@ def test_a_minute_of_chaos_loses_nothing_and_crashes_nothing(wanlab) -> None:
     assert run["crashes"] == [], run["crashes"]
     assert run["hangs"] == [], run["hangs"]
     assert len(run["trainers"]) == 2
+    # the trainers filled the window: stopped when it ended, short of their cap
+    assert report["fill_window"] and run["window_filled"], run.get("window_s")
     for t in run["trainers"]:
         assert t["error"] is None, t["error"]
-        assert t["steps"] == report["steps"] and t["lost"] == 0, t
-        assert len(t["loss_curve"]) == report["steps"]
+        assert 1 <= t["steps"] < run["steps_cap"] and t["lost"] == 0, t
+        assert len(t["loss_curve"]) == t["steps"]
+    assert report["steps"] == plan.calm_steps([t["steps"] for t in run["trainers"]],
+                                              fallback=0)
     assert set(run["stages"]) == {"0", "1"}

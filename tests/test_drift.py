@@ -13,10 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.averaging import messages as m
-from swarmd.averaging.authority import ADOPT, KEEP, RecentMates, same_step_verdict
+from swarmd.averaging.authority import (ADOPT, KEEP, IdleDrift, RecentMates, idle_adopt_from,
+                                        same_step_verdict)
 from swarmd.averaging.stage_sync import RoundRefused, StageSync, SyncSettings
 from swarmd.averaging.trigger import RoundTrigger
 from swarmd.errors import BadRoundMessage
+from swarmd.state.messages import DigestReply, parse_digest, parse_request
+from swarmd.state.transfer import BadStateRequest
 from transport.frames import Message
 
 D1, D2 = "0" * 32, "f" * 32
@@ -370,3 +373,181 @@ def test_the_round_digest_is_equal_for_equal_weights_and_differs_once_they_drift
     # parsed as a start's digest
     m.Start(stage=0, step=0, round_id="r", group=("a", "b"), bandwidths=(None, None),
             digest=digest["a"])
+
+
+# ---- drift while no rounds run: the idle check ------------------------------------------------
+
+
+
+def test_an_idle_peer_adopts_the_lowest_id_mate_at_its_step_when_their_weights_differ() -> None:
+    assert idle_adopt_from(me="b", our_step=5, our_digest=D1, mates={"a": (5, D2)}) == "a"
+    assert idle_adopt_from(me="a", our_step=5, our_digest=D1, mates={"b": (5, D2)}) is None
+    assert idle_adopt_from(me="b", our_step=5, our_digest=D1, mates={"a": (5, D1)}) is None
+    # the reference is the lowest id at our step, even where a higher one holds other weights:
+    # c does not chase b, which itself adopts a
+    assert idle_adopt_from(me="c", our_step=5, our_digest=D1,
+                           mates={"a": (5, D1), "b": (5, D2)}) is None
+    assert idle_adopt_from(me="b", our_step=5, our_digest=D2,
+                           mates={"a": (5, D1), "c": (5, D1)}) == "a"
+    # other steps, unknown digests and ourselves do not count
+    assert idle_adopt_from(me="b", our_step=5, our_digest=D1,
+                           mates={"a": (4, D2), "0": (5, None), "b": (5, D2)}) is None
+    assert idle_adopt_from(me="b", our_step=5, our_digest=None, mates={"a": (5, D2)}) is None
+
+
+_views = st.dictionaries(_ids, st.tuples(_steps, st.sampled_from([D1, D2, "1" * 32])),
+                         min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(peers=_views)
+def test_idle_peers_never_adopt_each_other_and_each_drifted_one_adopts_the_reference(
+        peers: dict[str, tuple[int, str]]) -> None:
+    """Every peer of the stage sees all the others (step, digest): the lowest id at a step
+    never adopts, no two peers adopt each other, and every other peer at that step whose
+    weights differ from the lowest id's adopts exactly that one."""
+    adopts = {me: idle_adopt_from(me=me, our_step=step, our_digest=dig,
+                                  mates={p: v for p, v in peers.items() if p != me})
+              for me, (step, dig) in peers.items()}
+    for me, target in adopts.items():
+        if target is not None:
+            assert adopts[target] is None and target < me
+            assert peers[target][0] == peers[me][0] and peers[target][1] != peers[me][1]
+    for step in {s for s, _ in peers.values()}:
+        at = sorted(p for p, (s, _) in peers.items() if s == step)
+        ref = at[0]
+        assert adopts[ref] is None
+        for p in at[1:]:
+            assert adopts[p] == (ref if peers[p][1] != peers[ref][1] else None)
+
+
+def test_the_idle_check_is_due_only_once_the_step_stood_still_and_then_not_too_often() -> None:
+    idle = IdleDrift(idle_s=10, every_s=15)
+    assert not idle.due(3, 0.0)   # first look: the step is new
+    assert not idle.due(3, 9.0)
+    assert idle.due(3, 10.0)
+    assert not idle.due(3, 20.0)  # asked 10 s ago
+    assert idle.due(3, 25.0)
+    assert not idle.due(4, 26.0)  # a round stepped: idle again from now
+    assert not idle.due(4, 35.0)
+    assert idle.due(4, 36.0)
+    with pytest.raises(ValueError):
+        IdleDrift(idle_s=1, every_s=0)
+
+
+def test_digest_requests_and_replies_are_typed_and_malformed_ones_refused() -> None:
+    ask = parse_request("state_digest", {"stage": 1, "model_hash": "h", "junk": 1})
+    assert type(ask).__name__ == "DigestRequest" and ask.to_meta() == {"stage": 1,
+                                                                       "model_hash": "h"}
+    reply = parse_digest("a", "state_digest", {"step": 4, "digest": D1, "junk": [1]})
+    assert reply == DigestReply(peer="a", step=4, digest=D1)
+    for kind, meta, tensors in [("state_info", {"step": 4, "digest": D1}, ()),
+                                ("state_digest", {"step": -1, "digest": D1}, ()),
+                                ("state_digest", {"step": True, "digest": D1}, ()),
+                                ("state_digest", {"step": 4, "digest": "xyz"}, ()),
+                                ("state_digest", {"step": 4}, ()),
+                                ("state_digest", [], ()),
+                                ("state_digest", {"step": 4, "digest": D1},
+                                 (torch.zeros(1),))]:
+        with pytest.raises(BadStateRequest):
+            parse_digest("a", kind, meta, tensors)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(meta=st.dictionaries(st.sampled_from(["step", "digest", "x"]),
+                            st.none() | st.integers() | st.text(max_size=40) | st.booleans()))
+def test_arbitrary_digest_replies_parse_or_raise_only_the_typed_error(meta: dict[str, Any]) -> None:
+    try:
+        reply = parse_digest("a", "state_digest", meta)
+    except BadStateRequest:
+        return
+    assert reply.step >= 0 and len(reply.digest) == 32
+
+
+class DigestHost(FakeHost):
+    """Answers ``state_digest`` as the table says: a reply's meta, or an exception to raise."""
+
+    def __init__(self, me: str, answers: dict[str, Any]) -> None:
+        super().__init__(me)
+        self.answers = answers
+        self.asked: list[str] = []
+
+    async def ensure_connected(self, peer: str, addrs: Any, timeout: float) -> bool:
+        return True
+
+    async def request(self, peer: str, protocol: str, message: Message, **kw: Any) -> Message:
+        self.asked.append(peer)
+        answer = self.answers[peer]
+        if isinstance(answer, BaseException):
+            raise answer
+        return Message(kind="state_digest", meta=answer)
+
+
+def _idle_keeper(host: DigestHost, step: int, ours: str, mates: list[str]) -> Any:
+    from swarmd.state.keeper import StageKeeper
+
+    class Server:
+        stage = 1
+        module = torch.nn.Linear(2, 2)
+
+    Server.step = step  # type: ignore[attr-defined]
+
+    async def weights() -> tuple[int, str]:
+        return step, ours
+
+    keeper = StageKeeper(host, Server(), swarm="t", home=None, model_hash="h", every_steps=0,
+                         sources=lambda: [(p, ("/ip4/127.0.0.1/tcp/1",)) for p in mates],
+                         weights_digest=weights)
+    keeper._ready = True
+    keeper.repairs = []
+    keeper.diverged = lambda peer, at: keeper.repairs.append((peer, at))  # type: ignore
+    return keeper
+
+
+def test_an_idle_keeper_takes_the_lowest_mates_state_and_survives_bad_or_missing_answers() -> None:
+    from transport.errors import PeerUnavailable, RemoteError
+
+    host = DigestHost("c", {
+        "a": {"step": 7, "digest": D2},
+        "b": {"step": 7, "digest": "nonsense"},   # malformed: counted, ignored
+        "d": RemoteError("bad_state_request", "unknown request kind"),  # an older peer
+        "e": PeerUnavailable("gone"),
+    })
+    keeper = _idle_keeper(host, 7, D1, ["a", "b", "d", "e"])
+    asyncio.run(keeper._idle_drift())
+    assert keeper.repairs == [("a", 7)]
+    assert keeper.counters["idle_checks"] == 1 and keeper.counters["idle_diverged"] == 1
+    assert keeper.counters["bad_digest_replies"] == 1
+    # equal weights, or we are the lowest id: nothing taken
+    same = _idle_keeper(DigestHost("c", {"a": {"step": 7, "digest": D1}}), 7, D1, ["a"])
+    asyncio.run(same._idle_drift())
+    lowest = _idle_keeper(DigestHost("a", {"b": {"step": 7, "digest": D2}}), 7, D1, ["b"])
+    asyncio.run(lowest._idle_drift())
+    assert same.repairs == lowest.repairs == []
+
+
+def test_a_state_server_answers_a_digest_request_with_its_step_and_weights_digest() -> None:
+    from swarmd.state.serve import StateServer
+    from swarmd.state.transfer import NoState
+
+    async def snapshot() -> None:
+        return None
+
+    found: list[tuple[int, str] | None] = [None]
+
+    async def weights() -> tuple[int, str] | None:
+        return found[0]
+
+    server = StateServer(FakeHost("a"), "p", snapshot, stage=1, model_hash="h",
+                         weights_digest=weights)
+    ask = Message(kind="state_digest", meta={"stage": 1, "model_hash": "h"})
+
+    async def scenario() -> Message:
+        with pytest.raises(NoState):  # no settled weights yet
+            await server.serve(ask, "b")
+        found[0] = (9, D2)
+        return await server.serve(ask, "b")
+
+    reply = asyncio.run(scenario())
+    assert parse_digest("a", reply.kind, reply.meta) == DigestReply(peer="a", step=9, digest=D2)
+    assert server.counters["digests"] == 2

@@ -39,10 +39,9 @@ def _keeper_lines(d: DaemonProcess) -> str:
                      if "swarmd.keeper" in line or "swarmd.sync" in line)[-3000:]
 
 
-@pytest.mark.timeout(300)  # four daemon starts and a training run; slow on a loaded machine
-def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
-        daemons: Any, tmp_path: Path) -> None:
-    # a stage-1 peer alone in a swarm of its own, with another seed: a checkpoint at step 0
+def _drifted_pair(daemons: Any, tmp_path: Path) -> tuple[DaemonProcess, ...]:
+    """Two stage-1 peers at step 0 with other weights, and a stage-0 peer: (d0, a, b). ``b``
+    restarts from a checkpoint it made alone in a swarm of its own with another seed."""
     lone = DaemonProcess(tmp_path / "drifter", "--stage", "1",
                          env={**ENV, "SWARMD_TRAINING_SEED": "7"})
     try:
@@ -51,38 +50,72 @@ def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
     finally:
         stop_all([lone])  # a graceful stop saves the checkpoint
     d0, a = daemons(0, 1)
+    ours = _stage(a)["params_digest"]  # before b is known: nothing can have repaired it yet
+    assert ours != other
     b = DaemonProcess(tmp_path / "drifter", "--stage", "1", "--bootstrap", d0.addr, env=ENV)
     try:
         b.wait_started()
         for d in (d0, a, b):  # each stage-1 peer lists the other: rounds from the first step
             wait_until(lambda: d.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
                        "two stage-1 peers routable")
-        ia, ib = _stage(a), _stage(b)
-        # the same step, other weights: b's checkpoint is no older than a's state
-        assert ib["state_from"] == "checkpoint" and ib["params_digest"] == other
-        assert ia["step"] == ib["step"] == 0 and ia["params_digest"] != ib["params_digest"]
+        ib = _stage(b)
+        assert ib["state_from"] == "checkpoint" and ib["step"] == 0  # step 0, other weights
+    except BaseException:
+        stop_all([b])
+        raise
+    return d0, a, b
+
+
+def _wait_agreed(a: DaemonProcess, b: DaemonProcess, within_s: float) -> dict[str, Any]:
+    def agree() -> dict[str, Any] | None:
+        infos = [d.get("/api/v0/stage", timeout=15) for d in (a, b)]
+        if len({i["step"] for i in infos}) == len({i["params_digest"] for i in infos}) == 1:
+            return infos[0]
+        return None
+    try:
+        return wait_until(agree, within_s, "both stage-1 peers at one step with equal weights")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; a: {_counters(a)}; b: {_counters(b)}; a's log: "
+                             f"{_keeper_lines(a)}; b's log: {_keeper_lines(b)}") from None
+
+
+@pytest.mark.timeout(300)  # four daemon starts and a training run; slow on a loaded machine
+def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
+        daemons: Any, tmp_path: Path) -> None:
+    d0, a, b = _drifted_pair(daemons, tmp_path)
+    try:
         config = load_config(None, {**os.environ, **ENV})
         result = uvloop.run(asyncio.wait_for(
             train(config, bootstrap=[d0.addr], steps=10, progress=lambda line: None,
                   bar=False), 280))
         assert result.lost == 0
-
-        def agree() -> dict[str, Any] | None:
-            infos = [d.get("/api/v0/stage", timeout=15) for d in (a, b)]
-            if len({i["step"] for i in infos}) == len({i["params_digest"] for i in infos}) == 1:
-                return infos[0]
-            return None
-        try:
-            info = wait_until(agree, 60, "both stage-1 peers at one step with equal weights")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; a: {_counters(a)}; b: {_counters(b)}; a's log: "
-                                 f"{_keeper_lines(a)}; b's log: {_keeper_lines(b)}") from None
+        info = _wait_agreed(a, b, 60)
         assert info["step"] >= 3
         counted = [_counters(d) for d in (a, b)]
         # repaired: the higher peer id found the drift in a round and took the other's state
-        # (sync.diverged); or, where one peer stepped alone first (a view lagging under load),
-        # the other one took its newer state (the step catch-up) and the drift with it
+        # (sync.diverged) or while idle before the trainer came (state.idle_diverged); or,
+        # where one peer stepped alone first (a view lagging under load), the other one took
+        # its newer state (the step catch-up) and the drift with it
         assert any(c.get("state.caught_up", 0) >= 1 for c in counted), \
             json.dumps([a.peer_id < b.peer_id, counted])
+    finally:
+        stop_all([b])
+
+
+@pytest.mark.timeout(240)  # three daemon starts; no training
+def test_mates_left_apart_at_the_same_step_with_no_rounds_converge(
+        daemons: Any, tmp_path: Path) -> None:
+    """No trainer: no round ever carries a digest. The idle check (state_digest) finds the
+    drift and the higher peer id takes the lower one's state."""
+    d0, a, b = _drifted_pair(daemons, tmp_path)
+    try:
+        info = _wait_agreed(a, b, 90)
+        assert info["step"] == 0  # nothing stepped: repaired at the same step
+        adopter = max((a, b), key=lambda d: d.peer_id)
+        counted = _counters(adopter)
+        assert counted.get("state.idle_diverged", 0) >= 1, counted
+        assert counted.get("state.drift_repaired", 0) >= 1, counted
+        reference = _counters(min((a, b), key=lambda d: d.peer_id))
+        assert reference.get("state.idle_diverged", 0) == 0, reference
     finally:
         stop_all([b])

@@ -29,6 +29,7 @@ CORES = frozenset({
     "swarmd.pipeline.wiring_config",
     "swarmd.pipeline.penalties",
     "swarmd.pipeline.budgets",
+    "swarmd.pipeline.slots",
     "swarmd.pipeline.messages",
     "swarmd.balancing.policy",
     "swarmd.balancing.placement",

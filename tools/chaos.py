@@ -10,10 +10,15 @@ host's link for 60 s; a hostile peer for 30 s sending one of the protocol fuzzer
 (tests/fuzz_cases.py) to a stage peer. Faults come while the trainers train, for ``--minutes``
 after both trainers finished their first step; never the last free peer of a stage at once.
 
-Each trainer trains ``--steps`` steps (default: ``STEPS_PER_MINUTE`` x minutes, about the
-window's length on a loaded 2-core machine), in both runs: the final validation losses
-compare at the same number of steps. Trainers that finish before the window ends end it (no
-fault is started after that; ``window_s`` says how long it lasted).
+By default the trainers fill the window: in the chaos run each may train up to
+``STEPS_CAP_PER_MINUTE`` x minutes steps (more than these links carry in that time, so they
+cannot finish early) and is told to end when the window ends (a stop file,
+tools/chaoslab/train_until.py: it ends after its current step, with its final validation);
+the calm run then trains the steps the chaos run's trainers did (their mean, ``steps``), so
+the final validation losses compare at the same number of steps. With ``--steps`` both runs
+train that many steps instead; trainers that finish before the window ends end it then (no
+fault is started after that; ``window_s`` says how long it lasted, ``window_filled`` whether
+it lasted the whole ``--minutes``).
 
 The report (one JSON object): per run the faults applied (time, kind, target), per trainer
 steps/lost/restarted/rerouted and its loss per step, daemon crashes (an exit we did not
@@ -33,6 +38,7 @@ import json
 import os
 import random
 import secrets
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,7 +57,11 @@ from tools.chaoslab.swarm import (HOSTILE_HOST, STAGE_HOSTS, STOP_S,  # noqa: E4
 from tools.wanlab import HostSpec, LabUnavailable, WanLab, daemons  # noqa: E402
 
 PROFILE = "continent"
+#: the calm run's steps a minute when it runs alone (``--calm-only`` without ``--steps``)
 STEPS_PER_MINUTE = 120
+#: the most steps a minute a trainer filling the window may take: a cap it never reaches
+#: (1,200 steps took 440 s here on a quiet machine: 160 a minute)
+STEPS_CAP_PER_MINUTE = 2000
 #: the trainers' first step (start-up, first evaluation) must come within this
 WARMUP_S = 300.0
 TICK_S = 0.25
@@ -78,9 +88,12 @@ class Trainers:
     (tools/wanlab/daemons.py ``train``: its deadline is ``seconds``)."""
 
     def __init__(self, lab: Any, root: Path, bootstrap: str, steps: int, env: dict[str, str],
-                 deadline_s: float) -> None:
+                 deadline_s: float, *, until_stopped: bool = False) -> None:
         self.homes = {h: root / f"trainer-{h}" for h in TRAINER_HOSTS}
         self.deadline_s = deadline_s
+        #: with ``until_stopped``, each trainer also ends once its stop file exists (``stop``)
+        self.stop_files = {h: root / f"stop-{h}" for h in TRAINER_HOSTS} if until_stopped \
+            else {}
         self.results: dict[str, dict[str, Any]] = {}
         self.threads = [threading.Thread(target=self._one, daemon=True, name=f"train-{h}",
                                          args=(lab, h, bootstrap, steps, env, deadline_s))
@@ -89,14 +102,21 @@ class Trainers:
     def _one(self, lab: Any, host: str, bootstrap: str, steps: int, env: dict[str, str],
              deadline_s: float) -> None:
         try:
+            stop = self.stop_files.get(host)
             self.results[host] = daemons.train(lab, host, self.homes[host], bootstrap, steps, 1,
-                                               env, seconds=deadline_s)
+                                               env, seconds=deadline_s) if stop is None else \
+                train_until(lab, host, self.homes[host], bootstrap, steps, env, deadline_s, stop)
         except Exception as exc:
             self.results[host] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
 
     def start(self) -> None:
         for t in self.threads:
             t.start()
+
+    def stop(self) -> None:
+        """Tell every trainer to end after its current step (``until_stopped`` only)."""
+        for path in self.stop_files.values():
+            path.touch()
 
     def alive(self) -> bool:
         return any(t.is_alive() for t in self.threads)
@@ -123,9 +143,37 @@ class Trainers:
         return rows, hangs
 
 
+def train_until(lab: Any, host: str, home: Path, bootstrap: str, steps: int,
+                env: dict[str, str], seconds: float, stop: Path) -> dict[str, Any]:
+    """``swarmd train --json`` in ``host`` (at most ``steps`` steps) that also ends once
+    ``stop`` exists (tools/chaoslab/train_until.py), within ``seconds``; its JSON result."""
+    home.mkdir(parents=True, exist_ok=True)
+    metrics = home / "train-metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    with open(home / "train.stderr", "w") as err:
+        proc = lab.run(host, [sys.executable, str(HERE / "chaoslab" / "train_until.py"),
+                              str(stop), "--home", str(home), "--json", "--bootstrap",
+                              bootstrap, "--steps", str(steps),
+                              "--listen", f"/ip4/{lab.addr(host)}/tcp/0"],
+                       stdout=subprocess.PIPE, stderr=err, text=True, cwd=home,
+                       env={**os.environ, "SWARMD_LOG_LEVEL": "warning", **env})
+        try:
+            out, _ = proc.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise RuntimeError(f"swarmd train in {host} did not finish within {seconds:.0f} s")
+    if proc.returncode != 0:
+        raise RuntimeError(f"swarmd train failed ({proc.returncode}):\n"
+                           f"{(home / 'train.stderr').read_text()[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
-              tmp: Path) -> dict[str, Any]:
-    """One run (a lab of its own): the swarm, the trainers, the faults when ``chaos``."""
+              tmp: Path, fill: bool = False) -> dict[str, Any]:
+    """One run (a lab of its own): the swarm, the trainers, the faults when ``chaos``. With
+    ``fill``, ``steps`` is a cap and the trainers are stopped when the window ends."""
     t0 = time.monotonic()
     swarm_name = f"chaos-{name}-{secrets.token_hex(4)}"
     env = lab_env(swarm_name)
@@ -141,7 +189,8 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
     root = tmp / name
     out: dict[str, Any] = {"profile": PROFILE, "link_per_host": {
         "delay_ms": link.delay_ms, "down_mbit": link.down_mbit, "up_mbit": link.up_mbit},
-        "steps_per_trainer": steps, "planned_faults": len(faults)}
+        "steps_per_trainer": None if fill else steps, "steps_cap": steps if fill else None,
+        "planned_faults": len(faults)}
     with WanLab(hosts=hosts, seed=seed) as lab:
         swarm = LabSwarm(lab, root, env)
         injector = Injector(lab, swarm, faults, swarm_name=swarm_name, model_hash=model_hash)
@@ -152,7 +201,7 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
             out["swarm_start_s"] = round(time.monotonic() - t0, 1)
             deadline_s = WARMUP_S + 3 * window_s + 120
             trainers = Trainers(lab, root, swarm.daemons[STAGE_HOSTS[0]].addr, steps, env,
-                                deadline_s)
+                                deadline_s, until_stopped=fill)
             trainers.start()
             _window(name, trainers, injector, swarm, window_s, len(faults), out)
             say(f"{name}: trainers done; waiting for each stage's peers to agree")
@@ -190,6 +239,8 @@ def _window(name: str, trainers: Trainers, injector: Injector, swarm: LabSwarm,
         swarm.check_crashes(time.monotonic() - w0)
         time.sleep(TICK_S)
     out["window_s"] = round(time.monotonic() - w0, 1)
+    out["window_filled"] = time.monotonic() - w0 >= window_s
+    trainers.stop()  # filling the window: it is over (no fault starts after this)
     ends = time.monotonic() + max(plan.KINDS.values()) + 30
     while trainers.alive() and injector.running() and time.monotonic() < ends:
         injector.tick(time.monotonic() - w0)  # the faults under way run to their end
@@ -207,19 +258,25 @@ def _window(name: str, trainers: Trainers, injector: Injector, swarm: LabSwarm,
 def measure(minutes: float, seed: int, steps: int | None, calm: bool = True,
             chaos: bool = True, workdir: Path | None = None) -> dict[str, Any]:
     """Both runs (or one); ``workdir``: keep the homes and logs there (else a temporary
-    directory, removed)."""
-    steps = steps or max(5, round(minutes * STEPS_PER_MINUTE))
+    directory, removed). Without ``steps`` the chaos run's trainers fill the window and the
+    calm run trains the steps they did (the module doc); ``steps`` in the report is what the
+    calm run trains (or would)."""
+    fill = steps is None and chaos
     load_before = os.getloadavg()[0]
     report: dict[str, Any] = {"minutes": minutes, "seed": seed, "steps": steps,
-                              "chaos": None, "calm": None}
+                              "fill_window": fill, "chaos": None, "calm": None}
     with tempfile.TemporaryDirectory(prefix="swarmd-chaos-") as tmp:
         tmp = str(workdir or tmp)
         if chaos:
-            report["chaos"] = run_phase("chaos", minutes=minutes, seed=seed, steps=steps,
-                                        chaos=True, tmp=Path(tmp))
+            cap = steps or max(5, round(minutes * STEPS_CAP_PER_MINUTE))
+            report["chaos"] = run_phase("chaos", minutes=minutes, seed=seed, steps=cap,
+                                        chaos=True, tmp=Path(tmp), fill=fill)
+        report["steps"] = steps or plan.calm_steps(
+            [t.get("steps") for t in (report["chaos"] or {}).get("trainers", ())],
+            fallback=max(5, round(minutes * STEPS_PER_MINUTE)))
         if calm:
-            report["calm"] = run_phase("calm", minutes=minutes, seed=seed, steps=steps,
-                                       chaos=False, tmp=Path(tmp))
+            report["calm"] = run_phase("calm", minutes=minutes, seed=seed,
+                                       steps=report["steps"], chaos=False, tmp=Path(tmp))
 
     def finals(run: dict[str, Any] | None) -> list[float]:
         return [t["final_val_loss"] for t in (run or {}).get("trainers", ())
@@ -239,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, required=True,
                         help="length of the chaos window (and of the calm run's steps)")
     parser.add_argument("--seed", type=int, default=1, help="the faults' random seed")
-    parser.add_argument("--steps", type=int, help=f"trainer steps per run (default "
-                                                  f"{STEPS_PER_MINUTE} per minute)")
+    parser.add_argument("--steps", type=int, help="trainer steps per run (default: the chaos "
+                                                  "run's trainers fill the window, the calm "
+                                                  "run trains the steps they did)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--workdir", type=Path, help="keep every home and log here")
     group = parser.add_mutually_exclusive_group()

@@ -17,14 +17,20 @@ within a stage"):
   differs has drifted (it stepped alone at some point). The lowest peer id wins, so two peers
   never both adopt the other's state: the other one adopts (downloads the winner's state even
   at an equal step). Unknown digests (old peers) change nothing.
+- **Same step, other weights, no rounds** (:class:`IdleDrift`, :func:`idle_adopt_from`). While
+  the stage takes no step (training paused), no ``start`` carries a digest; so a peer whose
+  step has not moved for ``idle_s`` asks its mates for theirs (``state_digest``), at most once
+  every ``every_s``. Of itself and the mates at its step, the lowest id is the stage's
+  reference: a peer adopts that one's state when its digest differs. The reference never
+  adopts (no mate at its step has a lower id), so two peers never both adopt each other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["ADOPT", "HEARD_S", "KEEP", "MATE_GRACE_S", "MAX_REMEMBERED", "RecentMates",
-           "same_step_verdict"]
+__all__ = ["ADOPT", "HEARD_S", "IDLE_CHECK_S", "IDLE_S", "IdleDrift", "KEEP", "MATE_GRACE_S",
+           "MAX_REMEMBERED", "RecentMates", "idle_adopt_from", "same_step_verdict"]
 
 #: how long a peer last listed as a live mate is still taken as one for rounds (seconds):
 #: a view entry expires 3 announcement periods after it was signed (a period is 2-30 s on a
@@ -34,6 +40,11 @@ MATE_GRACE_S = 60.0
 HEARD_S = 10.0
 #: the most peers remembered past their listing (bounded memory whatever the view holds)
 MAX_REMEMBERED = 1024
+
+#: a stage whose step has not moved this long (seconds) is idle: its mates' digests are asked
+IDLE_S = 10.0
+#: while idle, the digests are asked at most this often (seconds)
+IDLE_CHECK_S = 15.0
 
 KEEP = "keep"
 ADOPT = "adopt"
@@ -111,3 +122,49 @@ def same_step_verdict(*, me: str, our_step: int, our_digest: str | None, them: s
     if our_digest == their_digest or them == me:
         return KEEP
     return ADOPT if them < me else KEEP
+
+
+def idle_adopt_from(*, me: str, our_step: int, our_digest: str | None,
+                    mates: Mapping[str, tuple[int, str | None]]) -> str | None:
+    """The mate whose state this peer (``me``, at ``our_step`` with ``our_digest``) must take
+    while no round runs, or None. ``mates`` maps a mate to its (step, digest), None where it
+    gave none. Only mates at our step with a known digest count; the lowest id among them and
+    us is the reference (``same_step_verdict`` against it): we adopt when it is not us and
+    its digest differs from ours."""
+    if our_digest is None:
+        return None
+    same = [p for p, (step, dig) in mates.items()
+            if p != me and step == our_step and dig is not None]
+    if not same:
+        return None
+    ref = min(same)
+    their = mates[ref][1]
+    verdict = same_step_verdict(me=me, our_step=our_step, our_digest=our_digest, them=ref,
+                                their_step=our_step, their_digest=their)
+    return ref if verdict == ADOPT else None
+
+
+class IdleDrift:
+    """When a peer whose step stands still asks its mates' digests: after the step has not
+    moved for ``idle_s``, then at most once every ``every_s`` while it still stands."""
+
+    def __init__(self, idle_s: float = IDLE_S, every_s: float = IDLE_CHECK_S) -> None:
+        if idle_s < 0 or every_s <= 0:
+            raise ValueError("need idle_s >= 0 and every_s > 0")
+        self.idle_s = idle_s
+        self.every_s = every_s
+        self._step: int | None = None
+        self._since = 0.0
+        self._asked: float | None = None
+
+    def due(self, step: int, now: float) -> bool:
+        """Whether to ask now (the caller then asks); ``step`` is ours at ``now``."""
+        if step != self._step:
+            self._step, self._since, self._asked = step, now, None
+            return False
+        if now - self._since < self.idle_s:
+            return False
+        if self._asked is not None and now - self._asked < self.every_s:
+            return False
+        self._asked = now
+        return True

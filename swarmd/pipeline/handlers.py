@@ -52,6 +52,7 @@ from swarmd.pipeline.messages import (
 from swarmd.links import links_for
 from swarmd.pipeline.held import HOP_TIMEOUT_S, HeldTimes
 from swarmd.pipeline.router import OUR_OUTPUT_REFUSED, Router
+from swarmd.pipeline.slots import Held, SlotShares
 from swarmd.pipeline.stepping import Gate
 from swarmd.pipeline.worker import StageWorker
 from transport.errors import PeerUnavailable, RemoteError, TransportError
@@ -99,6 +100,8 @@ class PipelineHandlers:
         self._clock = clock
         #: what each remote peer may have in flight here (refused beyond it: busy)
         self.budgets = budgets or PeerBudgets()
+        #: which trainer may take a full worker's saved slot (Sybil: ``swarmd.pipeline.slots``)
+        self.shares = SlotShares(worker.max_saved)
         self._routes: dict[str, _Route] = {}
         #: how long the previous stage's peers and the trainers held our backwards, results
         #: and gradients: those deadlines follow it (``swarmd.pipeline.held``)
@@ -124,6 +127,20 @@ class PipelineHandlers:
             self.counters[f"busy_budget.{reason}"] += 1
             raise StageBusy(f"trainer {trainer} has {saved} microbatches kept here for their "
                             f"backward, its budget: send backwards before more forwards")
+        self._make_room(trainer)
+
+    def _make_room(self, trainer: str) -> None:
+        """A full worker: free the slot of an owner that does not answer or holds more than
+        its share, if any (``SlotShares.victim``); its backward then gets unknown_microbatch."""
+        if self.worker.saved < self.worker.max_saved:
+            return
+        since = self.worker.forwarded_at()
+        held = [Held(mb, r.trainer, since[mb]) for mb, r in self._routes.items() if mb in since]
+        victim = self.shares.victim(trainer, held, self._clock())
+        if victim is not None:
+            self.worker.forget(victim)
+            self._routes.pop(victim, None)
+            self.counters["saved_evicted"] += 1
 
     async def on_forward(self, message: Message, peer: str) -> Message:
         ticket = self._admit(message, peer)
@@ -228,6 +245,7 @@ class PipelineHandlers:
             gx = torch.zeros_like(gx)
             await self.compute.run(_poison, self.worker.module)
         self._routes.pop(bwd.mb, None)
+        self.shares.answered(route.trainer, self._clock())
         self.counters["backward"] += 1
         self.progressed(self.worker.samples_accumulated)
         if stage == 0:

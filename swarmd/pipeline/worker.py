@@ -17,8 +17,9 @@ live parameters' gradients for the next step to apply (a delayed gradient, at mo
 exactly the single-process chain rule.
 
 What is kept is bounded (``max_saved`` microbatches and, when given, ``max_saved_bytes``: a full
-worker refuses new forwards with ``StageBusy``, so the sender routes elsewhere; nothing is evicted
-under load) and expires (``ttl_s``: a microbatch whose backward never comes is dropped by
+worker refuses new forwards with ``StageBusy``, so the sender routes elsewhere; the handlers may
+first free the slot of an owner that does not answer or holds more than its share,
+``swarmd.pipeline.slots``) and expires (``ttl_s``: a microbatch whose backward never comes is dropped by
 ``expire``). With a byte bound, each forward's saved tensors are measured as autograd saves them
 (their storages, parameters excluded); a new forward is refused when what is kept plus what it
 is predicted to keep (bytes per token of the last forward) would pass the bound, unless nothing
@@ -148,6 +149,10 @@ class StageWorker:
             raise StageBusy(f"{kept} bytes of activations kept here and ~{more} more for this "
                             f"microbatch would pass limits.saved_activation_bytes ({cap}); "
                             f"route elsewhere")
+
+    def forwarded_at(self) -> dict[str, float]:
+        """When the forward of each microbatch kept here ran (``now`` it was given)."""
+        return {mb: v.expires_at - self.ttl_s for mb, v in list(self._saved.items())}
 
     def holds(self, mb_id: str) -> bool:
         """Whether a forward of ``mb_id`` is kept here for its backward."""

@@ -25,7 +25,8 @@ import torch
 from swarmd.links import LinkEstimates, chunks_in_flight, links_for
 from swarmd.state.encoding import (BadStageState, NonFiniteState, StageState, check_finite_state,
                                    decode, digest)
-from swarmd.state.messages import SizeBound, check_offer, parse_chunk, parse_info
+from swarmd.state.messages import (DigestReply, DigestRequest, SizeBound, check_offer,
+                                   parse_chunk, parse_digest, parse_info)
 from transport.errors import (
     LocalUsageError,
     PeerProtocolError,
@@ -94,6 +95,29 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
     except TimeoutError:
         raise StateTransferFailed(_failure_text(stage, peers, fetch.plan,
                                                 f"timed out after {timeout_s:.3g} s")) from None
+
+
+async def ask_digest(host: Any, protocol: str, peer: str, addrs: Sequence[str], *, stage: int,
+                     model_hash: str, timeout_s: float,
+                     counters: dict[str, int]) -> DigestReply | None:
+    """A mate's step and weights digest (``state_digest``, the idle drift check), or None:
+    unreachable, refused (no state yet, an older peer), or malformed (``bad_digest_replies``
+    counted). Each call within ``timeout_s`` for the dial and again for the request."""
+    ask = DigestRequest(stage=stage, model_hash=model_hash)
+    try:
+        if addrs and not await host.ensure_connected(peer, addrs, timeout=timeout_s):
+            return None
+        reply = await host.request(peer, protocol, Message(kind="state_digest",
+                                                           meta=ask.to_meta()),
+                                   timeout=timeout_s, codec=_NONE)
+        return parse_digest(peer, reply.kind, reply.meta, reply.tensors)
+    except (TransportClosed, LocalUsageError):
+        raise
+    except BadStateRequest:
+        counters["bad_digest_replies"] = counters.get("bad_digest_replies", 0) + 1
+        return None
+    except (RemoteError, TransportError):
+        return None
 
 
 def _failure_text(stage: int, peers: list[str], plan: Plan | None, why: str) -> str:

@@ -13,7 +13,11 @@
   compute thread between two steps; a peer that learns a mate is ahead (``behind``) downloads
   the newer state and takes it over between two steps; a peer told that a round's leader held
   other weights at our step (``diverged``: the stage drifted) takes the leader's state even at
-  an equal step (``state.diverged``, then ``caught_up``); every ``every_steps`` steps and on
+  an equal step (``state.diverged``, then ``caught_up``); a peer whose step stands still
+  (no rounds: training paused) asks its mates for their step and weights digest
+  (``state_digest``, ``swarmd.averaging.authority.IdleDrift``) and takes the state of the
+  lowest-id mate at its step when that one's digest differs (``idle_adopt_from``,
+  ``state.idle_diverged``), so a drift left when training stopped is repaired too; every ``every_steps`` steps and on
   shutdown the state is saved atomically (``save_checkpoint``).
 """
 
@@ -24,15 +28,16 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
+from swarmd.averaging.authority import IdleDrift, idle_adopt_from
 from swarmd.state.checkpoint import (CorruptCheckpoint, SaveAborted, checkpoint_dir,
                                      checkpoint_path, load_checkpoint, quarantine,
                                      save_checkpoint)
 from swarmd.state.encoding import (NonFiniteState, StageState, StateMismatch, capture,
                                    check_finite_state, restore, state_bytes_bound)
 from swarmd.state.messages import SizeBound
-from swarmd.state.fetch import fetch_state
+from swarmd.state.fetch import ask_digest, fetch_state
 from swarmd.state.serve import StateServer
 from swarmd.state.transfer import StateTransferFailed
 from transport.errors import TransportError
@@ -58,6 +63,9 @@ LOAD_ATTEMPTS = 3
 LOAD_RETRY_S = 1.0
 #: how often a serving peer compares its step with the steps its mates announce
 WATCH_S = 2.0
+#: the most mates asked for their digest in one idle check, and each request's deadline
+MAX_DIGEST_MATES = 8
+DIGEST_TIMEOUT_S = 10.0
 #: how long an abandoned save is waited for to remove its file (it stops at its next chunk)
 ABORT_WAIT_S = 0.5
 
@@ -77,7 +85,9 @@ class StageKeeper:
                  sources: Callable[[], list[tuple[str, tuple[str, ...]]]],
                  mates_expected: Callable[[], bool] | None = None,
                  mates_wait_s: float = MATES_WAIT_S,
-                 announced_steps: Callable[[], dict[str, int]] | None = None) -> None:
+                 announced_steps: Callable[[], dict[str, int]] | None = None,
+                 weights_digest: Callable[[], Awaitable[tuple[int, str]]] | None = None,
+                 idle: IdleDrift | None = None) -> None:
         self.host = host
         self.server = server
         self.stage = server.stage
@@ -89,6 +99,9 @@ class StageKeeper:
         self.mates_wait_s = mates_wait_s
         self.announced_steps = announced_steps
         self._watching: asyncio.Task[None] | None = None
+        self._weights_digest = weights_digest
+        self._idle = idle if idle is not None else IdleDrift()
+        self._idle_check: asyncio.Task[None] | None = None
         self.protocol = state_protocol(swarm)
         self._counts: dict[str, int] = {}
         self._served: dict[str, int] = {}
@@ -97,7 +110,8 @@ class StageKeeper:
         self.source_of_state = "initial"
         self._serving = StateServer(host, self.protocol, self._snapshot, stage=self.stage,
                                     model_hash=model_hash, counters=self._served,
-                                    step=lambda: self.server.step)
+                                    step=lambda: self.server.step,
+                                    weights_digest=self._digest_if_ready)
         self._catching_up: asyncio.Task[None] | None = None
         self._last_catch_up = 0.0
         self._last_repair = -REPAIR_GAP_S
@@ -279,7 +293,8 @@ class StageKeeper:
 
     async def _watch(self, announced: Callable[[], dict[str, int]]) -> None:
         """Every ``WATCH_S``: a mate whose announcement shows a later step than ours means we
-        are behind, even when no round tells us so (training paused, or no mate leads)."""
+        are behind, even when no round tells us so (training paused, or no mate leads); a
+        step that stands still makes us compare weights with the mates (``_idle_drift``)."""
         while True:
             await asyncio.sleep(WATCH_S)
             steps = announced()
@@ -287,6 +302,40 @@ class StageKeeper:
                 peer = max(steps, key=lambda p: steps[p])
                 if steps[peer] > self.server.step:
                     self.behind(peer, steps[peer])
+            if (self._weights_digest is not None and self._idle.due(self.server.step,
+                                                                    time.monotonic())
+                    and (self._idle_check is None or self._idle_check.done())):
+                self._idle_check = asyncio.create_task(self._idle_drift())
+
+    async def _digest_if_ready(self) -> tuple[int, str] | None:
+        """(step, round digest) of our weights, for a mate's ``state_digest``; None while our
+        state is not settled (loading, or a download under way)."""
+        if (self._weights_digest is None or not self._ready
+                or self._catching_up is not None and not self._catching_up.done()):
+            return None
+        return await self._weights_digest()
+
+    async def _idle_drift(self) -> None:
+        """No round ran for a while: ask the mates (at most ``MAX_DIGEST_MATES``, each within
+        ``DIGEST_TIMEOUT_S``) for their step and digest; the lowest-id mate at our step with
+        other weights is the one whose state we take (``idle_adopt_from``)."""
+        mates = self.sources()[:MAX_DIGEST_MATES]
+        ours = await self._digest_if_ready() if mates else None
+        if ours is None:
+            return
+        step, digest_ = ours
+        self._count("idle_checks")
+        replies = await asyncio.gather(*(
+            ask_digest(self.host, self.protocol, p, a, stage=self.stage,
+                       model_hash=self.model_hash, timeout_s=DIGEST_TIMEOUT_S,
+                       counters=self._counts) for p, a in mates))
+        found = {r.peer: (r.step, r.digest) for r in replies if r is not None}
+        peer = idle_adopt_from(me=self.host.peer_id, our_step=step, our_digest=digest_,
+                               mates=found)
+        if peer is None or self.server.step != step:  # equal, or a round moved us meanwhile
+            return
+        self._count("idle_diverged")
+        self.diverged(peer, step)
 
     async def _catch_up(self, peer: str, *, at_least: int | None = None) -> None:
         """Download a newer state (the one ahead first) and take it over; with ``at_least``
@@ -409,7 +458,7 @@ class StageKeeper:
         """Stop serving the state and save a checkpoint (by ``deadline``, unless ``hurry`` is
         set first: see ``save``)."""
         self._serving.close()
-        for task in (self._watching, self._catching_up):
+        for task in (self._watching, self._idle_check, self._catching_up):
             if task is None:
                 continue
             task.cancel()

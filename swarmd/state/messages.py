@@ -17,8 +17,9 @@ import torch
 
 from swarmd.state.transfer import _HEX32, _HEX64, BadStateRequest, StateInfo
 
-__all__ = ["ChunkReply", "ChunkRequest", "InfoRequest", "SizeBound", "check_offer",
-           "parse_chunk", "parse_info", "parse_request"]
+__all__ = ["ChunkReply", "ChunkRequest", "DigestReply", "DigestRequest", "InfoRequest",
+           "SizeBound", "check_offer", "parse_chunk", "parse_digest", "parse_info",
+           "parse_request"]
 
 MAX_MODEL_HASH_CHARS = 256
 #: the most chunks a snapshot may have (16 GiB of 1 KiB chunks would be 16 Mi)
@@ -65,11 +66,44 @@ class ChunkRequest(InfoRequest):
         return {**InfoRequest.to_meta(self), "digest": self.digest, "index": self.index}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DigestRequest(InfoRequest):
+    """``state_digest``: at what step are your weights of ``stage``, and their round digest?
+    Asked of the stage's mates while no round runs (idle drift, ``swarmd.state.keeper``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DigestReply:
+    """A mate's answer to ``state_digest``: its step and the sampled digest of its weights
+    (``Stepper.round_digest``, 32 hex digits), attributed to the peer asked."""
+
+    peer: str
+    step: int
+    digest: str
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.step) or not 0 <= self.step < 1 << 62:
+            raise BadStateRequest("digest_reply", f"step {self.step!r}"[:80])
+        if not isinstance(self.digest, str) or not _HEX32.fullmatch(self.digest):
+            raise BadStateRequest("digest_reply", "a digest reply needs 32 hex digits")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step, "digest": self.digest}
+
+
+def parse_digest(peer: str, kind: str, meta: Mapping[str, Any],
+                 tensors: Sequence[Any] = ()) -> DigestReply:
+    """A mate's ``state_digest`` reply, attributed to ``peer``, the mate asked."""
+    if kind != "state_digest" or not isinstance(meta, Mapping) or tensors:
+        raise BadStateRequest("digest_reply", f"answered state_digest with {kind[:40]!r}")
+    return DigestReply(peer=peer, step=meta.get("step"), digest=meta.get("digest"))
+
+
 def parse_request(kind: str, meta: Mapping[str, Any],
                   tensors: Sequence[Any] = ()) -> InfoRequest | ChunkRequest:
     """A state request from the wire. Requests carry no tensors: a peer pushing a chunk
     nobody asked it for is refused here."""
-    if kind not in ("state_info", "state_chunk"):
+    if kind not in ("state_info", "state_chunk", "state_digest"):
         raise BadStateRequest("kind", f"unknown request kind {kind[:64]!r}")
     if tensors:
         raise BadStateRequest("unsolicited_data", f"a {kind} request carries no tensors")
@@ -78,6 +112,8 @@ def parse_request(kind: str, meta: Mapping[str, Any],
     base = {"stage": meta.get("stage"), "model_hash": meta.get("model_hash")}
     if kind == "state_info":
         return InfoRequest(**base)
+    if kind == "state_digest":
+        return DigestRequest(**base)
     return ChunkRequest(**base, digest=meta.get("digest"), index=meta.get("index"))
 
 

@@ -11,7 +11,8 @@ import torch
 
 from swarmd.errors import BadPeerMessage, ModelMismatch, SwarmdError, WrongStage
 from swarmd.state.encoding import NonFiniteState, StageState, check_finite_state, digest, encode
-from swarmd.state.messages import ChunkRequest, InfoRequest, parse_request
+from swarmd.state.messages import (ChunkRequest, DigestReply, DigestRequest, InfoRequest,
+                                   parse_request)
 from transport.frames import Message
 from swarmd.state.transfer import (
     DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, _NONE, BadStateRequest, NoState,
@@ -40,7 +41,9 @@ class StateServer:
     has moved past it: a mate catching up must be offered the step we are at now; at most ``keep`` snapshots are kept, each until unused for
     ``keep_s``. ``clock`` is a parameter for tests. A state holding NaN/Inf is never served
     (``no_state`` to the requester, counted as ``non_finite_snapshots``). ``counters`` (a dict
-    to update, e.g. the keeper's) defaults to a new one.
+    to update, e.g. the keeper's) defaults to a new one. ``weights_digest()`` (optional) gives
+    (step, round digest) of the live weights for ``state_digest`` (the idle drift check); a
+    server without one answers it ``no_state``.
     """
 
     def __init__(self, host: Any, protocol: str,
@@ -49,7 +52,9 @@ class StateServer:
                  keep_s: float = 60.0, fresh_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
                  counters: dict[str, int] | None = None,
-                 step: Callable[[], int] | None = None) -> None:
+                 step: Callable[[], int] | None = None,
+                 weights_digest: Callable[[], Awaitable[tuple[int, str] | None]] | None = None
+                 ) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or keep < 1 or keep_s <= 0:
             raise ValueError(f"StateServer needs chunk_bytes in {MIN_CHUNK_BYTES}.."
                              f"{MAX_CHUNK_BYTES}, keep >= 1 and keep_s > 0")
@@ -66,6 +71,7 @@ class StateServer:
             self.counters.setdefault(name, 0)
         self._snapshot = snapshot
         self._step = step
+        self._weights_digest = weights_digest
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
         self._lock = asyncio.Lock()
@@ -93,6 +99,8 @@ class StateServer:
             self._check(request)
             if isinstance(request, ChunkRequest):
                 return self._chunk(request)
+            if isinstance(request, DigestRequest):
+                return await self._digest()
             return await self._info()
         except BadPeerMessage as exc:
             self._count(f"bad_requests.{exc.reason}")
@@ -124,6 +132,15 @@ class StateServer:
                 newest = await self._freeze()
             newest.used = self._clock()
         return Message(kind="state_info", meta=newest.info.to_meta())
+
+    async def _digest(self) -> Message:
+        self._count("digests")
+        found = await self._weights_digest() if self._weights_digest is not None else None
+        if found is None:
+            raise NoState(f"this peer has no weights of stage {self.stage} to compare yet")
+        step, digest_ = found
+        reply = DigestReply(peer=self.host.peer_id, step=step, digest=digest_)
+        return Message(kind="state_digest", meta=reply.to_meta())
 
     async def _freeze(self) -> _Cached:
         state = await self._snapshot()

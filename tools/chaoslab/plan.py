@@ -87,6 +87,15 @@ def retarget(fault: Fault, busy: Iterable[str], stage_of: Mapping[str, int],
     return None
 
 
+def calm_steps(done: Sequence[Any], *, fallback: int) -> int:
+    """The steps the calm run trains: the mean of the steps the chaos run's trainers did
+    (those that reported a count), at least 1; ``fallback`` when none did."""
+    counts = [n for n in done if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    if not counts:
+        return fallback
+    return max(1, round(sum(counts) / len(counts)))
+
+
 def loss_ratio(chaos: Sequence[float], calm: Sequence[float]) -> float | None:
     """Mean final validation loss of the chaos run's trainers over the calm run's."""
     if not chaos or not calm:
