@@ -402,6 +402,66 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
         stop_all(started)
 
 
+@pytest.mark.integration
+def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_stage(tmp_path):
+    """Stage 0 routes to an upload-capped stage-1 peer: its ``/api/v0/peers`` row (real HTTP)
+    says the ceiling it announced, the compute share and compute time its hops said, the
+    routing ceiling (their product), the rate routing uses (the smaller of that and its hop
+    rate) and that the cap binds; ``swarmd peers`` prints the same."""
+    from swarmd.node.host_options import upload_bytes_per_sample
+    from swarmd.training.run import train
+
+    base = {**{k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")},
+            "SWARMD_SWARM_STAGES": "2", "SWARMD_SWARM_NAME": "limits-peers"}
+    cap = 200_000
+    first = DaemonProcess(tmp_path / "s0", "--stage", "0", env=base)
+    started = [first]
+    try:
+        first.wait_started()
+        capped = DaemonProcess(tmp_path / "s1", "--stage", "1", "--bootstrap", first.addr,
+                               env={**base, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
+        started.append(capped)
+        capped.wait_started()
+        wait_until(lambda: all(s["routable_peers"] == 1
+                               for s in first.get("/api/v0/swarm")["stages"]), 30,
+                   "both stages routable")
+        config = load_config(None, {**os.environ, **base})
+
+        def run(steps: int) -> None:
+            result = uvloop.run(asyncio.wait_for(
+                train(config, bootstrap=[first.addr], steps=steps, progress=lambda line: None,
+                      bar=False), 240))
+            assert result.lost == 0
+
+        def announced() -> float:
+            rows = first.get("/api/v0/swarm")["stages"][1]["peers"]
+            return next((p["throughput"] for p in rows if p["peer_id"] == capped.peer_id), 0)
+
+        run(2)  # it measures its compute, then announces what its cap carries
+        wait_until(lambda: announced() > 0, 60, "the capped peer's announcement in stage 0's view")
+        run(2)  # stage 0's router now holds it to that
+        seam, _ = config.model_seam()
+        most = cap / upload_bytes_per_sample(config, seam)
+        row = next(p for p in first.get("/api/v0/peers") if p["peer_id"] == capped.peer_id)
+        assert row["stage"] == 1 and row["routing"] == "ok" and row["measured"] is True
+        assert 0 < row["ceiling"] <= most  # what it announced, within its cap
+        assert 0 < row["compute_share"] <= 1 and row["compute_s"] > 0
+        assert row["routing_ceiling"] == pytest.approx(row["ceiling"] * row["compute_share"],
+                                                       rel=1e-3, abs=1e-3)
+        assert row["rate"] == pytest.approx(min(row["throughput"], row["routing_ceiling"]),
+                                            rel=1e-3, abs=1e-3)
+        # the tiny model computes hundreds of samples/s; the cap carries about a dozen
+        assert row["capped"] is True and row["rate"] < row["throughput"]
+        text = subprocess.run([sys.executable, "-m", "swarmd", "peers", "--home",
+                               str(first.home)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60, env={**os.environ, **base})
+        assert text.returncode == 0, text.stderr
+        line = next(ln for ln in text.stdout.splitlines() if capped.peer_id in ln)
+        assert f"capped {row['ceiling']:.1f} x" in line and "compute " in line, text.stdout
+    finally:
+        stop_all(started)
+
+
 @settings(max_examples=100, deadline=None)
 @given(rate=st.integers(1, 1 << 50), size=st.integers(1, 1 << 60),
        threads=st.one_of(st.just("off"), st.integers(1, 1024)))

@@ -260,3 +260,22 @@ def test_a_hop_that_waited_in_the_peer_s_upload_does_not_lower_its_rate_twice() 
         w.success("capped", 8, 0.433, "forward", 0.0, compute_s=0.015)
     (row,) = w.snapshot(0.0)
     assert row.compute_share == pytest.approx(0.015 / 0.433)
+
+
+def test_the_snapshot_shows_the_routing_ceiling_the_rate_and_whether_the_cap_binds() -> None:
+    w = Wiring()
+    w.update_peers({"capped": (10.0, 0), "free": (100.0, 0)}, 0.0,
+                   ceilings={"capped": 10.0, "free": 100.0})
+    for p in ("capped", "free"):  # 4 samples in 0.04 s, 0.01 s of it compute: share 0.25
+        w.success(p, 4, 0.04, "forward", 1.0, compute_s=0.01)
+    state = {s.peer_id: s for s in w.snapshot(1.0)}
+    capped, free = state["capped"], state["free"]
+    assert capped.compute_s == 0.01 and capped.compute_share == pytest.approx(0.25)
+    assert capped.routing_ceiling == pytest.approx(2.5) and capped.rate == pytest.approx(2.5)
+    assert capped.capped and capped.throughput == pytest.approx(100.0)
+    assert free.routing_ceiling == pytest.approx(25.0) and free.rate == pytest.approx(25.0)
+    assert free.capped  # 100 announced for 400/s of compute: its ceiling binds too
+    w2 = Wiring()
+    w2.update_peers({"a": (10.0, 0)}, 0.0)
+    (a,) = w2.snapshot(0.0)
+    assert a.routing_ceiling is None and a.rate == 10.0 and not a.capped and a.compute_s is None

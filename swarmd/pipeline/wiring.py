@@ -132,6 +132,14 @@ class PeerWiringState:
     ceiling: float | None = None
     #: the share of its hops' time that is its compute (the ceiling counts times this)
     compute_share: float = 1.0
+    #: the compute time its last reply said (None: none said yet)
+    compute_s: float | None = None
+    #: the ceiling in hop terms (``ceiling x compute_share``); None: no ceiling
+    routing_ceiling: float | None = None
+    #: the rate routing uses (before the slow factor): ``min(throughput, routing_ceiling)``
+    rate: float = 0.0
+    #: whether the ceiling binds (routing believes less of it than its hops show)
+    capped: bool = False
 
 
 @dataclass(slots=True)
@@ -161,6 +169,12 @@ class _Peer:
     #: the largest recent share of a hop's time that was its compute (1: unknown)
     compute_share: float = 1.0
     compute_shares: int = 0
+    #: the compute time its last reply said (None: none yet)
+    compute_s: float | None = None
+
+    def routing_ceiling(self) -> float | None:
+        """The ceiling in hop terms (None: no ceiling)."""
+        return self.ceiling * self.compute_share if self.ceiling else None
 
     def rate(self) -> float:
         """The throughput routing uses (before the slow factor): the estimate, at most the
@@ -348,6 +362,7 @@ class Wiring:
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
         if compute_s is not None and _finite(compute_s) and 0 <= compute_s:
+            p.compute_s = float(compute_s)
             share = min(1.0, compute_s / seconds)
             p.compute_share = share if not p.compute_shares else max(
                 share, p.compute_share * (1.0 - _SHARE_DECAY))
@@ -443,7 +458,9 @@ class Wiring:
                 ban_reason=p.ban_reason if banned is not None else None,
                 ban_left_s=banned - now if banned is not None else None,
                 violations=v.count if v else 0, violation_reason=v.reason if v else None,
-                ceiling=p.ceiling or None, compute_share=p.compute_share))
+                ceiling=p.ceiling or None, compute_share=p.compute_share,
+                compute_s=p.compute_s, routing_ceiling=p.routing_ceiling(), rate=p.rate(),
+                capped=p.rate() < p.estimate))
         for peer_id in sorted(set(self.book) - self._peers.keys()):
             v = self.book.get(peer_id)
             assert v is not None
