@@ -274,6 +274,48 @@ def test_announced_throughput_never_exceeds_the_measured_one_nor_the_cap(measure
     assert caps.capped_throughput(measured, cap * 2, per_sample, batch_size=batch) >= got
 
 
+def test_what_the_cap_leaves_is_the_cap_less_the_other_traffic_of_the_last_minute() -> None:
+    left = caps.UploadLeft(window_s=60.0, min_span_s=10.0, floor=0.1)
+    assert left.left(200_000) == 200_000  # nothing observed: the whole cap
+    hop_bytes = 0.0
+    for t in range(0, 21):  # 20 s: 50 kB/s of averaging besides 100 kB/s of hops
+        hop_bytes = 100_000.0 * t
+        left.observe(float(t), 150_000.0 * t, hop_bytes)
+        if t < 10:
+            assert left.left(200_000) == 200_000  # under min_span_s: the whole cap
+    assert left.other_bytes_s() == pytest.approx(50_000)
+    assert left.left(200_000) == pytest.approx(150_000)
+    for t in range(21, 100):  # then hops only: the averaging ages out of the window
+        left.observe(float(t), 150_000.0 * 20 + 100_000.0 * (t - 20), 100_000.0 * t)
+    assert left.other_bytes_s() == pytest.approx(0.0) and left.left(200_000) == 200_000
+    full = caps.UploadLeft(min_span_s=1.0, window_s=10.0, floor=0.1)
+    full.observe(0.0, 0, 0)
+    full.observe(5.0, 5 * 400_000, 0)  # other traffic over the cap: the floor is left
+    assert full.left(200_000) == pytest.approx(20_000)
+    full.observe(5.0, 0, 0)  # not after the last: ignored
+    full.observe(4.0, 0, 0)
+    assert full.left(200_000) == pytest.approx(20_000)
+    with pytest.raises(ValueError):
+        caps.UploadLeft(floor=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.floats(0.01, 30), st.floats(0, 1e7), st.floats(0, 1e7)),
+                      min_size=1, max_size=50), cap=st.integers(1, 10**10))
+def test_what_the_cap_leaves_is_between_the_floor_and_the_cap(steps, cap) -> None:
+    left = caps.UploadLeft(floor=0.1)
+    now = total = hops = 0.0
+    for dt, sent, hop in steps:
+        now, total, hops = now + dt, total + sent, hops + min(hop, sent)
+        left.observe(now, total, hops)
+        assert 0.1 * cap * (1 - 1e-9) <= left.left(cap) <= cap
+
+
+def test_hop_bytes_count_half_a_sample_each_way_and_an_overhead() -> None:
+    assert caps.hop_upload_bytes(10, 1000.0, batch_size=8) == \
+        10 * (8 * 500.0 + caps.MESSAGE_OVERHEAD_BYTES)
+
+
 def test_a_stage_that_does_not_fit_the_device_memory_cap_is_refused_with_the_numbers() -> None:
     assert caps.device_memory_refusal(stage=1, param_bytes=10**9, optimizer="adamw",
                                       cap_bytes=None, device="cuda:0") is None
