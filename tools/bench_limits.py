@@ -109,8 +109,9 @@ def run(cap: int, seconds: float, streams: int, reference_s: float) -> dict[str,
             "download": down, "uncapped": uncapped, "targets": targets}
 
 
-def routing(cap: int, steps: int) -> dict[str, Any]:
-    """Two daemons of one stage, one capped; a trainer trains through them (real processes)."""
+def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
+    """Two daemons of one stage, one capped; a trainer trains through them (real processes).
+    The stage averages every ``average_every`` trainer steps' samples (its target batch)."""
     import os
     import tempfile
 
@@ -121,6 +122,9 @@ def routing(cap: int, steps: int) -> dict[str, Any]:
 
     env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
            "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "bench-limits"}
+    step = load_config(None, {**os.environ, **env}).training
+    env["SWARMD_AVERAGING_TARGET_BATCH_SIZE"] = str(
+        average_every * step.batch_size * step.microbatches)
     with tempfile.TemporaryDirectory(prefix="bench-limits-") as root:
         free = DaemonProcess(Path(root) / "free", "--stage", "0", env=env)
         started = [free]
@@ -142,8 +146,10 @@ def routing(cap: int, steps: int) -> dict[str, Any]:
     from swarmd.node.host_options import upload_bytes_per_sample
 
     seam, _ = config.model_seam()
-    return _routing_report(cap, steps, result.lost, rows, limits,
-                           upload_bytes_per_sample(config, seam), config.training.batch_size)
+    report = _routing_report(cap, steps, result.lost, rows, limits,
+                             upload_bytes_per_sample(config, seam), config.training.batch_size)
+    return {**report, "average_every_steps": average_every,
+            "target_batch_size": config.target_batch_size()}
 
 
 async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, list[Any]]:
@@ -235,16 +241,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 s runs, 1 s reference")
     parser.add_argument("--routing", action="store_true",
                         help="train through a capped and an uncapped peer of one stage instead")
-    parser.add_argument("--routing-cap", type=int, default=200_000)
+    parser.add_argument("--routing-cap", type=int, default=1_000_000)
+    parser.add_argument("--average-every", type=int, default=20,
+                        help="--routing: trainer steps of samples per averaging round")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=1, help="--routing runs, one line each")
     args = parser.parse_args()
     if args.routing:
-        if args.routing_cap < 1 or not 1 <= args.steps <= 2000 or not 1 <= args.repeats <= 20:
+        if args.routing_cap < 1 or not 1 <= args.steps <= 2000 or not 1 <= args.repeats <= 20 \
+                or args.average_every < 1:
             parser.error("--routing-cap must be >= 1, --steps from 1 to 2000 and --repeats "
                          "from 1 to 20")
         for _ in range(args.repeats):  # one JSON line per run
-            print(json.dumps(routing(args.routing_cap, args.steps)), flush=True)
+            print(json.dumps(routing(args.routing_cap, args.steps, args.average_every)),
+                  flush=True)
         return
     if args.cap < 1 or args.seconds <= 0 or not 1 <= args.streams <= 16:
         parser.error("--cap must be >= 1, --seconds > 0 and --streams from 1 to 16")
