@@ -401,6 +401,7 @@ def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path)
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(300)  # two daemon starts and a training run; slow on a loaded machine
 def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_rate(tmp_path):
     """Two peers serve the one stage, one of them with its upload capped: training loses
     nothing, the capped peer carries microbatches, its upload bucket throttled them, and what
@@ -433,6 +434,15 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
         seam, _ = config.model_seam()
         most = cap / upload_bytes_per_sample(config, seam)
         assert status["limits"]["announced_throughput"] <= most
+        # what it announces is taken from what averaging left of its cap, which it measured
+        limits = wait_until(lambda: (lm := capped.get("/api/v0/status")["limits"])
+                            .get("upload_other_bytes_s") and lm, 60,
+                            "the capped peer's averaging traffic measured")
+        assert 0 < limits["upload_left_bytes_s"] < cap
+        assert limits["upload_left_bytes_s"] == pytest.approx(
+            max(cap // 10, cap - limits["upload_other_bytes_s"]), abs=1)
+        assert limits["announced_throughput"] <= \
+            limits["upload_left_bytes_s"] / upload_bytes_per_sample(config, seam) + 1e-6
 
         def seen() -> float | None:
             rows = free.get("/api/v0/swarm")["stages"][0]["peers"]
@@ -445,6 +455,7 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(300)
 def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_stage(tmp_path):
     """Stage 0 routes to an upload-capped stage-1 peer: its ``/api/v0/peers`` row (real HTTP)
     says the ceiling it announced, the compute share and compute time its hops said, the

@@ -166,7 +166,11 @@ async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, li
                 {"t": time.monotonic(), "upload": float(limits["upload"].get("bytes", 0)),
                  "hops": float(capped["counters"].get("stage.forward", 0)
                                + capped["counters"].get("stage.backward", 0)),
-                 "compute": float(limits.get("measured_throughput") or 0.0)})
+                 "compute": float(limits.get("measured_throughput") or 0.0),
+                 # forwards each refused busy (its compute queue full, its budget, a step)
+                 **{f"busy_{n}": float(sum(v for k, v in s["counters"].items()
+                                           if k.startswith("stage.busy")))
+                    for n, s in status.items()}})
 
     async def sampling() -> None:
         for _ in range(1200):  # at most 20 minutes, once a second
@@ -206,7 +210,8 @@ def _shares(rows: list[Any], cap: int, per_sample: float, batch: int) -> dict[st
     left_total = left_tput + sum(v for n, v in announced.items() if n != "capped")
     left_share = left_tput / left_total if left_total else 0.0
     ratio = share / left_share if left_share else None
-    return {"samples": len(rows), "forwards": served,
+    busy = {n: round(b.get(f"busy_{n}", 0.0) - a.get(f"busy_{n}", 0.0)) for n in last}
+    return {"samples": len(rows), "forwards": served, "busy_refusals": busy,
             "announced": {n: round(v, 2) for n, v in announced.items()},
             "capped_other_upload_Bps": round(other), "capped_left_throughput": round(left_tput, 2),
             "capped_forward_share": round(share, 4),
