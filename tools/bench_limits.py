@@ -167,6 +167,8 @@ async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, li
                  "hops": float(capped["counters"].get("stage.forward", 0)
                                + capped["counters"].get("stage.backward", 0)),
                  "compute": float(limits.get("measured_throughput") or 0.0),
+                 **{f"offline_{n}": float(s.get("state") != "online")
+                    for n, s in status.items()},
                  # forwards each refused busy (its compute queue full, its budget, a step)
                  **{f"busy_{n}": float(sum(v for k, v in s["counters"].items()
                                            if k.startswith("stage.busy")))
@@ -211,7 +213,9 @@ def _shares(rows: list[Any], cap: int, per_sample: float, batch: int) -> dict[st
     left_share = left_tput / left_total if left_total else 0.0
     ratio = share / left_share if left_share else None
     busy = {n: round(b.get(f"busy_{n}", 0.0) - a.get(f"busy_{n}", 0.0)) for n in last}
+    offline = {n: sum(r[2].get(f"offline_{n}", 0.0) for r in rows) for n in last}
     return {"samples": len(rows), "forwards": served, "busy_refusals": busy,
+            "samples_not_online": offline,
             "announced": {n: round(v, 2) for n, v in announced.items()},
             "capped_other_upload_Bps": round(other), "capped_left_throughput": round(left_tput, 2),
             "capped_forward_share": round(share, 4),
