@@ -274,6 +274,48 @@ def test_announced_throughput_never_exceeds_the_measured_one_nor_the_cap(measure
     assert caps.capped_throughput(measured, cap * 2, per_sample, batch_size=batch) >= got
 
 
+def test_what_the_cap_leaves_is_the_cap_less_the_other_traffic_of_the_last_minute() -> None:
+    left = caps.UploadLeft(window_s=60.0, min_span_s=10.0, floor=0.1)
+    assert left.left(200_000) == 200_000  # nothing observed: the whole cap
+    hop_bytes = 0.0
+    for t in range(0, 21):  # 20 s: 50 kB/s of averaging besides 100 kB/s of hops
+        hop_bytes = 100_000.0 * t
+        left.observe(float(t), 150_000.0 * t, hop_bytes)
+        if t < 10:
+            assert left.left(200_000) == 200_000  # under min_span_s: the whole cap
+    assert left.other_bytes_s() == pytest.approx(50_000)
+    assert left.left(200_000) == pytest.approx(150_000)
+    for t in range(21, 100):  # then hops only: the averaging ages out of the window
+        left.observe(float(t), 150_000.0 * 20 + 100_000.0 * (t - 20), 100_000.0 * t)
+    assert left.other_bytes_s() == pytest.approx(0.0) and left.left(200_000) == 200_000
+    full = caps.UploadLeft(min_span_s=1.0, window_s=10.0, floor=0.1)
+    full.observe(0.0, 0, 0)
+    full.observe(5.0, 5 * 400_000, 0)  # other traffic over the cap: the floor is left
+    assert full.left(200_000) == pytest.approx(20_000)
+    full.observe(5.0, 0, 0)  # not after the last: ignored
+    full.observe(4.0, 0, 0)
+    assert full.left(200_000) == pytest.approx(20_000)
+    with pytest.raises(ValueError):
+        caps.UploadLeft(floor=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.floats(0.01, 30), st.floats(0, 1e7), st.floats(0, 1e7)),
+                      min_size=1, max_size=50), cap=st.integers(1, 10**10))
+def test_what_the_cap_leaves_is_between_the_floor_and_the_cap(steps, cap) -> None:
+    left = caps.UploadLeft(floor=0.1)
+    now = total = hops = 0.0
+    for dt, sent, hop in steps:
+        now, total, hops = now + dt, total + sent, hops + min(hop, sent)
+        left.observe(now, total, hops)
+        assert 0.1 * cap * (1 - 1e-9) <= left.left(cap) <= cap
+
+
+def test_hop_bytes_count_half_a_sample_each_way_and_an_overhead() -> None:
+    assert caps.hop_upload_bytes(10, 1000.0, batch_size=8) == \
+        10 * (8 * 500.0 + caps.MESSAGE_OVERHEAD_BYTES)
+
+
 def test_a_stage_that_does_not_fit_the_device_memory_cap_is_refused_with_the_numbers() -> None:
     assert caps.device_memory_refusal(stage=1, param_bytes=10**9, optimizer="adamw",
                                       cap_bytes=None, device="cuda:0") is None
@@ -359,6 +401,7 @@ def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path)
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(300)  # two daemon starts and a training run; slow on a loaded machine
 def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_rate(tmp_path):
     """Two peers serve the one stage, one of them with its upload capped: training loses
     nothing, the capped peer carries microbatches, its upload bucket throttled them, and what
@@ -391,6 +434,15 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
         seam, _ = config.model_seam()
         most = cap / upload_bytes_per_sample(config, seam)
         assert status["limits"]["announced_throughput"] <= most
+        # what it announces is taken from what averaging left of its cap, which it measured
+        limits = wait_until(lambda: (lm := capped.get("/api/v0/status")["limits"])
+                            .get("upload_other_bytes_s") and lm, 60,
+                            "the capped peer's averaging traffic measured")
+        assert 0 < limits["upload_left_bytes_s"] < cap
+        assert limits["upload_left_bytes_s"] == pytest.approx(
+            max(cap // 10, cap - limits["upload_other_bytes_s"]), abs=1)
+        assert limits["announced_throughput"] <= \
+            limits["upload_left_bytes_s"] / upload_bytes_per_sample(config, seam) + 1e-6
 
         def seen() -> float | None:
             rows = free.get("/api/v0/swarm")["stages"][0]["peers"]
@@ -398,6 +450,67 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
 
         wait_until(lambda: (t := seen()) is not None and 0 < t <= most, 30,
                    "the capped peer's announced throughput, within its cap, in its mate's view")
+    finally:
+        stop_all(started)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_stage(tmp_path):
+    """Stage 0 routes to an upload-capped stage-1 peer: its ``/api/v0/peers`` row (real HTTP)
+    says the ceiling it announced, the compute share and compute time its hops said, the
+    routing ceiling (their product), the rate routing uses (the smaller of that and its hop
+    rate) and that the cap binds; ``swarmd peers`` prints the same."""
+    from swarmd.node.host_options import upload_bytes_per_sample
+    from swarmd.training.run import train
+
+    base = {**{k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")},
+            "SWARMD_SWARM_STAGES": "2", "SWARMD_SWARM_NAME": "limits-peers"}
+    cap = 200_000
+    first = DaemonProcess(tmp_path / "s0", "--stage", "0", env=base)
+    started = [first]
+    try:
+        first.wait_started()
+        capped = DaemonProcess(tmp_path / "s1", "--stage", "1", "--bootstrap", first.addr,
+                               env={**base, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
+        started.append(capped)
+        capped.wait_started()
+        wait_until(lambda: all(s["routable_peers"] == 1
+                               for s in first.get("/api/v0/swarm")["stages"]), 30,
+                   "both stages routable")
+        config = load_config(None, {**os.environ, **base})
+
+        def run(steps: int) -> None:
+            result = uvloop.run(asyncio.wait_for(
+                train(config, bootstrap=[first.addr], steps=steps, progress=lambda line: None,
+                      bar=False), 240))
+            assert result.lost == 0
+
+        def announced() -> float:
+            rows = first.get("/api/v0/swarm")["stages"][1]["peers"]
+            return next((p["throughput"] for p in rows if p["peer_id"] == capped.peer_id), 0)
+
+        run(2)  # it measures its compute, then announces what its cap carries
+        wait_until(lambda: announced() > 0, 60, "the capped peer's announcement in stage 0's view")
+        run(2)  # stage 0's router now holds it to that
+        seam, _ = config.model_seam()
+        most = cap / upload_bytes_per_sample(config, seam)
+        row = next(p for p in first.get("/api/v0/peers") if p["peer_id"] == capped.peer_id)
+        assert row["stage"] == 1 and row["routing"] == "ok" and row["measured"] is True
+        assert 0 < row["ceiling"] <= most  # what it announced, within its cap
+        assert 0 < row["compute_share"] <= 1 and row["compute_s"] > 0
+        assert row["routing_ceiling"] == pytest.approx(row["ceiling"] * row["compute_share"],
+                                                       rel=1e-3, abs=1e-3)
+        assert row["rate"] == pytest.approx(min(row["throughput"], row["routing_ceiling"]),
+                                            rel=1e-3, abs=1e-3)
+        # the tiny model computes hundreds of samples/s; the cap carries about a dozen
+        assert row["capped"] is True and row["rate"] < row["throughput"]
+        text = subprocess.run([sys.executable, "-m", "swarmd", "peers", "--home",
+                               str(first.home)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60, env={**os.environ, **base})
+        assert text.returncode == 0, text.stderr
+        line = next(ln for ln in text.stdout.splitlines() if capped.peer_id in ln)
+        assert f"capped {row['ceiling']:.1f} x" in line and "compute " in line, text.stdout
     finally:
         stop_all(started)
 

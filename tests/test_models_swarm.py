@@ -76,77 +76,84 @@ def test_tiny_llama_trains_through_two_daemons_with_swarmd_train(tmp_path: Path)
         stop_all(daemons)
 
 
-def test_a_trainer_of_another_dtype_is_refused_naming_the_dtype(tmp_path: Path) -> None:
-    env = {**ENV, "SWARMD_SWARM_NAME": "dtype-swarm", "SWARMD_MODEL_WIDTH": "32",
-           "SWARMD_MODEL_LAYERS": "2", "SWARMD_MODEL_HEADS": "2"}
+#: a model.factory end to end (the built-in GPT's seam, named as a user's would be), in
+#: bfloat16: the float32 masters are part of the trainer's state
+BF16_ENV = {**ENV, "SWARMD_SWARM_NAME": "bf16-swarm", "SWARMD_MODEL_WIDTH": "32",
+            "SWARMD_MODEL_LAYERS": "2", "SWARMD_MODEL_HEADS": "2",
+            "SWARMD_CHECKPOINT_EVERY_STEPS": "1",
+            "SWARMD_MODEL_FACTORY": "swarmd.models.builtin:BuiltinGPT",
+            "SWARMD_MODEL_DTYPE": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def bf16_swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two daemons serving the bfloat16 built-in GPT, shared by the tests below: the refused
+    trainer only reads from them, the resumed one trains through them."""
     daemons: list[Any] = []
     try:
-        first, _ = start_swarm(tmp_path, [0, 1], env=env, into=daemons)
-        out = swarmd_train(tmp_path / "trainer", {**env, "SWARMD_MODEL_DTYPE": "bfloat16"},
-                           "--bootstrap", first.addr, "--steps", "3", timeout=200)
-        assert out.returncode != 0
-        errors = [line for line in out.stderr.splitlines() if line.startswith("swarmd: error:")]
-        assert len(errors) == 1, out.stderr[-3000:]
-        assert "dtype: 'bfloat16' here vs 'float32' there" in errors[0]
-        assert "Traceback" not in out.stderr
-        # the daemons are unharmed and still serve
-        for d in daemons:
-            assert d.proc.poll() is None and d.get("/api/v0/status")["state"] == "online"
+        yield start_swarm(tmp_path_factory.mktemp("bf16-swarm"), [0, 1], env=BF16_ENV,
+                          into=daemons)
     finally:
         stop_all(daemons)
 
 
-def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(tmp_path: Path) -> None:
+def test_a_trainer_of_another_dtype_is_refused_naming_the_dtype(tmp_path: Path,
+                                                                bf16_swarm: Any) -> None:
+    first, _ = bf16_swarm
+    out = swarmd_train(tmp_path / "trainer", {**BF16_ENV, "SWARMD_MODEL_DTYPE": "float32"},
+                       "--bootstrap", first.addr, "--steps", "3", timeout=200)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("swarmd: error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert "dtype: 'float32' here vs 'bfloat16' there" in errors[0]
+    assert "Traceback" not in out.stderr
+    # the daemons are unharmed and still serve
+    for d in bf16_swarm:
+        assert d.proc.poll() is None and d.get("/api/v0/status")["state"] == "online"
+
+
+def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(
+        tmp_path: Path, bf16_swarm: Any) -> None:
     from swarmd.training import trainer_state
 
     data = text_data(tmp_path / "data")
-    env = {**ENV, "SWARMD_SWARM_NAME": "resume-swarm", "SWARMD_MODEL_WIDTH": "32",
-           "SWARMD_MODEL_LAYERS": "2", "SWARMD_MODEL_HEADS": "2",
-           "SWARMD_CHECKPOINT_EVERY_STEPS": "1",
-           # a model.factory end to end (the built-in GPT's seam, named as a user's would be),
-           # in bfloat16: the float32 masters are part of the trainer's state
-           "SWARMD_MODEL_FACTORY": "swarmd.models.builtin:BuiltinGPT",
-           "SWARMD_MODEL_DTYPE": "bfloat16"}
+    env = BF16_ENV
     home = tmp_path / "trainer"
-    daemons: list[Any] = []
+    first, _ = bf16_swarm
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json",
+         "--bootstrap", first.addr, "--data", str(data), "--steps", "10000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, **env})
     try:
-        first, _ = start_swarm(tmp_path, [0, 1], env=env, into=daemons)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json",
-             "--bootstrap", first.addr, "--data", str(data), "--steps", "10000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            env={**os.environ, **env})
-        try:
-            wait_until(lambda: (trainer_state.load(home) or _NoState).step >= 3, 240,
-                       "the trainer saved its state at step 3")
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-        saved = trainer_state.load(home)
-        assert saved is not None and saved.step >= 3
-        assert saved.data["kind"] == "stream" and saved.data["position"]["record"] > 0
-        assert saved.masters is not None and all(m.dtype.is_floating_point and
-                                                 m.element_size() == 4 for m in saved.masters)
-        digest = trainer_state.params_digest(saved.params)
-
-        out = swarmd_train(home, env, "--bootstrap", first.addr, "--data", str(data),
-                           "--steps", str(saved.step + 2), timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        resumed = [line for line in out.stdout.splitlines() + out.stderr.splitlines()
-                   if line.startswith(f"resumed from step {saved.step} ")]
-        assert resumed, out.stderr[-3000:]
-        assert f"weights {digest}" in resumed[0]
-        assert json.dumps(saved.data["position"]) in resumed[0]
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        assert result["steps"] == saved.step + 2 and result["resumed_from"] == saved.step
-        after = trainer_state.load(home)
-        assert after is not None and after.step == saved.step + 2
-        assert after.data["position"] != saved.data["position"]  # the data went on from there
-        steps = [json.loads(line)["step"]
-                 for line in (home / "train-metrics.jsonl").read_text().splitlines()]
-        assert steps[-2:] == [saved.step + 1, saved.step + 2]  # not from 1 again
+        wait_until(lambda: (trainer_state.load(home) or _NoState).step >= 3, 240,
+                   "the trainer saved its state at step 3")
     finally:
-        stop_all(daemons)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    saved = trainer_state.load(home)
+    assert saved is not None and saved.step >= 3
+    assert saved.data["kind"] == "stream" and saved.data["position"]["record"] > 0
+    assert saved.masters is not None and all(m.dtype.is_floating_point and
+                                             m.element_size() == 4 for m in saved.masters)
+    digest = trainer_state.params_digest(saved.params)
+
+    out = swarmd_train(home, env, "--bootstrap", first.addr, "--data", str(data),
+                       "--steps", str(saved.step + 2), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = [line for line in out.stdout.splitlines() + out.stderr.splitlines()
+               if line.startswith(f"resumed from step {saved.step} ")]
+    assert resumed, out.stderr[-3000:]
+    assert f"weights {digest}" in resumed[0]
+    assert json.dumps(saved.data["position"]) in resumed[0]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == saved.step + 2 and result["resumed_from"] == saved.step
+    after = trainer_state.load(home)
+    assert after is not None and after.step == saved.step + 2
+    assert after.data["position"] != saved.data["position"]  # the data went on from there
+    steps = [json.loads(line)["step"]
+             for line in (home / "train-metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [saved.step + 1, saved.step + 2]  # not from 1 again
 
 
 class _NoState:

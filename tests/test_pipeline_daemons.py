@@ -73,9 +73,22 @@ def test_killing_one_of_two_peers_of_a_stage_loses_nothing(daemons: Any) -> None
     assert result.restarted + result.rerouted + rerouted >= 1  # the fault was really hit
 
 
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A stage-0 and a stage-1 daemon shared by the tests below: the bad requests are refused
+    (they change nothing), then two trainers train through them."""
+    from daemon_harness import start_swarm, stop_all
+
+    started: list[Any] = []
+    try:
+        yield start_swarm(tmp_path_factory.mktemp("two-stages"), [0, 1], env=ENV, into=started)
+    finally:
+        stop_all(started)
+
+
 def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
-        daemons: Any) -> None:
-    (d0,) = daemons(0)
+        two_stages: Any) -> None:
+    d0, _ = two_stages
     config = load_config(None, {**os.environ, **ENV})
     width = config.model_config().width
     forward = "/swarmd/pipeline-test/1/forward"
@@ -123,8 +136,8 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
     assert status["counters"].get("request_errors.bad_activation", 0) >= 4
 
 
-def test_two_trainers_feed_one_swarm(daemons: Any) -> None:
-    d0, d1 = daemons(0, 1)
+def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
+    d0, d1 = two_stages
     config = load_config(None, {**os.environ, **ENV})
     results: list[Any] = []
     errors: list[BaseException] = []

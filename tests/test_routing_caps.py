@@ -247,16 +247,64 @@ def test_a_loaded_peer_keeps_its_share_when_its_replies_say_its_compute() -> Non
 
 
 def test_a_hop_that_waited_in_the_peer_s_upload_does_not_lower_its_rate_twice() -> None:
-    """Its reply waited 0.4 s in the peer's saturated upload: the hop rate falls (8 / 0.433),
-    the compute share the ceiling converts by stays that of its hops without a wait (less
-    2% a hop), so the rate is the lower of the two, not their product."""
+    """Some replies waited 0.4 s in the peer's saturated upload: the hop rate falls (8 / 0.433),
+    the compute share the ceiling converts by stays that of its hops without a wait while
+    fewer than half its recent hops waited, so the rate is the lower of the two, not their
+    product; once most of them wait (a saturated upload), the share follows."""
     w = Wiring()
     w.update_peers({"capped": (46.0, 0)}, 0.0, ceilings={"capped": 46.0})
     w.success("capped", 8, 0.033, "forward", 0.0, compute_s=0.015)  # 15 ms + 18 ms
     w.success("capped", 8, 0.433, "forward", 0.0, compute_s=0.015)  # and a 0.4 s wait
     (row,) = w.snapshot(0.0)
-    assert row.compute_share == pytest.approx(0.015 / 0.033 * 0.98)
+    assert row.compute_share == pytest.approx(0.015 / 0.033)
+    for _ in range(5):  # 6 of 12 recent hops waited: still the share without a wait
+        w.success("capped", 8, 0.033, "forward", 0.0, compute_s=0.015)
+        w.success("capped", 8, 0.433, "forward", 0.0, compute_s=0.015)
+    (row,) = w.snapshot(0.0)
+    assert row.compute_share == pytest.approx(0.015 / 0.033)
+    assert row.rate == pytest.approx(min(row.throughput, 46.0 * 0.015 / 0.033))
     for _ in range(200):  # a saturated upload for 200 hops: the share forgets the good ones
         w.success("capped", 8, 0.433, "forward", 0.0, compute_s=0.015)
     (row,) = w.snapshot(0.0)
     assert row.compute_share == pytest.approx(0.015 / 0.433)
+
+
+def test_noisy_hops_give_a_capped_peer_its_capped_share_not_more() -> None:
+    """Both peers compute alike and their hops' latency varies alike (a loaded machine); one
+    announces a tenth of what it computes. Its share of the work stays at a tenth of the
+    other's (the largest recent compute share gave it about 1.4 times that)."""
+    rng = random.Random(7)
+    w = Wiring()
+    w.update_peers({"capped": (10.0, 0), "free": (100.0, 0)}, 0.0,
+                   ceilings={"capped": 10.0, "free": 100.0})
+    work: Counter[str] = Counter()
+    now = 0.0
+    for i in range(20_000):
+        p = w.choose("forward", 4, now, rng)
+        assert p is not None
+        compute = 4 / 100.0  # 100 samples/s of compute each
+        seconds = compute + rng.uniform(0.0, 0.08)  # and 0-80 ms of latency
+        w.success(p, 4, seconds, "forward", now, compute_s=compute)
+        if i >= 2_000:
+            work[p] += 4
+        now += 0.001
+    assert _shares(work)["capped"] == pytest.approx(10 / 110, rel=0.15)
+
+
+def test_the_snapshot_shows_the_routing_ceiling_the_rate_and_whether_the_cap_binds() -> None:
+    w = Wiring()
+    w.update_peers({"capped": (10.0, 0), "free": (100.0, 0)}, 0.0,
+                   ceilings={"capped": 10.0, "free": 100.0})
+    for p in ("capped", "free"):  # 4 samples in 0.04 s, 0.01 s of it compute: share 0.25
+        w.success(p, 4, 0.04, "forward", 1.0, compute_s=0.01)
+    state = {s.peer_id: s for s in w.snapshot(1.0)}
+    capped, free = state["capped"], state["free"]
+    assert capped.compute_s == 0.01 and capped.compute_share == pytest.approx(0.25)
+    assert capped.routing_ceiling == pytest.approx(2.5) and capped.rate == pytest.approx(2.5)
+    assert capped.capped and capped.throughput == pytest.approx(100.0)
+    assert free.routing_ceiling == pytest.approx(25.0) and free.rate == pytest.approx(25.0)
+    assert free.capped  # 100 announced for 400/s of compute: its ceiling binds too
+    w2 = Wiring()
+    w2.update_peers({"a": (10.0, 0)}, 0.0)
+    (a,) = w2.snapshot(0.0)
+    assert a.routing_ceiling is None and a.rate == 10.0 and not a.capped and a.compute_s is None

@@ -109,8 +109,9 @@ def run(cap: int, seconds: float, streams: int, reference_s: float) -> dict[str,
             "download": down, "uncapped": uncapped, "targets": targets}
 
 
-def routing(cap: int, steps: int) -> dict[str, Any]:
-    """Two daemons of one stage, one capped; a trainer trains through them (real processes)."""
+def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
+    """Two daemons of one stage, one capped; a trainer trains through them (real processes).
+    The stage averages every ``average_every`` trainer steps' samples (its target batch)."""
     import os
     import tempfile
 
@@ -121,6 +122,9 @@ def routing(cap: int, steps: int) -> dict[str, Any]:
 
     env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
            "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "bench-limits"}
+    step = load_config(None, {**os.environ, **env}).training
+    env["SWARMD_AVERAGING_TARGET_BATCH_SIZE"] = str(
+        average_every * step.batch_size * step.microbatches)
     with tempfile.TemporaryDirectory(prefix="bench-limits-") as root:
         free = DaemonProcess(Path(root) / "free", "--stage", "0", env=env)
         started = [free]
@@ -139,18 +143,36 @@ def routing(cap: int, steps: int) -> dict[str, Any]:
             limits = capped.get("/api/v0/status")["limits"]
         finally:
             stop_all(started)
-    return _routing_report(cap, steps, result.lost, rows, limits)
+    from swarmd.node.host_options import upload_bytes_per_sample
+
+    seam, _ = config.model_seam()
+    report = _routing_report(cap, steps, result.lost, rows, limits,
+                             upload_bytes_per_sample(config, seam), config.training.batch_size)
+    return {**report, "average_every_steps": average_every,
+            "target_batch_size": config.target_batch_size()}
 
 
 async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, list[Any]]:
     """Run ``training`` while each peer's ``/api/v0/status`` (announced throughput, forwards
     served) is sampled once a second: [(throughputs, forwards)], each by peer name."""
-    rows: list[tuple[dict[str, float], dict[str, int]]] = []
+    rows: list[tuple[dict[str, float], dict[str, int], dict[str, float]]] = []
 
-    def sample() -> tuple[dict[str, float], dict[str, int]]:
+    def sample() -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
         status = {name: d.get("/api/v0/status") for name, d in peers.items()}
+        capped = status["capped"]
+        limits = capped.get("limits") or {}
         return ({n: float(s["throughput"]) for n, s in status.items()},
-                {n: int(s["counters"].get("stage.forward", 0)) for n, s in status.items()})
+                {n: int(s["counters"].get("stage.forward", 0)) for n, s in status.items()},
+                {"t": time.monotonic(), "upload": float(limits["upload"].get("bytes", 0)),
+                 "hops": float(capped["counters"].get("stage.forward", 0)
+                               + capped["counters"].get("stage.backward", 0)),
+                 "compute": float(limits.get("measured_throughput") or 0.0),
+                 **{f"offline_{n}": float(s.get("state") != "online")
+                    for n, s in status.items()},
+                 # forwards each refused busy (its compute queue full, its budget, a step)
+                 **{f"busy_{n}": float(sum(v for k, v in s["counters"].items()
+                                           if k.startswith("stage.busy")))
+                    for n, s in status.items()}})
 
     async def sampling() -> None:
         for _ in range(1200):  # at most 20 minutes, once a second
@@ -166,31 +188,52 @@ async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, li
     return result, rows
 
 
-def _shares(rows: list[Any]) -> dict[str, Any]:
+def _shares(rows: list[Any], cap: int, per_sample: float, batch: int) -> dict[str, Any]:
     """The capped peer's share of the forwards served between the first and the last of
-    ``rows``, and its share of the throughput announced (averaged over them)."""
+    ``rows``; its share of the throughput announced (averaged over them); and its share of
+    what its cap left for hops (``capped_left_share``): the cap less the other bytes (averaging,
+    state) its upload bucket carried meanwhile, over the bytes a sample takes, at most its
+    compute, against the uncapped peer's announced throughput. ``share_ratio``: forward share
+    over the left share."""
+    from swarmd.node.caps import capped_throughput, hop_upload_bytes
+
     first, last = rows[0][1], rows[-1][1]
     served = {n: last[n] - first[n] for n in last}
     announced = {n: sum(r[0][n] for r in rows) / len(rows) for n in last}
     total_fw, total_an = sum(served.values()), sum(announced.values())
     share = served["capped"] / total_fw if total_fw else 0.0
     expected = announced["capped"] / total_an if total_an else 0.0
-    ratio = share / expected if expected else None
-    return {"samples": len(rows), "forwards": served,
+    a, b = rows[0][2], rows[-1][2]
+    span = max(1e-9, b["t"] - a["t"])
+    other = max(0.0, (b["upload"] - a["upload"])
+                - hop_upload_bytes(b["hops"] - a["hops"], per_sample, batch_size=batch)) / span
+    compute = sum(r[2]["compute"] for r in rows) / len(rows)
+    left_tput = capped_throughput(compute, max(0.0, cap - other), per_sample, batch_size=batch)
+    left_total = left_tput + sum(v for n, v in announced.items() if n != "capped")
+    left_share = left_tput / left_total if left_total else 0.0
+    ratio = share / left_share if left_share else None
+    busy = {n: round(b.get(f"busy_{n}", 0.0) - a.get(f"busy_{n}", 0.0)) for n in last}
+    offline = {n: sum(r[2].get(f"offline_{n}", 0.0) for r in rows) for n in last}
+    return {"samples": len(rows), "forwards": served, "busy_refusals": busy,
+            "samples_not_online": offline,
             "announced": {n: round(v, 2) for n, v in announced.items()},
+            "capped_other_upload_Bps": round(other), "capped_left_throughput": round(left_tput, 2),
             "capped_forward_share": round(share, 4),
             "capped_announced_share": round(expected, 4),
+            "capped_left_share": round(left_share, 4),
+            "announced_share_ratio": round(share / expected, 3) if expected else None,
             "share_ratio": round(ratio, 3) if ratio is not None else None}
 
 
-def _routing_report(cap: int, steps: int, lost: int, rows: list[Any],
-                    limits: Any) -> dict[str, Any]:
+def _routing_report(cap: int, steps: int, lost: int, rows: list[Any], limits: Any,
+                    per_sample: float, batch: int) -> dict[str, Any]:
     """The whole run, and its steady part: from when both peers announce a throughput and a
     third of the run has passed (the first hops follow priors; the first averaging round has
     not yet loaded the capped peer's upload) to the end. The target is judged on that part."""
     start = next((i for i, r in enumerate(rows) if all(v > 0 for v in r[0].values())), 0)
     start = min(max(start, len(rows) // 3), max(0, len(rows) - 2))
-    whole, steady = _shares(rows), _shares(rows[start:])
+    whole = _shares(rows, cap, per_sample, batch)
+    steady = _shares(rows[start:], cap, per_sample, batch)
     ratio = steady["share_ratio"]
     return {"cap_Bps": cap, "steps": steps, "lost": lost, **whole, "steady": steady,
             "capped_limits": limits,
@@ -207,13 +250,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 s runs, 1 s reference")
     parser.add_argument("--routing", action="store_true",
                         help="train through a capped and an uncapped peer of one stage instead")
-    parser.add_argument("--routing-cap", type=int, default=200_000)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--routing-cap", type=int, default=1_000_000)
+    parser.add_argument("--average-every", type=int, default=20,
+                        help="--routing: trainer steps of samples per averaging round")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=1, help="--routing runs, one line each")
     args = parser.parse_args()
     if args.routing:
-        if args.routing_cap < 1 or not 1 <= args.steps <= 1000:
-            parser.error("--routing-cap must be >= 1 and --steps from 1 to 1000")
-        print(json.dumps(routing(args.routing_cap, args.steps)))
+        if args.routing_cap < 1 or not 1 <= args.steps <= 2000 or not 1 <= args.repeats <= 20 \
+                or args.average_every < 1:
+            parser.error("--routing-cap must be >= 1, --steps from 1 to 2000 and --repeats "
+                         "from 1 to 20")
+        for _ in range(args.repeats):  # one JSON line per run
+            print(json.dumps(routing(args.routing_cap, args.steps, args.average_every)),
+                  flush=True)
         return
     if args.cap < 1 or args.seconds <= 0 or not 1 <= args.streams <= 16:
         parser.error("--cap must be >= 1, --seconds > 0 and --streams from 1 to 16")

@@ -118,6 +118,18 @@ class ConnectedPeer:
     violation_reason: str | None = None
     #: its requests refused here (busy) because it had its budget in flight
     budget_refusals: int = 0
+    #: the wiring (swarmd/pipeline/wiring.py), samples/s: what its hops show (``throughput``,
+    #: ``measured`` once we have a hop), the ceiling it announced, the share of a hop that is
+    #: its compute and the compute time its last reply said, the routing ceiling (ceiling x
+    #: compute share), the rate routing uses (the smaller) and whether the ceiling binds
+    throughput: float | None = None
+    measured: bool = False
+    ceiling: float | None = None
+    compute_share: float | None = None
+    compute_s: float | None = None
+    routing_ceiling: float | None = None
+    rate: float | None = None
+    capped: bool = False
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ConnectedPeer:
@@ -145,8 +157,22 @@ def peer_rows(connected: Collection[str], known: Mapping[str, tuple[int | None, 
             else None,
             violations=r.violations if r is not None else 0,
             violation_reason=r.violation_reason if r is not None else None,
-            budget_refusals=refusals.get(p, 0)))
+            budget_refusals=refusals.get(p, 0), **_wiring_fields(r)))
     return rows
+
+
+def _wiring_fields(r: Any) -> dict[str, Any]:
+    """A routed peer's wiring figures for its ``ConnectedPeer`` row, rounded (none: {})."""
+    if r is None or not getattr(r, "listed", True):
+        return {}
+
+    def rounded(x: float | None, digits: int = 3) -> float | None:
+        return round(float(x), digits) if x is not None else None
+
+    return {"throughput": rounded(r.throughput), "measured": bool(r.measured),
+            "ceiling": rounded(r.ceiling), "compute_share": rounded(r.compute_share, 4),
+            "compute_s": rounded(r.compute_s, 6), "routing_ceiling": rounded(r.routing_ceiling),
+            "rate": rounded(r.rate), "capped": bool(r.capped)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

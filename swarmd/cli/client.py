@@ -136,8 +136,9 @@ def text_peers(peers) -> str:
     if not peers:
         return "no connected peers"
     routed = any(getattr(p, "routing", None) for p in peers)
-    rows = [["PEER ID", "STAGE", "STATE", *(["ROUTING"] if routed else [])]]
-    rows += [[p.peer_id, _stage(p.stage), p.state or "-", *([_routing(p)] if routed else [])]
+    rows = [["PEER ID", "STAGE", "STATE", *(["ROUTING", "WIRING"] if routed else [])]]
+    rows += [[p.peer_id, _stage(p.stage), p.state or "-",
+              *([_routing(p), _wiring(p)] if routed else [])]
              for p in sorted(peers, key=lambda p: (p.stage is None, p.stage or 0, p.peer_id))]
     connected = sum(1 for p in peers if getattr(p, "connected", True))
     more = len(peers) - connected
@@ -153,6 +154,21 @@ def _routing(p) -> str:
         return p.routing
     left = f", {p.ban_left_s:.0f} s left" if p.ban_left_s is not None else ""
     return f"banned ({p.ban_reason or '?'}{left})"
+
+
+def _wiring(p) -> str:
+    """The rate routing uses, samples/s, and the ceiling behind it: ``capped`` when the ceiling
+    (announced x compute share) binds (``-``: not routed to)."""
+    rate = getattr(p, "rate", None)
+    if rate is None:
+        return "-"
+    text = f"{rate:.1f}/s" + ("" if p.measured else " (unmeasured)")
+    if p.ceiling is not None and p.routing_ceiling is not None:
+        text += (f", {'capped' if p.capped else 'ceiling'} {p.ceiling:.1f} x "
+                 f"{p.compute_share:.2f} = {p.routing_ceiling:.1f}")
+    if p.compute_s is not None:
+        text += f", compute {p.compute_s * 1000:.1f} ms"
+    return text
 
 
 def cmd_swarm(args: argparse.Namespace):

@@ -28,6 +28,7 @@ from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, Swar
 from swarmd.config import Config
 from swarmd.errors import SwarmdError
 from swarmd.node.connectivity import keep_connected
+from swarmd.node.caps import UploadLeft
 from swarmd.node.host_options import (announced_throughput, apply_stage_limits, limits_status,
                                       stages_that_fit)
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
@@ -80,6 +81,8 @@ class Daemon:
         self.balance_counters: Counter[str] = Counter()
         self.last_migration: dict[str, Any] | None = None
         self._throughput_hint = 0.0
+        #: what the upload cap leaves for hops after averaging and state (swarmd.node.caps)
+        self._upload_left = UploadLeft()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         #: set by a second stop request: stop at once
@@ -127,7 +130,8 @@ class Daemon:
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
             observed_addrs=nat.observed_addrs if nat else (),
             links=self._links_status(),
-            limits=limits_status(self.config, self.host, self.stage_server),
+            limits=limits_status(self.config, self.host, self.stage_server,
+                                 self._upload_left),
             grace_left_s=self.budget.left(time.monotonic()) if self.budget else None)
 
     def _links_status(self) -> dict[str, Any]:
@@ -301,8 +305,8 @@ class Daemon:
         server = self.stage_server
         if server is None:
             return LocalState(self.stage, self.state)
-        return LocalState(self.stage, self.state, announced_throughput(self.config, server),
-                          server.queue, server.step)
+        throughput = announced_throughput(self.config, server, self.host, self._upload_left)
+        return LocalState(self.stage, self.state, throughput, server.queue, server.step)
 
     async def _serve_stage(self) -> None:
         """Serve ``self.stage``: take the newest state (checkpoint or peers), then forward,

@@ -76,18 +76,31 @@ def upload_bytes_per_sample(config: Config, seam: Any) -> float:
         w.codec, block_size=w.int8_block_size, scale_dtype=w.int8_scale_dtype))
 
 
-def announced_throughput(config: Config, server: Any) -> float:
+def announced_throughput(config: Config, server: Any, host: Any = None,
+                         left: Any = None) -> float:
     """The stage server's measured throughput, capped to what ``limits.upload_bytes_s`` and
     ``limits.download_bytes_s`` can carry (``swarmd.node.caps.capped_throughput``): what
-    membership announces and routing weighs."""
-    from swarmd.node.caps import capped_throughput, tighter_cap
+    membership announces and routing weighs. With ``host`` and ``left``
+    (``swarmd.node.caps.UploadLeft``): the upload cap less what other traffic took of the
+    host's upload bucket lately (observed now)."""
+    import time
+
+    from swarmd.node.caps import capped_throughput, hop_upload_bytes, tighter_cap
 
     measured = float(server.throughput)
-    cap = tighter_cap(config.limits.upload, config.limits.download)
+    upload = config.limits.upload
+    per_sample = upload_bytes_per_sample(config, server.seam)
+    batch = config.training.batch_size
+    bucket = getattr(getattr(host, "throttle", None), "upload", None)
+    if upload is not None and left is not None and bucket is not None:
+        hops = int(server.counters.get("forward", 0)) + int(server.counters.get("backward", 0))
+        left.observe(time.monotonic(), bucket.granted_bytes,
+                     hop_upload_bytes(hops, per_sample, batch_size=batch))
+        upload = left.left(upload)
+    cap = tighter_cap(upload, config.limits.download)
     if cap is None:
         return measured
-    return capped_throughput(measured, cap, upload_bytes_per_sample(config, server.seam),
-                             batch_size=config.training.batch_size)
+    return capped_throughput(measured, cap, per_sample, batch_size=batch)
 
 
 def apply_stage_limits(config: Config, server: Any) -> None:
@@ -129,7 +142,7 @@ def stages_that_fit(config: Config, dtype: Any) -> frozenset[int] | None:
         device="meta") is None)
 
 
-def limits_status(config: Config, host: Any, server: Any) -> dict[str, Any]:
+def limits_status(config: Config, host: Any, server: Any, left: Any = None) -> dict[str, Any]:
     """``[limits]`` as set, and what the caps did (``StatusInfo.limits``)."""
     limits = config.limits
     status: dict[str, Any] = dict(host.throttle.status())
@@ -143,6 +156,10 @@ def limits_status(config: Config, host: Any, server: Any) -> dict[str, Any]:
 
     status["cpu_threads"] = {"set": limits.threads, "torch": torch.get_num_threads()}
     if server is not None and (limits.upload is not None or limits.download is not None):
-        status["announced_throughput"] = announced_throughput(config, server)
+        status["announced_throughput"] = announced_throughput(config, server, host, left)
+        if left is not None and limits.upload is not None:
+            status["upload_left_bytes_s"] = round(left.left(limits.upload))
+            other = left.other_bytes_s()
+            status["upload_other_bytes_s"] = round(other) if other is not None else None
         status["measured_throughput"] = float(server.throughput)
     return status

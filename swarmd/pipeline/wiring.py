@@ -20,12 +20,15 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   announcement knows the cap. It is in compute terms (an uncapped peer announces what it
   computes), while ``t_p`` counts the hop's transfer too (a far peer gets less), so the
   ceiling is brought into hop terms: times the share of a hop that is its compute
-  (``compute_s / seconds`` from :meth:`Wiring.success`: the largest of its recent hops',
-  decaying by ``_SHARE_DECAY`` a hop; 1 while unknown). The largest, because a hop whose reply
-  waited in the peer's saturated upload is slow already (``t_p``): counted in the share too,
-  that wait would lower its rate twice. The rate used is ``min(t_p, ceiling_p x share_p)``: an
-  uncapped peer's ceiling does not bind, a capped one gets its cap's fraction of what its hops
-  show, less when its hops are slower still (docs/limits.md "Routing").
+  (``compute_s / seconds`` from :meth:`Wiring.success`: the upper median of its last
+  ``_SHARES`` hops'; 1 while unknown). A median, not the largest: the largest of noisy shares
+  stood above the typical share an uncapped peer's ``t_p`` shows, and gave a capped peer 1.4x
+  its share; not a mean: a hop whose reply waited in the peer's saturated upload is slow
+  already (``t_p``), and in the share too that wait would lower its rate twice (while fewer
+  than half its hops wait, the median ignores them). The rate used is
+  ``min(t_p, ceiling_p x share_p)``: an uncapped peer's ceiling does not bind, a capped one
+  gets its cap's fraction of what its hops show, less when its hops are slower still
+  (docs/limits.md "Routing").
 * Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
   ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
 
@@ -68,7 +71,7 @@ import math
 import random
 import statistics
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarmd.pipeline.penalties import ViolationBook, clean_reason
 from swarmd.pipeline.wiring_config import Kind, WiringConfig, _finite
@@ -83,8 +86,8 @@ _TIE = 1e-12
 _SLOW_EPS = 1e-3
 #: throughputs (forward samples/s) are kept at least this, so that loads stay finite
 _MIN_THROUGHPUT = 1e-6
-#: a peer's compute share of a hop (the ceiling's conversion) forgets this much per hop
-_SHARE_DECAY = 0.02
+#: a peer's compute share of a hop (the ceiling's conversion): the upper median of this many
+_SHARES = 15
 #: what ``PeerWiringState.state`` says, the worst first
 PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
 
@@ -132,6 +135,14 @@ class PeerWiringState:
     ceiling: float | None = None
     #: the share of its hops' time that is its compute (the ceiling counts times this)
     compute_share: float = 1.0
+    #: the compute time its last reply said (None: none said yet)
+    compute_s: float | None = None
+    #: the ceiling in hop terms (``ceiling x compute_share``); None: no ceiling
+    routing_ceiling: float | None = None
+    #: the rate routing uses (before the slow factor): ``min(throughput, routing_ceiling)``
+    rate: float = 0.0
+    #: whether the ceiling binds (routing believes less of it than its hops show)
+    capped: bool = False
 
 
 @dataclass(slots=True)
@@ -158,9 +169,16 @@ class _Peer:
     unmeasured_load: float = 0.0
     #: the most it says it sustains (forward samples/s of compute); 0: no ceiling
     ceiling: float = 0.0
-    #: the largest recent share of a hop's time that was its compute (1: unknown)
+    #: the share of a hop's time that was its compute: the recent upper median (1: unknown)
     compute_share: float = 1.0
-    compute_shares: int = 0
+    #: the last ``_SHARES`` hops' compute shares, oldest first
+    compute_shares: list[float] = field(default_factory=list)
+    #: the compute time its last reply said (None: none yet)
+    compute_s: float | None = None
+
+    def routing_ceiling(self) -> float | None:
+        """The ceiling in hop terms (None: no ceiling)."""
+        return self.ceiling * self.compute_share if self.ceiling else None
 
     def rate(self) -> float:
         """The throughput routing uses (before the slow factor): the estimate, at most the
@@ -348,10 +366,11 @@ class Wiring:
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
         if compute_s is not None and _finite(compute_s) and 0 <= compute_s:
+            p.compute_s = float(compute_s)
             share = min(1.0, compute_s / seconds)
-            p.compute_share = share if not p.compute_shares else max(
-                share, p.compute_share * (1.0 - _SHARE_DECAY))
-            p.compute_shares += 1
+            p.compute_shares.append(share)
+            del p.compute_shares[:-_SHARES]
+            p.compute_share = sorted(p.compute_shares)[len(p.compute_shares) // 2]
         measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
         if p.measured:
             p.estimate += self.config.ema_alpha * (measured - p.estimate)
@@ -443,7 +462,9 @@ class Wiring:
                 ban_reason=p.ban_reason if banned is not None else None,
                 ban_left_s=banned - now if banned is not None else None,
                 violations=v.count if v else 0, violation_reason=v.reason if v else None,
-                ceiling=p.ceiling or None, compute_share=p.compute_share))
+                ceiling=p.ceiling or None, compute_share=p.compute_share,
+                compute_s=p.compute_s, routing_ceiling=p.routing_ceiling(), rate=p.rate(),
+                capped=p.rate() < p.estimate))
         for peer_id in sorted(set(self.book) - self._peers.keys()):
             v = self.book.get(peer_id)
             assert v is not None
