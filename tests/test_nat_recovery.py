@@ -23,10 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.integration
 
-#: a TCP user timeout, as a volunteer behind a home router sets it (off by default: it also
-#: drops a live peer that stops reading that long)
-ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4",
-       "SWARMD_NETWORK_TCP_USER_TIMEOUT_S": "25"}
+#: the default configuration's liveness (network.liveness_*): no TCP user timeout
+ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4"}
 OUTAGE_S = 30.0
 #: the figure: serving again within this long of the recovery
 RECOVERY_S = 60.0
@@ -79,6 +77,13 @@ def _forwards(d: Any) -> int:
     try:
         return int(d.get("/api/v0/status")["counters"].get("stage.forward", 0))
     except OSError:  # a busy daemon may miss one status deadline: ask again
+        return -1
+
+
+def _counter(d: Any, name: str) -> int:
+    try:
+        return int(d.get("/api/v0/status")["counters"].get(name, 0))
+    except OSError:
         return -1
 
 
@@ -142,8 +147,9 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
                        f"(served {at_recovery} before)")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{_diagnose(daemons)}") from None
+        dead = [_counter(d, "liveness.dead_closed") for d in daemons]
         print(f"n1 served again {time.monotonic() - t_recovery:.1f} s after its gateway "
-              f"came back")  # the figure, shown with -s
+              f"came back; connections closed as dead (pub, p1, n1): {dead}")  # shown with -s
     finally:
         stop_all(daemons, trainer=trainer)
 
