@@ -109,22 +109,16 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
                                                               ) -> None:
     from daemon_harness import wait_until
     from tools.wanlab import HostSpec, Link
-    from tools.wanlab.daemons import LabDaemon, stop_all
+    from tools.wanlab.daemons import start_swarm, stop_all
 
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="p1", link=link),
                  HostSpec(name="n1", link=link, nat=True), HostSpec(name="tr", link=link))
-    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "0", env=ENV)
-    daemons = [pub]
+    daemons = start_swarm(lab, tmp_path, ("pub", ("--stage", "0")),
+                          [("p1", ("--stage", "1")), ("n1", ("--stage", "1"))], env=ENV)
+    pub, n1 = daemons[0], daemons[2]
     trainer = None
     try:
-        pub.wait_started()
-        for host in ("p1", "n1"):
-            d = LabDaemon(lab, host, tmp_path / host, "--stage", "1", "--bootstrap", pub.addr,
-                          env=ENV)
-            daemons.append(d)
-            d.wait_started()
-        n1 = daemons[2]
         wait_until(lambda: n1.get("/api/v0/status")["relays"], 120, "n1 to hold a relay slot")
         home = tmp_path / "trainer"
         home.mkdir()

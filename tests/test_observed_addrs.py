@@ -89,7 +89,7 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
                                                            ) -> None:
     from daemon_harness import wait_until
     from tools.wanlab import HostSpec, Link
-    from tools.wanlab.daemons import LabDaemon, stop_all
+    from tools.wanlab.daemons import start_swarm, stop_all
 
     # a slot on each of the three public peers: n1 dials each of them itself, so each runs
     # identify over a direct connection (one that dials n1 through a relay observes nothing)
@@ -97,16 +97,12 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="p1", link=link),
                  HostSpec(name="p2", link=link), HostSpec(name="n1", link=link, nat=True))
-    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "0", env=env)
-    daemons = [pub]
+    # the public peers first (together), then n1: it dials each of them itself
+    daemons = start_swarm(lab, tmp_path, ("pub", ("--stage", "0")),
+                          [("p1", ("--stage", "1")), ("p2", ("--stage", "1"))],
+                          [("n1", ("--stage", "1"))], env=env)
+    pub, n1 = daemons[0], daemons[-1]
     try:
-        pub.wait_started()
-        for host in ("p1", "p2", "n1"):
-            d = LabDaemon(lab, host, tmp_path / host, "--stage", "1", "--bootstrap", pub.addr,
-                          env=env)
-            daemons.append(d)
-            d.wait_started()
-        n1 = daemons[-1]
         port = n1.addr.split("/tcp/")[1].split("/")[0]
         want = f"/ip4/{lab.public_addr('n1')}/tcp/{port}"
         assert lab.public_addr("n1") not in n1.addr  # it is bound to its private address
