@@ -48,6 +48,7 @@ CORES = frozenset({
     "swarmd.pipeline.inflight",
     "swarmd.pipeline.held",
     "transport.ratelimit",
+    "transport.liveness_policy",
     "swarmd.node.caps",
     "swarmd.node.shutdown",
 })

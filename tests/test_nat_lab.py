@@ -32,22 +32,17 @@ def _status(d: Any) -> dict[str, Any]:
 def test_nated_peers_train_through_relays(wanlab: Any, tmp_path: Path) -> None:
     from daemon_harness import wait_until
     from tools.wanlab import HostSpec, Link
-    from tools.wanlab.daemons import LabDaemon, stop_all, train
+    from tools.wanlab.daemons import start_swarm, stop_all, train
 
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="n0", link=link, nat=True),
                  HostSpec(name="n1", link=link, nat=True),
                  HostSpec(name="tr", link=link, nat=True))
-    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "1", env=ENV)
-    daemons = [pub]
+    daemons = start_swarm(lab, tmp_path, ("pub", ("--stage", "1")),
+                          [("n0", ("--stage", "0")), ("n1", ("--stage", "1"))], env=ENV)
+    pub, n0, n1 = daemons
+    doctor = None
     try:
-        pub.wait_started()
-        for host, stage in (("n0", "0"), ("n1", "1")):
-            d = LabDaemon(lab, host, tmp_path / host, "--stage", stage, "--bootstrap", pub.addr,
-                          env=ENV)
-            daemons.append(d)
-            d.wait_started()
-        n0, n1 = daemons[1], daemons[2]
         for d in (n0, n1):
             wait_until(lambda d=d: _status(d)["reachability"] == "private", 90,
                        f"{d.host} to find out it is private")
@@ -55,16 +50,17 @@ def test_nated_peers_train_through_relays(wanlab: Any, tmp_path: Path) -> None:
         status = _status(n1)
         assert pub.started["peer_id"] in status["relays"]
         assert "forward TCP port" in status["reachability_hint"]
+        # the doctor runs beside the training (seconds of imports: not one after the other)
         doctor = lab.run("n1", [sys.executable, "-m", "swarmd", "doctor", "--home",
                                 str(tmp_path / "n1"), "--json"], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
+        wait_until(lambda: _status(pub)["reachability"] == "public", 90, "pub to be public")
+        result = train(lab, "tr", tmp_path / "trainer", pub.addr, steps=24,
+                       tokens_per_step=4 * 8 * 128, env=ENV, seconds=300)
         out, _ = doctor.communicate(timeout=120)
         reach = {c["name"]: c for c in json.loads(out)["checks"]}["reachability"]
         assert reach["found"].startswith("private") and pub.started["peer_id"] in reach["found"]
         assert "forward TCP port" in reach["fix"]
-        wait_until(lambda: _status(pub)["reachability"] == "public", 90, "pub to be public")
-        result = train(lab, "tr", tmp_path / "trainer", pub.addr, steps=24,
-                       tokens_per_step=4 * 8 * 128, env=ENV, seconds=300)
         assert result["lost"] == 0, result
         assert result["final_val_loss"] < result["initial_val_loss"], result
         served = {d.host: _status(d)["counters"].get("stage.forward", 0) for d in daemons}
@@ -72,4 +68,7 @@ def test_nated_peers_train_through_relays(wanlab: Any, tmp_path: Path) -> None:
         assert served["n0"] > 0 and stage1 > 0, served
         assert served["n1"] >= stage1 / 3, (served, json.dumps(result))
     finally:
+        if doctor is not None and doctor.poll() is None:
+            doctor.kill()
+            doctor.communicate()
         stop_all(daemons)

@@ -6,7 +6,12 @@ trainer. The two NATed stage mates average gradients every step, so most bytes b
 peers are theirs. With hole punching on, DCUtR turns their relayed connection into a direct one
 (a TCP simultaneous open from their listen ports, which MASQUERADE keeps): after the first
 minute most of their bytes must travel directly (the router counts what it forwards between the
-two gateways; the relay counts what it relays, all circuits together). With hole punching off
+two gateways; the relay counts what it relays, all circuits together). "After the first minute"
+is measured from the moment both mates count the direct connection (``relay.upgraded_direct``)
+plus the grace after which the relayed connection is closed: the minute stood for "once DCUtR is
+done", and waiting out the rest of it measured nothing more (in the runs that waited, every byte
+was direct from then on); the window is three optimizer steps of the NATed stage (each averages
+the mates' gradients) rather than 45 s. With hole punching off
 (``network.hole_punch = false``), the relayed path still trains. Skipped, with the reason,
 where the lab cannot run (not root).
 """
@@ -26,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytestmark = pytest.mark.integration
 
 ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4"}
-#: the figure: after the first minute, at least this share of the NATed peers' bytes is direct
+#: the figure: once the direct connection exists, at least this share of the NATed peers'
+#: bytes is direct
 DIRECT_SHARE = 0.9
-FIRST_MINUTE_S = 60.0
-MEASURED_S = 45.0
+#: the window: optimizer steps of the NATed stage (averaging rounds between the two mates)
+MEASURED_STEPS = 3
 
 
 def _counters(d: Any) -> dict[str, int]:
@@ -38,16 +44,11 @@ def _counters(d: Any) -> dict[str, int]:
 
 def _swarm(lab: Any, tmp_path: Path, env: dict[str, str]) -> tuple[list[Any], Any]:
     from daemon_harness import wait_until
-    from tools.wanlab.daemons import LabDaemon
+    from tools.wanlab.daemons import start_swarm
 
-    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "0", env=env)
-    daemons = [pub]
-    pub.wait_started()
-    for host in ("n1", "n2"):
-        d = LabDaemon(lab, host, tmp_path / host, "--stage", "1", "--bootstrap", pub.addr,
-                      env=env)
-        daemons.append(d)
-        d.wait_started()
+    daemons = start_swarm(lab, tmp_path, ("pub", ("--stage", "0")),
+                          [("n1", ("--stage", "1")), ("n2", ("--stage", "1"))], env=env)
+    pub = daemons[0]
     for d in daemons[1:]:
         wait_until(lambda d=d: d.get("/api/v0/status")["relays"], 120,
                    f"{d.host} to hold a relay slot")
@@ -82,27 +83,33 @@ def test_nated_stage_mates_punch_a_hole_and_talk_directly(wanlab: Any, tmp_path:
     import time
 
     from daemon_harness import wait_until
+    from transport.options import RelayOptions
 
     lab = _lab(wanlab)
     daemons, trainer = [], None
     try:
         daemons, trainer = _swarm(lab, tmp_path, ENV)
         pub, n1, n2 = daemons
-        t0 = time.monotonic()
         wait_until(lambda: _counters(n1).get("stage.forward", 0) > 0, 180,
                    "the swarm to train")
-        # the first minute: the relayed connection, then DCUtR
-        time.sleep(max(0.0, FIRST_MINUTE_S - (time.monotonic() - t0)))  # a measuring window
+        wait_until(lambda: all(_counters(d).get("relay.upgraded_direct", 0) >= 1
+                               for d in (n1, n2)), 120,
+                   "DCUtR to give n1 and n2 a direct connection")
+        # the relayed connection is closed this long after the direct one exists (a design
+        # constant: streams open on it finish there); the figure is measured from then on
+        time.sleep(RelayOptions().relayed_close_grace_s + 1.0)
         direct0, relayed0 = lab.bytes_between("n1", "n2"), _counters(pub).get(
             "relay.bytes_relayed", 0)
-        time.sleep(MEASURED_S)  # a measuring window, not a wait for a condition
+        step0 = _counters(n1).get("stage.step", 0)
+        wait_until(lambda: _counters(n1).get("stage.step", 0) >= step0 + MEASURED_STEPS, 180,
+                   f"the NATed stage to take {MEASURED_STEPS} more steps")
         direct = lab.bytes_between("n1", "n2") - direct0
         relayed = _counters(pub).get("relay.bytes_relayed", 0) - relayed0
         punched = {d.host: {k: v for k, v in _counters(d).items()
                             if k.startswith(("relay.hole", "relay.upgraded", "relay.circuits"))}
                    for d in daemons}
         share = direct / max(1, direct + relayed)
-        print(f"after the first minute, {MEASURED_S:.0f} s: {direct} bytes direct between the "
+        print(f"once direct, over {MEASURED_STEPS} steps: {direct} bytes direct between the "
               f"NATed peers, {relayed} relayed (all circuits): direct share {share:.3f}; "
               f"{punched}")
         assert trainer.poll() is None, (tmp_path / "trainer" / "train.stderr").read_text()[-3000:]
@@ -134,7 +141,8 @@ def test_with_hole_punching_off_the_relayed_path_trains(wanlab: Any, tmp_path: P
         assert lab.bytes_between("n1", "n2") == 0  # counted from here on: still nothing direct
         for d in (n1, n2):
             assert _counters(d).get("relay.hole_punch_ok", 0) == 0
-        wait_until(lambda: _counters(n1).get("stage.step", 0) >= 5, 240, "more steps")
+        step = _counters(n1).get("stage.step", 0)
+        wait_until(lambda: _counters(n1).get("stage.step", 0) > step, 240, "one more step")
         assert lab.bytes_between("n1", "n2") == 0
     finally:
         _stop(daemons, trainer)

@@ -23,10 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.integration
 
-#: a TCP user timeout, as a volunteer behind a home router sets it (off by default: it also
-#: drops a live peer that stops reading that long)
-ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4",
-       "SWARMD_NETWORK_TCP_USER_TIMEOUT_S": "25"}
+#: the default configuration's liveness (network.liveness_*): no TCP user timeout
+ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4"}
 OUTAGE_S = 30.0
 #: the figure: serving again within this long of the recovery
 RECOVERY_S = 60.0
@@ -82,6 +80,13 @@ def _forwards(d: Any) -> int:
         return -1
 
 
+def _counter(d: Any, name: str) -> int:
+    try:
+        return int(d.get("/api/v0/status")["counters"].get(name, 0))
+    except OSError:
+        return -1
+
+
 def _diagnose(daemons: list[Any]) -> str:
     lines = []
     for d in daemons:
@@ -104,22 +109,16 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
                                                               ) -> None:
     from daemon_harness import wait_until
     from tools.wanlab import HostSpec, Link
-    from tools.wanlab.daemons import LabDaemon, stop_all
+    from tools.wanlab.daemons import start_swarm, stop_all
 
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="p1", link=link),
                  HostSpec(name="n1", link=link, nat=True), HostSpec(name="tr", link=link))
-    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "0", env=ENV)
-    daemons = [pub]
+    daemons = start_swarm(lab, tmp_path, ("pub", ("--stage", "0")),
+                          [("p1", ("--stage", "1")), ("n1", ("--stage", "1"))], env=ENV)
+    pub, n1 = daemons[0], daemons[2]
     trainer = None
     try:
-        pub.wait_started()
-        for host in ("p1", "n1"):
-            d = LabDaemon(lab, host, tmp_path / host, "--stage", "1", "--bootstrap", pub.addr,
-                          env=ENV)
-            daemons.append(d)
-            d.wait_started()
-        n1 = daemons[2]
         wait_until(lambda: n1.get("/api/v0/status")["relays"], 120, "n1 to hold a relay slot")
         home = tmp_path / "trainer"
         home.mkdir()
@@ -142,8 +141,9 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
                        f"(served {at_recovery} before)")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{_diagnose(daemons)}") from None
+        dead = [_counter(d, "liveness.dead_closed") for d in daemons]
         print(f"n1 served again {time.monotonic() - t_recovery:.1f} s after its gateway "
-              f"came back")  # the figure, shown with -s
+              f"came back; connections closed as dead (pub, p1, n1): {dead}")  # shown with -s
     finally:
         stop_all(daemons, trainer=trainer)
 

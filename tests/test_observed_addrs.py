@@ -89,7 +89,7 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
                                                            ) -> None:
     from daemon_harness import wait_until
     from tools.wanlab import HostSpec, Link
-    from tools.wanlab.daemons import LabDaemon, stop_all
+    from tools.wanlab.daemons import start_swarm, stop_all
 
     # a slot on each of the three public peers: n1 dials each of them itself, so each runs
     # identify over a direct connection (one that dials n1 through a relay observes nothing)
@@ -97,16 +97,12 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="p1", link=link),
                  HostSpec(name="p2", link=link), HostSpec(name="n1", link=link, nat=True))
-    pub = LabDaemon(lab, "pub", tmp_path / "pub", "--stage", "0", env=env)
-    daemons = [pub]
+    # the public peers first (together), then n1: it dials each of them itself
+    daemons = start_swarm(lab, tmp_path, ("pub", ("--stage", "0")),
+                          [("p1", ("--stage", "1")), ("p2", ("--stage", "1"))],
+                          [("n1", ("--stage", "1"))], env=env)
+    pub, n1 = daemons[0], daemons[-1]
     try:
-        pub.wait_started()
-        for host in ("p1", "p2", "n1"):
-            d = LabDaemon(lab, host, tmp_path / host, "--stage", "1", "--bootstrap", pub.addr,
-                          env=env)
-            daemons.append(d)
-            d.wait_started()
-        n1 = daemons[-1]
         port = n1.addr.split("/tcp/")[1].split("/")[0]
         want = f"/ip4/{lab.public_addr('n1')}/tcp/{port}"
         assert lab.public_addr("n1") not in n1.addr  # it is bound to its private address
@@ -121,10 +117,22 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
         status = n1.get("/api/v0/status")
         assert status["counters"].get("observed.reports", 0) >= 3, status["counters"]
         assert status["observed_addrs"] == [want], status["observed_addrs"]
+        # n1 announces it, and a public peer receives it in its view of n1 (its membership
+        # announcement, shown by /api/v0/peers), so others can dial n1 at its gateway
+        n1_id = n1.addr.split("/p2p/")[1]
+        assert f"{want}/p2p/{n1_id}" in status["announced_addrs"], status
+        try:
+            wait_until(lambda: any(want in a for p in pub.get("/api/v0/peers")
+                                   if p["peer_id"] == n1_id for a in p["addrs"]), 60,
+                       f"pub to receive n1's announced {want}")
+        except AssertionError as exc:
+            rows = [p for p in pub.get("/api/v0/peers") if p["peer_id"] == n1_id]
+            raise AssertionError(f"{exc}: pub sees n1 as {rows}") from None
         # a public peer is observed where it listens: nothing new to announce, same address
         pub_status = pub.get("/api/v0/status")
         assert all(a.split("/tcp/")[0] == pub.addr.split("/tcp/")[0]
                    for a in pub_status["observed_addrs"]), pub_status["observed_addrs"]
+        assert all(lab.public_addr("n1") not in a for a in pub_status["announced_addrs"])
     finally:
         stop_all(daemons)
 
@@ -185,3 +193,29 @@ def test_announce_set_or_no_announce_keep_observed_addresses_out() -> None:
         assert n._extra_addrs() == ()
     assert nat.status().observed_addrs == ("/ip4/198.18.3.2/tcp/4001",)  # shown, not announced
     assert nat2.status().observed_addrs == ()
+
+
+def test_status_and_peers_show_announced_addresses() -> None:
+    """``/api/v0/status`` and ``swarmd status`` show what we announce; ``/api/v0/peers`` what
+    each peer announces (as our membership view holds it)."""
+    import json
+
+    from swarmd.api.types import ConnectedPeer, StatusInfo, peer_rows
+    from swarmd.cli.client import text_status
+
+    ours = ("/ip4/198.18.4.2/tcp/4001/p2p/QmSelf", "/ip4/198.19.4.2/tcp/4001/p2p/QmSelf")
+    st = StatusInfo(peer_id="QmSelf", swarm="s", version="0", stage=1, state="online",
+                    uptime_s=1.0, connected_peers=1, throughput=0.0, queue=0,
+                    observed_addrs=("/ip4/198.18.4.2/tcp/4001",), announced_addrs=ours)
+    back = StatusInfo.from_json(json.loads(json.dumps({
+        f: getattr(st, f) for f in StatusInfo.__dataclass_fields__})))
+    assert back == st
+    text = text_status(st)
+    assert f"announces   {ours[0]}\n            {ours[1]}" in text
+    assert "observed    /ip4/198.18.4.2/tcp/4001" in text
+    views = {"QmA": ("/ip4/198.18.1.2/tcp/1/p2p/QmA",)}
+    rows = peer_rows({"QmA", "QmB"}, {}, addrs_of=lambda p: views.get(p, ()))
+    assert [(r.peer_id, r.addrs) for r in rows] == [("QmA", views["QmA"]), ("QmB", ())]
+    row = ConnectedPeer.from_json({"peer_id": "QmA", "addrs": list(views["QmA"]), "new": 1})
+    assert row.addrs == views["QmA"]
+    assert peer_rows({"QmA"}, {})[0].addrs == ()  # no view given: none

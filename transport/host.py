@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import trio
 
 from transport import libp2p_events, libp2p_tuning, liveness, observed
+from transport.liveness_watch import LivenessWatch
 from transport.bridge import TrioThread
 from transport.counters import Counters
 from transport.errors import (
@@ -301,10 +302,7 @@ class Host(RequestReply):
             self._t_register(protocol)
         async with host.run(listen), trio.open_nursery() as nursery:
             self._t_nursery = nursery
-            if self.options.liveness is not None:
-                host.get_network().register_notifee(liveness.notifee(
-                    lambda conn: liveness.tune_connection(conn, self.options.liveness,
-                                                          self.counters)))
+            self._t_watch_liveness(host.get_network(), nursery)
             if self._pubsub is not None:
                 await self._pubsub.t_start(host, nursery)
             if self.relay is not None:
@@ -314,6 +312,21 @@ class Host(RequestReply):
                            for a in (str(m) for m in host.get_addrs())]
             ready()
             await trio.sleep_forever()
+
+    def _t_watch_liveness(self, network: Any, nursery: trio.Nursery) -> None:
+        tuning, policy = self.options.liveness, self.options.pings
+        watch = LivenessWatch(policy, self.counters) if policy is not None else None
+
+        def connected(conn: Any) -> None:
+            if tuning is not None:
+                liveness.tune_connection(conn, tuning, self.counters)
+            if watch is not None:
+                watch.attach(conn)
+
+        if tuning is not None or watch is not None:
+            network.register_notifee(liveness.notifee(connected))
+        if watch is not None:
+            nursery.start_soon(watch.t_run, network)
 
     def _t_watch_observed(self, lhost: Any) -> None:
         if not observed.watch(lhost, self._deliver_observed, self.counters):

@@ -11,6 +11,11 @@ every TCP connection the host makes or accepts gets
 * keepalive probes after ``keepalive_idle_s`` of silence, so an idle connection is tested too
   (with a user timeout set, Linux aborts when the probes stay unanswered that long).
 
+The user timeout is off by default (``Liveness.dead_after_s``); what finds dead connections by
+default is the application-level check of ``transport.liveness_watch`` (pings, and a connection
+dropped only when nothing at all was heard on it), which keepalive helps: the peer's kernel
+answers the probes of an idle live connection.
+
 py-libp2p 0.8.1 offers no hook for socket options: the socket is found by walking from the
 swarm connection to its ``trio.SocketStream`` along the attributes named in ``_PATH`` (a
 relayed connection has none: its TCP connection is the relay's, tuned on its own). Options the

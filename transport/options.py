@@ -9,6 +9,7 @@ from transport.errors import LocalUsageError
 from transport.limits import Limits
 from transport.pubsub import PubsubOptions
 from transport.liveness import Liveness
+from transport.liveness_policy import PingPolicy
 from transport.relay.policy import RelayLimits
 
 __all__ = ["HostOptions", "RelayOptions"]
@@ -73,6 +74,10 @@ class HostOptions:
     #: a connection through a router that restarted dies in seconds, not minutes; None: the
     #: kernel's defaults
     liveness: Liveness | None = field(default_factory=Liveness)
+    #: application-level liveness (``transport.liveness_watch``): a connection on which
+    #: nothing was heard for ``dead_after_s`` while its pings went unanswered is closed, so a
+    #: connection through a restarted router is re-dialed; None: off
+    pings: PingPolicy | None = field(default_factory=PingPolicy)
 
     def __post_init__(self) -> None:
         if not self.listen:

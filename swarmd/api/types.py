@@ -8,7 +8,7 @@ and back with ``from_json()`` (the CLI reads what the HTTP API wrote).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -130,19 +130,26 @@ class ConnectedPeer:
     routing_ceiling: float | None = None
     rate: float | None = None
     capped: bool = False
+    #: the addresses its newest membership announcement lists (empty: none seen)
+    addrs: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ConnectedPeer:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        data = {k: v for k, v in data.items() if k in known}
+        if "addrs" in data:
+            data["addrs"] = tuple(data["addrs"])
+        return cls(**data)
 
 
 def peer_rows(connected: Collection[str], known: Mapping[str, tuple[int | None, str]],
-              routing: Sequence[Any] = (), refusals: Mapping[str, int] | None = None
+              routing: Sequence[Any] = (), refusals: Mapping[str, int] | None = None,
+              addrs_of: Callable[[str], tuple[str, ...]] | None = None
               ) -> list[ConnectedPeer]:
     """The rows of ``GET /api/v0/peers``: every connected peer and every peer our routing
     knows (``routing``: ``swarmd.pipeline.wiring.PeerWiringState`` rows), by peer id.
-    ``known``: membership's {peer: (stage, state)}; ``refusals``: budget refusals by peer."""
+    ``known``: membership's {peer: (stage, state)}; ``refusals``: budget refusals by peer;
+    ``addrs_of(peer)``: the addresses it announces."""
     refusals = refusals or {}
     routed = {r.peer_id: r for r in routing}
     rows = []
@@ -157,7 +164,8 @@ def peer_rows(connected: Collection[str], known: Mapping[str, tuple[int | None, 
             else None,
             violations=r.violations if r is not None else 0,
             violation_reason=r.violation_reason if r is not None else None,
-            budget_refusals=refusals.get(p, 0), **_wiring_fields(r)))
+            budget_refusals=refusals.get(p, 0), **_wiring_fields(r),
+            addrs=tuple(addrs_of(p)) if addrs_of is not None else ()))
     return rows
 
 
@@ -196,6 +204,8 @@ class StatusInfo:
     reachability_hint: str = ""
     #: our addresses as several peers observed them (identify), with our listen port
     observed_addrs: tuple[str, ...] = ()
+    #: what this daemon announces it is reached at (relayed, observed, then bound addresses)
+    announced_addrs: tuple[str, ...] = ()
     #: the deadline policy and, per peer, measured round trip and bandwidth and the deadlines
     #: derived from them (swarmd.links)
     links: dict[str, Any] = field(default_factory=dict)
@@ -209,7 +219,7 @@ class StatusInfo:
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}  # a newer daemon's extra keys
-        for key in ("relays", "observed_addrs"):
+        for key in ("relays", "observed_addrs", "announced_addrs"):
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)

@@ -81,6 +81,8 @@ def text_status(st) -> str:
         lines.append(f"            {st.reachability_hint}")
     if st.observed_addrs:
         lines.append(f"observed    {', '.join(st.observed_addrs)}")
+    for i, addr in enumerate(st.announced_addrs):
+        lines.append(f"{'announces' if i == 0 else '':<12}{addr}")
     lines += _limits_lines(st.limits)
     if st.counters:
         width = max(len(name) for name in st.counters)

@@ -281,10 +281,20 @@ class NetworkConfig(_Section):
     )
     tcp_user_timeout_s: float = _opt(
         0.0, "Seconds sent data may stay unacknowledged before a TCP connection is dropped "
-        "(0: the kernel's, many minutes). 25 finds connections through a restarted home router "
-        "in seconds, but also drops a live peer that stops reading that long (a big averaging "
-        "round over a slow link), so it is off by default.", "a number of seconds, 0 or more",
+        "(0: the kernel's, many minutes). Not needed to find connections through a restarted "
+        "router (liveness_* does); it also drops a live peer that stops reading that long (a "
+        "big averaging round over a slow link), so it is off by default.", "a number of seconds, 0 or more",
         _non_negative,
+    )
+    liveness_ping_after_s: float = _opt(
+        10.0, "Seconds a connection may stay silent (nothing received) before it is pinged.",
+        "a number of seconds greater than 0", _positive_seconds,
+    )
+    liveness_dead_after_s: float = _opt(
+        25.0, "Seconds of silence after which a connection whose pings went unanswered is "
+        "closed and re-dialed (a restarted home router's connections); a peer that sends or "
+        "acknowledges anything, however slowly, is never dropped. 0: never.",
+        "0, or a number of seconds greater than liveness_ping_after_s", _non_negative,
     )
     max_connections: int = _opt(
         1024, "Most peer connections open at once.", "an integer from 1 to 1000000",
@@ -429,6 +439,13 @@ def _cross_checks(get: Callable[[str], Any],
         yield key, (f"{key} = {get(key)} is invalid: limits.cpu_threads ({cpu_threads}) and "
                     f"model.threads ({threads}) disagree; set one of them (limits.cpu_threads "
                     f"wins when model.threads is 0)")
+    ping_after, dead_after = get("network.liveness_ping_after_s"), \
+        get("network.liveness_dead_after_s")
+    if dead_after and dead_after <= ping_after:
+        key = blame("network.liveness_dead_after_s", "network.liveness_ping_after_s")
+        yield key, (f"{key} = {get(key)} is invalid: network.liveness_dead_after_s "
+                    f"({dead_after}) must be more than network.liveness_ping_after_s "
+                    f"({ping_after}), or 0 (never)")
     width, heads = get("model.width"), get("model.heads")
     if width % heads:
         key = blame("model.heads", "model.width")

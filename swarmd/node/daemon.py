@@ -129,6 +129,7 @@ class Daemon:
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
             observed_addrs=nat.observed_addrs if nat else (),
+            announced_addrs=self.membership.announced_addrs() if self.membership else (),
             links=self._links_status(),
             limits=limits_status(self.config, self.host, self.stage_server,
                                  self._upload_left),
@@ -166,7 +167,8 @@ class Daemon:
         wiring = server.wiring if server is not None else None
         return peer_rows(set(connected), known,
                          wiring.snapshot(time.monotonic()) if wiring is not None else [],
-                         server.handlers.budgets.refused_by_peer if server is not None else {})
+                         server.handlers.budgets.refused_by_peer if server is not None else {},
+                         addrs_of=self._addrs_of)
 
     async def stop(self) -> None:
         self.request_stop()

@@ -36,6 +36,7 @@ def host_options(config: Config, listen: Sequence[str] | None = None) -> HostOpt
     n = config.network
     return HostOptions(
         liveness=Liveness(dead_after_s=n.tcp_user_timeout_s),
+        pings=ping_policy(config),
         listen=tuple(listen) if listen else tuple(n.listen),
         max_connections=n.max_connections,
         handshake_timeout_s=n.handshake_timeout_s,
@@ -47,6 +48,19 @@ def host_options(config: Config, listen: Sequence[str] | None = None) -> HostOpt
         upload_bytes_s=config.limits.upload,
         download_bytes_s=config.limits.download,
     )
+
+
+def ping_policy(config: Config) -> Any:
+    """``network.liveness_*`` as the transport's ``PingPolicy`` (None: off). Pings go out
+    every few seconds of the silence, each given as long to be answered."""
+    from transport.liveness_policy import PingPolicy
+
+    n = config.network
+    if not n.liveness_dead_after_s:
+        return None
+    every = min(5.0, (n.liveness_dead_after_s - n.liveness_ping_after_s) / 2)
+    return PingPolicy(ping_after_s=n.liveness_ping_after_s, ping_every_s=every,
+                      answer_wait_s=every, dead_after_s=n.liveness_dead_after_s, max_pings=3)
 
 
 def relay_options(config: Config) -> Any:

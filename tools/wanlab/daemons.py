@@ -59,6 +59,29 @@ class LabDaemon:
         stop_all([self], seconds)
 
 
+def start_swarm(lab: Any, root: Path, bootstrap: tuple[str, Sequence[str]],
+                *waves: Sequence[tuple[str, Sequence[str]]], env: dict[str, str] | None = None,
+                ) -> list[LabDaemon]:
+    """Start ``bootstrap`` = (host, args), then each wave of (host, args) together, all with
+    ``--bootstrap`` its address, homes under ``root/<host>``: the daemons of a wave start at
+    once and are waited for together (a start costs seconds of imports: in parallel, not one
+    after another). In start order; on a failure every started daemon is stopped."""
+    host, args = bootstrap
+    daemons = [LabDaemon(lab, host, root / host, *args, env=env)]
+    try:
+        daemons[0].wait_started()
+        for wave in waves:
+            started = [LabDaemon(lab, h, root / h, *a, "--bootstrap", daemons[0].addr, env=env)
+                       for h, a in wave]
+            daemons += started
+            for d in started:
+                d.wait_started()
+    except BaseException:
+        stop_all(daemons)
+        raise
+    return daemons
+
+
 def stop_all(daemons: Sequence[LabDaemon], seconds: float = 15.0, *,
              trainer: subprocess.Popen[Any] | None = None) -> None:
     """SIGTERM every daemon (a ``trainer`` process first, killed if it lingers) and wait for
