@@ -26,7 +26,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "forward": ("forward",), "backward": ("backward",), "result": ("result",),
     "grad": ("grad",), "round": ("progress", "prepare", "start"),
     "allreduce": ("part", "contribute", "contribution", "probe", "repair", "absent"),
-    "state": ("state_info", "state_chunk"), "view": ("pull",), "announce": ("announce",),
+    "state": ("state_info", "state_chunk", "state_digest"), "view": ("pull",),
+    "announce": ("announce",),
 }
 #: metadata keys any receiver reads
 KEYS = ("mb", "stage", "step", "path", "trainer", "trainer_addrs", "model", "model_hash",

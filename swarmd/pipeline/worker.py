@@ -19,8 +19,8 @@ exactly the single-process chain rule.
 What is kept is bounded (``max_saved`` microbatches and, when given, ``max_saved_bytes``: a full
 worker refuses new forwards with ``StageBusy``, so the sender routes elsewhere; the handlers may
 first free the slot of an owner that does not answer or holds more than its share,
-``swarmd.pipeline.slots``) and expires (``ttl_s``: a microbatch whose backward never comes is dropped by
-``expire``). With a byte bound, each forward's saved tensors are measured as autograd saves them
+``swarmd.pipeline.slots``) and expires (``ttl_s``: a microbatch whose backward never comes is
+dropped by ``expire``). With a byte bound, each forward's saved tensors are measured as autograd saves them
 (their storages, parameters excluded); a new forward is refused when what is kept plus what it
 is predicted to keep (bytes per token of the last forward) would pass the bound, unless nothing
 is kept at all (a stage always takes one microbatch, however large). Everything that arrives is checked before

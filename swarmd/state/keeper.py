@@ -17,8 +17,8 @@
   (no rounds: training paused) asks its mates for their step and weights digest
   (``state_digest``, ``swarmd.averaging.authority.IdleDrift``) and takes the state of the
   lowest-id mate at its step when that one's digest differs (``idle_adopt_from``,
-  ``state.idle_diverged``), so a drift left when training stopped is repaired too; every ``every_steps`` steps and on
-  shutdown the state is saved atomically (``save_checkpoint``).
+  ``state.idle_diverged``), so a drift left when training stopped is repaired too; every
+  ``every_steps`` steps and on shutdown the state is saved atomically (``save_checkpoint``).
 """
 
 from __future__ import annotations
