@@ -28,7 +28,7 @@ from swarmd.state.transfer import StateInfo, chunk_checksum
 from swarmd.training.model import build_stage
 from transport import identity
 from transport.errors import RemoteError
-from transport.frames import Message
+from transport.frames import Message, error_message
 from transport.host import Host, HostOptions
 from transport.signing import signer
 
@@ -203,6 +203,8 @@ def test_hostile_state_sources_and_unasked_chunks(daemons: Any, tmp_path: Path) 
                               total_bytes=len(nan_data), chunk_bytes=1 << 20)
 
         async def serve(message: Message, peer: str) -> Message:
+            if message.kind == "state_digest":  # the joiner's idle drift check, not a transfer
+                return error_message("unknown_stage", "a liar keeps its digest")
             asked[name].append(message.kind)
             if message.kind == "state_info":
                 return Message(kind="state_info", meta=offer.to_meta())
