@@ -308,3 +308,21 @@ def test_the_snapshot_shows_the_routing_ceiling_the_rate_and_whether_the_cap_bin
     w2.update_peers({"a": (10.0, 0)}, 0.0)
     (a,) = w2.snapshot(0.0)
     assert a.routing_ceiling is None and a.rate == 10.0 and not a.capped and a.compute_s is None
+
+
+def test_swarmd_peers_prints_the_wiring_column_only_when_it_has_wiring_figures() -> None:
+    from swarmd.api.types import ConnectedPeer
+    from swarmd.cli.client import text_peers
+
+    text = text_peers([
+        ConnectedPeer(peer_id="c", stage=1, state="online", routing="ok", throughput=300.0,
+                      measured=True, ceiling=46.0, compute_share=0.45, compute_s=0.015,
+                      routing_ceiling=20.7, rate=20.7, capped=True),
+        ConnectedPeer(peer_id="f", stage=1, state="online", routing="ok", throughput=300.0,
+                      rate=300.0),
+        ConnectedPeer(peer_id="t")])
+    lines = text.splitlines()
+    assert lines[0].split()[-2:] == ["ROUTING", "WIRING"]
+    assert "20.7/s, capped 46.0 x 0.45 = 20.7, compute 15.0 ms" in lines[1]
+    assert lines[2].split()[4:] == ["300.0/s", "(unmeasured)"]
+    assert "WIRING" not in text_peers([ConnectedPeer(peer_id="t", routing="ok")])
