@@ -153,6 +153,10 @@ class LivenessWatch:
             )
 
             state.nonce = (state.nonce + 1) & 0xFFFFFFFF
+            # py-libp2p's yamux times every ping ACK against its own last ping: ours would
+            # give it a false round trip (its window auto-tuning uses it) unless timed too
+            if hasattr(muxed, "_ping_sent_time"):
+                muxed._ping_sent_time = trio.current_time()
             await write(struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0,
                                     0x5A000000 | (state.nonce & 0xFFFFFF)))
             self.counters.add("liveness.pings")
