@@ -83,6 +83,40 @@ def test_hosts_on_loopback_pass_identify_observations_on() -> None:
 
 
 
+def test_a_new_direct_connection_to_a_known_peer_reports_again() -> None:
+    """py-libp2p identifies a peer once; after a reconnection (a router restart, a first
+    connection through a relay) ``transport.observed.reidentify`` asks again."""
+    from transport.host import Host
+    from transport.identity import generate
+    from transport.options import HostOptions
+
+    async def reports(b: Any, got: list[Any], n: int) -> None:
+        for _ in range(500):
+            if len(got) >= n:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{len(got)} reports, wanted {n}: {b.counters.snapshot()}")
+
+    async def main() -> None:
+        async with Host(generate(), HostOptions()) as a, Host(generate(), HostOptions()) as b:
+            got: list[tuple[str, str]] = []
+            b.on_observed = lambda peer, addr: got.append((peer, addr))
+            await a.dial(b.addrs[0])
+            await reports(b, got, 1)
+            assert not b.counters.get("observed_addrs.reidentified")
+            await a.disconnect(b.peer_id)
+            for _ in range(250):
+                if not await b.connected_peers():
+                    break
+                await asyncio.sleep(0.02)
+            await a.dial(b.addrs[0])
+            await reports(b, got, 2)
+            assert b.counters.get("observed_addrs.reidentified") >= 1
+            assert {peer for peer, _ in got} == {a.peer_id}
+
+    asyncio.run(main())
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(420)
 def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path: Path

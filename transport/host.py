@@ -316,15 +316,16 @@ class Host(RequestReply):
     def _t_watch_liveness(self, network: Any, nursery: trio.Nursery) -> None:
         tuning, policy = self.options.liveness, self.options.pings
         watch = LivenessWatch(policy, self.counters) if policy is not None else None
+        again = observed.reidentify(self._t_host, nursery, self.counters)
 
         def connected(conn: Any) -> None:
             if tuning is not None:
                 liveness.tune_connection(conn, tuning, self.counters)
             if watch is not None:
                 watch.attach(conn)
+            again(conn)
 
-        if tuning is not None or watch is not None:
-            network.register_notifee(liveness.notifee(connected))
+        network.register_notifee(liveness.notifee(connected))
         if watch is not None:
             nursery.start_soon(watch.t_run, network)
 
