@@ -31,12 +31,14 @@ sys.path.insert(0, str(HERE.parent))
 VAL_BATCHES = 8
 
 
-def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int) -> float:
+def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int,
+        beta1: float | None = None, lr_scale: float = 1.0, momentum: float = 0.0) -> float:
     import torch
 
     from bench_pipeline import bench_env, whole_model
     from swarmd.config import load_config
     from swarmd.training.data import load_corpus
+    from swarmd.training.staleness import stale_beta1
     from swarmd.training.optim import make_optimizer
 
     config = load_config(None, {**os.environ, **bench_env("demo")})
@@ -47,7 +49,11 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
                          max_bytes=config.data.max_bytes, seq_len=seq)
     model = whole_model(seam, config.swarm.stages, config.training.seed)
     optimizer = make_optimizer(config.training.optimizer, model.parameters(),
-                               config.training.lr, weight_decay=config.training.weight_decay)
+                               config.training.lr * lr_scale,
+                               weight_decay=config.training.weight_decay)
+    if beta1 is not None:
+        for group in optimizer.param_groups:
+            group["betas"] = (beta1, group["betas"][1])
     draw = torch.Generator().manual_seed(config.training.seed + seed)
     val_draw = torch.Generator().manual_seed(123)
     val = [corpus.sample_batch("val", batch, seq, val_draw) for _ in range(VAL_BATCHES)]
@@ -59,13 +65,16 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
 
     history = {0: weights()}
     change: dict[str, torch.Tensor] | None = None
+    base_beta1 = optimizer.param_groups[0]["betas"][0]
     for step in range(steps):
+        lateness = 0.0
         for j in range(per_step):
             x, y = corpus.sample_batch("train", batch, seq, draw)
             i = step * per_step + j
             sent_at = step if in_flight <= per_step else \
                 min(step, max(0, i - in_flight + 1) // per_step)
             d = step - sent_at
+            lateness += d / per_step
             w = {n: p.detach() for n, p in model.named_parameters()}
             for n in late:
                 w[n] = history[sent_at][n]
@@ -77,6 +86,10 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
             for (_, p), g in zip(model.named_parameters(), grads):
                 p.grad = g if p.grad is None else p.grad + g
         before = history[step]
+        if momentum:
+            for group in optimizer.param_groups:
+                group["betas"] = (stale_beta1(base_beta1, lateness, k=momentum),
+                                  group["betas"][1])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history[step + 1] = weights()
@@ -96,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages-only", action="store_true",
                         help="only the stages' weights are late (the trainer's parts current)")
     parser.add_argument("--seed", type=int, default=0, help="offset of the data order's seed")
+    parser.add_argument("--beta1", default="", help="comma-separated Adam beta1 of the late runs")
+    parser.add_argument("--momentum", default="",
+                        help="comma-separated k of the stale-momentum rule (stale_beta1)")
+    parser.add_argument("--lr-scale", type=float, default=1.0, help="lr factor of the late runs")
     args = parser.parse_args(argv)
     gains = [float(g) for g in args.gains.split(",") if g]
     if args.steps < 1 or args.in_flight < 1 or any(g < 0 for g in gains):
@@ -110,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
 
     per_step = load_config(None, {**os.environ, **bench_env("demo")}).training.microbatches
     sync = run(args.steps, per_step, 0.0, stages_only=args.stages_only, seed=args.seed)
-    runs = [{"in_flight": args.in_flight, "gain": g,
+    betas = [float(b) for b in args.beta1.split(",") if b] or [None]
+    ks = [float(k) for k in args.momentum.split(",") if k] or [0.0]
+    runs = [{"in_flight": args.in_flight, "gain": g, "beta1": b, "momentum": k,
+             "lr_scale": args.lr_scale,
              "val_loss": (v := run(args.steps, args.in_flight, g,
-                                   stages_only=args.stages_only, seed=args.seed)),
-             "ratio_vs_sync": v / sync} for g in gains]
+                                   stages_only=args.stages_only, seed=args.seed, beta1=b,
+                                   lr_scale=args.lr_scale, momentum=k)),
+             "ratio_vs_sync": v / sync} for g in gains for b in betas for k in ks]
     result: dict[str, Any] = {"steps": args.steps, "stages_only": args.stages_only,
                               "seed": args.seed, "sync_val_loss": sync, "runs": runs,
                               "seconds": time.monotonic() - t0}

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Iterator
 import torch
 
 from swarmd.pipeline.batching import Compute
+from swarmd.training.staleness import mean_lateness
 from swarmd.pipeline.worker import StageWorker
 from swarmd.training.model import tensor_bytes, to_device
 
@@ -63,9 +64,16 @@ class Stepper:
         self.counters = counters
         self._params = [p for p in module.parameters() if p.requires_grad]
 
+    def _count_lateness(self) -> None:
+        """Counters ``late_samples`` / ``stepped_samples``: the mean lateness (in steps) of
+        the gradients stepped so far."""
+        self.counters["late_samples"] += int(self.worker.late_samples)
+        self.counters["stepped_samples"] += self.worker.samples_accumulated
+
     def take_gradient(self) -> tuple[torch.Tensor, int]:
         """This peer's mean gradient (flat float32) and its samples; the accumulation restarts."""
         samples = self.worker.samples_accumulated
+        self._count_lateness()
         # flattened where the gradients are, then one copy to the host (one synchronisation)
         vector = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
                             .reshape(-1).to(torch.float32) for p in self._params]).to("cpu")
@@ -86,13 +94,16 @@ class Stepper:
         self._stepped()
 
     def step_alone(self) -> None:
-        """A peer alone in its stage: its own mean gradient, without flattening it."""
+        """A peer alone in its stage: its own mean gradient, without flattening it. Its
+        lateness (docs/pipeline.md, "Staleness compensation") lowers the step's momentum."""
         samples = self.worker.samples_accumulated
+        lateness = mean_lateness(self.worker.late_samples, samples)
+        self._count_lateness()
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples
         self.worker.before_step()
-        self.optimizer.step()
+        self.optimizer.step(lateness=lateness)
         self.worker.zero_grad()
         self._stepped()
 
