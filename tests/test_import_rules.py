@@ -49,7 +49,6 @@ CORES = frozenset({
     "transport.ratelimit",
     "swarmd.node.caps",
     "swarmd.node.shutdown",
-    "swarmd.training.staleness",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

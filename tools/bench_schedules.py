@@ -69,6 +69,7 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
             counters = {name: d.get("/api/v0/status")["counters"]
                         for name, d in (("stage0", first), ("stage1", second))}
             stale = {name: int(c.get("stage.dropped_stale", 0)) for name, c in counters.items()}
+            # mean steps from a forward to its backward on each stage (Stepper's counters)
             late = {name: int(c.get("stage.late_samples", 0)) / max(1, int(c.get(
                 "stage.stepped_samples", 0))) for name, c in counters.items()}
         finally:
@@ -81,47 +82,37 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
             "train_loss_last_half": sum(x["loss"] for x in tail) / max(1, len(tail)),
             "tokens_per_s": result.tokens_per_s, "restarted": result.restarted,
             "lost": result.lost, "dropped_stale": stale, "mean_lateness_steps": late,
-            "stale_momentum": config.training.stale_momentum, "seconds": result.seconds}
+            "seconds": result.seconds}
 
 
-def measure(steps: int, in_flights: list[int], repeats: int = 1,
-            momenta: list[str] | None = None) -> dict[str, Any]:
+def measure(steps: int, in_flights: list[int], repeats: int = 1) -> dict[str, Any]:
     """Each schedule ``repeats`` times, interleaved (sync, pipelined..., sync, ...): the
     synchronous run alone varies by a few percent between invocations (gradients are summed
-    in arrival order), so ratios are of the mean final validation losses. ``momenta``: the
-    pipelined runs once at each ``training.stale_momentum`` given (None: the configured)."""
+    in arrival order), so ratios are of the mean final validation losses."""
     from bench_pipeline import bench_env
 
     t0 = time.monotonic()
     env = bench_env("demo")
-    variants = [(n, k) for n in in_flights for k in (momenta or [None])]
-
-    def name(n: int | None, k: str | None) -> str:
-        return "sync" if n is None else f"in_flight_{n}" + ("" if k is None else f"_k{k}")
-
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
         runs.append(one_run(env, steps, "sync", None))
-        runs[-1]["variant"] = "sync"
         say(f"sync #{rep + 1}: final validation loss {runs[-1]['final_val_loss']:.4f}")
-        for n, k in variants:
-            extra = {} if k is None else {"SWARMD_TRAINING_STALE_MOMENTUM": k}
-            runs.append(one_run({**env, **extra}, steps, "pipelined", n))
-            runs[-1]["variant"] = name(n, k)
-            say(f"pipelined, {name(n, k)} #{rep + 1}: final validation loss "
-                f"{runs[-1]['final_val_loss']:.4f}, lateness "
-                f"{runs[-1]['mean_lateness_steps']}")
-    by: dict[str, list[float]] = {}
+        for n in in_flights:
+            runs.append(one_run(env, steps, "pipelined", n))
+            say(f"pipelined, {n} in flight #{rep + 1}: final validation loss "
+                f"{runs[-1]['final_val_loss']:.4f}, steps late {runs[-1]['mean_lateness_steps']}")
+    by: dict[int | None, list[float]] = {}
     for r in runs:
-        by.setdefault(r["variant"], []).append(r["final_val_loss"])
-    ref = sum(by["sync"]) / len(by["sync"])
+        by.setdefault(r["in_flight"], []).append(r["final_val_loss"])
+    ref = sum(by[None]) / len(by[None])
     for r in runs:
         r["val_loss_ratio_vs_sync"] = r["final_val_loss"] / ref
-    summary = {v: {"mean_final_val_loss": sum(x) / len(x), "min": min(x), "max": max(x),
-                   "ratio_vs_sync": sum(x) / len(x) / ref} for v, x in by.items()}
+    summary = {("sync" if n is None else f"in_flight_{n}"): {
+        "mean_final_val_loss": sum(v) / len(v), "min": min(v), "max": max(v),
+        "ratio_vs_sync": sum(v) / len(v) / ref} for n, v in by.items()}
     return {"runs": runs, "summary": summary, "repeats": repeats, "targets": {
-        f"val_loss_within_3pct_{name(n, k)}": summary[name(n, k)]["ratio_vs_sync"] <= TARGET
-        for n, k in variants}, "seconds": time.monotonic() - t0}
+        f"val_loss_within_3pct_in_flight_{n}": summary[f"in_flight_{n}"]["ratio_vs_sync"]
+        <= TARGET for n in in_flights}, "seconds": time.monotonic() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,17 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs of each schedule, interleaved; ratios are of the means")
     parser.add_argument("--in-flight", default="16,32",
                         help="comma-separated numbers in flight for the pipelined runs")
-    parser.add_argument("--stale-momentum", default="",
-                        help="comma-separated training.stale_momentum values: the pipelined "
-                             "runs once at each (default: the configured one)")
     args = parser.parse_args(argv)
-    momenta = [k for k in args.stale_momentum.split(",") if k] or None
-    if momenta and any(not float(k) >= 0 for k in momenta):
-        parser.error("--stale-momentum values must be numbers, 0 or more")
     in_flights = [int(v) for v in args.in_flight.split(",") if v]
     if args.steps < 2 or args.repeats < 1 or any(n < 1 for n in in_flights):
         parser.error("--steps must be at least 2, --repeats and every --in-flight at least 1")
-    result = measure(args.steps, in_flights, args.repeats, momenta)
+    result = measure(args.steps, in_flights, args.repeats)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -31,6 +31,13 @@ sys.path.insert(0, str(HERE.parent))
 VAL_BATCHES = 8
 
 
+def stale_beta1(base: float, lateness: float, *, k: float) -> float:
+    """Momentum reduction under staleness ("Asynchrony begets momentum", Mitliagkas et al.
+    2016): beta1 = 1 - (1 - base) x (1 + k x lateness), at least 0 (measured, not adopted:
+    docs/pipeline.md)."""
+    return base if lateness <= 0 or k <= 0 else max(0.0, 1 - (1 - base) * (1 + k * lateness))
+
+
 def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int,
         beta1: float | None = None, lr_scale: float = 1.0, momentum: float = 0.0) -> float:
     import torch
@@ -38,7 +45,6 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
     from bench_pipeline import bench_env, whole_model
     from swarmd.config import load_config
     from swarmd.training.data import load_corpus
-    from swarmd.training.staleness import stale_beta1
     from swarmd.training.optim import make_optimizer
 
     config = load_config(None, {**os.environ, **bench_env("demo")})

@@ -192,11 +192,6 @@ class TrainingConfig(_Section):
         0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",
         "a number, 0 or more", _non_negative,
     )
-    stale_momentum: float = _opt(
-        0.5, "Staleness compensation of a stage's step: beta1 = 1 - (1 - beta1) x (1 + k x "
-        "lateness), lateness the steps its gradients are late on average (0: off).",
-        "a number, 0 or more", _non_negative,
-    )
 
 
 @dataclass(frozen=True)

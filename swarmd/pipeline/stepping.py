@@ -26,7 +26,6 @@ from typing import Any, Awaitable, Callable, Iterator
 import torch
 
 from swarmd.pipeline.batching import Compute
-from swarmd.training.staleness import mean_lateness
 from swarmd.pipeline.worker import StageWorker
 from swarmd.training.model import tensor_bytes, to_device
 
@@ -65,8 +64,9 @@ class Stepper:
         self._params = [p for p in module.parameters() if p.requires_grad]
 
     def _count_lateness(self) -> None:
-        """Counters ``late_samples`` / ``stepped_samples``: the mean lateness (in steps) of
-        the gradients stepped so far."""
+        """Counters ``late_samples`` / ``stepped_samples``: their ratio is the mean lateness
+        (in optimizer steps, forward to backward here) of the gradients taken so far
+        (``tools/bench_schedules.py`` reports it; docs/pipeline.md, "Latency hiding")."""
         self.counters["late_samples"] += int(self.worker.late_samples)
         self.counters["stepped_samples"] += self.worker.samples_accumulated
 
@@ -94,16 +94,14 @@ class Stepper:
         self._stepped()
 
     def step_alone(self) -> None:
-        """A peer alone in its stage: its own mean gradient, without flattening it. Its
-        lateness (docs/pipeline.md, "Staleness compensation") lowers the step's momentum."""
+        """A peer alone in its stage: its own mean gradient, without flattening it."""
         samples = self.worker.samples_accumulated
-        lateness = mean_lateness(self.worker.late_samples, samples)
         self._count_lateness()
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples
         self.worker.before_step()
-        self.optimizer.step(lateness=lateness)
+        self.optimizer.step()
         self.worker.zero_grad()
         self._stepped()
 

@@ -18,14 +18,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from swarmd.training.staleness import STALE_MOMENTUM, stale_beta1
 from swarmd.training.optim import lr_at, make_optimizer, set_lr
 from swarmd.training.precision import MasterWeights
 
@@ -43,16 +41,13 @@ class OptimSettings:
     schedule: str = "constant"
     warmup_steps: int = 0
     decay_steps: int = 1
-    #: staleness compensation: k of ``swarmd.training.staleness.stale_beta1`` (0: off)
-    stale_momentum: float = STALE_MOMENTUM
 
     @classmethod
     def from_config(cls, training: Any) -> OptimSettings:
         return cls(name=training.optimizer, lr=training.lr,
                    weight_decay=training.weight_decay, grad_clip=training.grad_clip,
                    schedule=training.lr_schedule, warmup_steps=training.warmup_steps,
-                   decay_steps=training.decay_steps,
-                   stale_momentum=training.stale_momentum)
+                   decay_steps=training.decay_steps)
 
     def lr_of(self, step: int) -> float:
         return lr_at(step, self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
@@ -134,41 +129,23 @@ class SwarmOptimizer:
         self._skip_next = True
 
     @torch.no_grad()
-    def step(self, closure: Any = None, *, lateness: float = 0.0) -> bool:
-        """One step with the gradients the parameters hold; False when it was skipped.
-        ``lateness``: how many steps late those gradients are on average (a stage's pipelined
-        schedule); it lowers this step's momentum (``stale_beta1``), the optimizer's own
-        ``betas`` being restored after it (so a state handed on carries them)."""
+    def step(self, closure: Any = None) -> bool:
+        """One step with the gradients the parameters hold; False when it was skipped."""
         lr = self.settings.lr_of(self.updates)
         if self._skip_next:
             self._skip_next = False
             self.skipped += 1
             return False
-        with self._momentum_for(lateness):
-            if self.master is not None:
-                self.master.set_lr(lr)
-                stepped = self.master.step(scale=self.scale).stepped
-            else:
-                stepped = self._step_float32(lr)
+        if self.master is not None:
+            self.master.set_lr(lr)
+            stepped = self.master.step(scale=self.scale).stepped
+        else:
+            stepped = self._step_float32(lr)
         if stepped:
             self.inner.param_groups[0]["updates"] = self.updates + 1
         else:
             self.skipped += 1
         return stepped
-
-    @contextmanager
-    def _momentum_for(self, lateness: float) -> Iterator[None]:
-        """Within: each group's beta1 lowered for gradients ``lateness`` steps late."""
-        groups = [g for g in self.inner.param_groups if "betas" in g]
-        saved = [g["betas"] for g in groups]
-        for g in groups:
-            b1, b2 = g["betas"]
-            g["betas"] = (stale_beta1(b1, lateness, k=self.settings.stale_momentum), b2)
-        try:
-            yield
-        finally:
-            for g, b in zip(groups, saved):
-                g["betas"] = b
 
     def _step_float32(self, lr: float) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
