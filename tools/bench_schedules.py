@@ -11,7 +11,9 @@ same batches in the same order, the same initial weights) and reports the valida
 the same fixed held-out batches before and after. The synchronous schedule (``sync``: a step's
 microbatches, then the step) is the reference; each pipelined run pins the number in flight
 (``fixed_in_flight``) to the figure given, so its staleness is what a WAN run that keeps that
-many in flight has (about in_flight / microbatches steps), whatever this machine's latency.
+many in flight has (at most about in_flight / microbatches steps, whatever this machine's
+latency; ``mean_lateness_steps`` is what each stage measured: steps from a forward to its
+backward there, which depends on where the rest waits, so on the machine's load).
 
 Target (issue 11): ``final_val_loss`` of every pipelined run within 3% of the synchronous
 run's (``val_loss_ratio_vs_sync`` <= 1.03). Throughput here is not the point (loopback, shared
