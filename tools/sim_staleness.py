@@ -2,6 +2,8 @@
 
     python tools/sim_staleness.py --json                           # sync, 16 in flight at 0, 1, 1.5 x
     python tools/sim_staleness.py --json --in-flight 8 --gains 0,1 --steps 200 --stages-only
+    python tools/sim_staleness.py --json --stages-only --gains 1 --beta1 0.8,0.7   # late runs' beta1
+    python tools/sim_staleness.py --json --stages-only --gains 1 --momentum 0.5    # beta1 by lateness
 
 The whole demo model (built as the swarm builds it: same seed, same initial weights, AdamW at
 the demo's learning rate) trains on the batches ``train()`` draws. Microbatch ``i`` of a run
@@ -12,6 +14,10 @@ forward on the weights predicted ``gain x d`` steps ahead along the last step's 
 weight prediction; ``gain`` 0: none). ``--stages-only`` keeps the trainer's parts (embedding,
 head) current, as in the swarm. Reports the validation loss on fixed held-out batches and its
 ratio to the synchronous run (no delay; so is any ``N <= M``). Deterministic: one seed, one thread.
+``--beta1`` (Adam's beta1 of the late runs), ``--momentum K`` (beta1 lowered each step by its
+gradients' mean lateness, ``stale_beta1``) and ``--lr-scale`` screen staleness compensations
+(docs/pipeline.md, "Momentum reduction"). Every stage is modelled as equally late; in the swarm
+stage 0 measured 1.4-2.1 steps and stage 1 0.25 at 16 in flight, where this models 3.75.
 """
 
 from __future__ import annotations
