@@ -11,7 +11,9 @@ same batches in the same order, the same initial weights) and reports the valida
 the same fixed held-out batches before and after. The synchronous schedule (``sync``: a step's
 microbatches, then the step) is the reference; each pipelined run pins the number in flight
 (``fixed_in_flight``) to the figure given, so its staleness is what a WAN run that keeps that
-many in flight has (about in_flight / microbatches steps), whatever this machine's latency.
+many in flight has (at most about in_flight / microbatches steps, whatever this machine's
+latency; ``mean_lateness_steps`` is what each stage measured: steps from a forward to its
+backward there, which depends on where the rest waits, so on the machine's load).
 
 Target (issue 11): ``final_val_loss`` of every pipelined run within 3% of the synchronous
 run's (``val_loss_ratio_vs_sync`` <= 1.03). Throughput here is not the point (loopback, shared
@@ -66,8 +68,12 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
                                       progress=lambda s: say(f"{schedule} {in_flight}: {s}")))
             lines = [json.loads(x) for x in (home / "train-metrics.jsonl").read_text()
                      .splitlines() if x.strip()]
-            stale = {name: int(d.get("/api/v0/status")["counters"].get(
-                "stage.dropped_stale", 0)) for name, d in (("stage0", first), ("stage1", second))}
+            counters = {name: d.get("/api/v0/status")["counters"]
+                        for name, d in (("stage0", first), ("stage1", second))}
+            stale = {name: int(c.get("stage.dropped_stale", 0)) for name, c in counters.items()}
+            # mean steps from a forward to its backward on each stage (Stepper's counters)
+            late = {name: int(c.get("stage.late_samples", 0)) / max(1, int(c.get(
+                "stage.stepped_samples", 0))) for name, c in counters.items()}
         finally:
             stop_all(daemons)
     tail = lines[len(lines) // 2:]
@@ -77,7 +83,8 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
             "initial_val_loss": result.initial_val_loss, "final_val_loss": result.final_val_loss,
             "train_loss_last_half": sum(x["loss"] for x in tail) / max(1, len(tail)),
             "tokens_per_s": result.tokens_per_s, "restarted": result.restarted,
-            "lost": result.lost, "dropped_stale": stale, "seconds": result.seconds}
+            "lost": result.lost, "dropped_stale": stale, "mean_lateness_steps": late,
+            "seconds": result.seconds}
 
 
 def measure(steps: int, in_flights: list[int], repeats: int = 1) -> dict[str, Any]:
@@ -95,7 +102,7 @@ def measure(steps: int, in_flights: list[int], repeats: int = 1) -> dict[str, An
         for n in in_flights:
             runs.append(one_run(env, steps, "pipelined", n))
             say(f"pipelined, {n} in flight #{rep + 1}: final validation loss "
-                f"{runs[-1]['final_val_loss']:.4f}")
+                f"{runs[-1]['final_val_loss']:.4f}, steps late {runs[-1]['mean_lateness_steps']}")
     by: dict[int | None, list[float]] = {}
     for r in runs:
         by.setdefault(r["in_flight"], []).append(r["final_val_loss"])

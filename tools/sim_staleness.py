@@ -2,6 +2,8 @@
 
     python tools/sim_staleness.py --json                           # sync, 16 in flight at 0, 1, 1.5 x
     python tools/sim_staleness.py --json --in-flight 8 --gains 0,1 --steps 200 --stages-only
+    python tools/sim_staleness.py --json --stages-only --gains 1 --beta1 0.8,0.7   # late runs' beta1
+    python tools/sim_staleness.py --json --stages-only --gains 1 --momentum 0.5    # beta1 by lateness
 
 The whole demo model (built as the swarm builds it: same seed, same initial weights, AdamW at
 the demo's learning rate) trains on the batches ``train()`` draws. Microbatch ``i`` of a run
@@ -12,6 +14,10 @@ forward on the weights predicted ``gain x d`` steps ahead along the last step's 
 weight prediction; ``gain`` 0: none). ``--stages-only`` keeps the trainer's parts (embedding,
 head) current, as in the swarm. Reports the validation loss on fixed held-out batches and its
 ratio to the synchronous run (no delay; so is any ``N <= M``). Deterministic: one seed, one thread.
+``--beta1`` (Adam's beta1 of the late runs), ``--momentum K`` (beta1 lowered each step by its
+gradients' mean lateness, ``stale_beta1``) and ``--lr-scale`` screen staleness compensations
+(docs/pipeline.md, "Momentum reduction"). Every stage is modelled as equally late; in the swarm
+stage 0 measured 1.4-2.1 steps and stage 1 0.25 at 16 in flight, where this models 3.75.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ sys.path.insert(0, str(HERE.parent))
 VAL_BATCHES = 8
 
 
-def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int) -> float:
+def stale_beta1(base: float, lateness: float, *, k: float) -> float:
+    """Momentum reduction under staleness ("Asynchrony begets momentum", Mitliagkas et al.
+    2016): beta1 = 1 - (1 - base) x (1 + k x lateness), at least 0 (measured, not adopted:
+    docs/pipeline.md)."""
+    return base if lateness <= 0 or k <= 0 else max(0.0, 1 - (1 - base) * (1 + k * lateness))
+
+
+def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int,
+        beta1: float | None = None, lr_scale: float = 1.0, momentum: float = 0.0) -> float:
     import torch
 
     from bench_pipeline import bench_env, whole_model
@@ -47,7 +61,11 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
                          max_bytes=config.data.max_bytes, seq_len=seq)
     model = whole_model(seam, config.swarm.stages, config.training.seed)
     optimizer = make_optimizer(config.training.optimizer, model.parameters(),
-                               config.training.lr, weight_decay=config.training.weight_decay)
+                               config.training.lr * lr_scale,
+                               weight_decay=config.training.weight_decay)
+    if beta1 is not None:
+        for group in optimizer.param_groups:
+            group["betas"] = (beta1, group["betas"][1])
     draw = torch.Generator().manual_seed(config.training.seed + seed)
     val_draw = torch.Generator().manual_seed(123)
     val = [corpus.sample_batch("val", batch, seq, val_draw) for _ in range(VAL_BATCHES)]
@@ -59,13 +77,16 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
 
     history = {0: weights()}
     change: dict[str, torch.Tensor] | None = None
+    base_beta1 = optimizer.param_groups[0]["betas"][0]
     for step in range(steps):
+        lateness = 0.0
         for j in range(per_step):
             x, y = corpus.sample_batch("train", batch, seq, draw)
             i = step * per_step + j
             sent_at = step if in_flight <= per_step else \
                 min(step, max(0, i - in_flight + 1) // per_step)
             d = step - sent_at
+            lateness += d / per_step
             w = {n: p.detach() for n, p in model.named_parameters()}
             for n in late:
                 w[n] = history[sent_at][n]
@@ -77,6 +98,10 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
             for (_, p), g in zip(model.named_parameters(), grads):
                 p.grad = g if p.grad is None else p.grad + g
         before = history[step]
+        if momentum:
+            for group in optimizer.param_groups:
+                group["betas"] = (stale_beta1(base_beta1, lateness, k=momentum),
+                                  group["betas"][1])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history[step + 1] = weights()
@@ -96,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages-only", action="store_true",
                         help="only the stages' weights are late (the trainer's parts current)")
     parser.add_argument("--seed", type=int, default=0, help="offset of the data order's seed")
+    parser.add_argument("--beta1", default="", help="comma-separated Adam beta1 of the late runs")
+    parser.add_argument("--momentum", default="",
+                        help="comma-separated k of the stale-momentum rule (stale_beta1)")
+    parser.add_argument("--lr-scale", type=float, default=1.0, help="lr factor of the late runs")
     args = parser.parse_args(argv)
     gains = [float(g) for g in args.gains.split(",") if g]
     if args.steps < 1 or args.in_flight < 1 or any(g < 0 for g in gains):
@@ -110,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
 
     per_step = load_config(None, {**os.environ, **bench_env("demo")}).training.microbatches
     sync = run(args.steps, per_step, 0.0, stages_only=args.stages_only, seed=args.seed)
-    runs = [{"in_flight": args.in_flight, "gain": g,
+    betas = [float(b) for b in args.beta1.split(",") if b] or [None]
+    ks = [float(k) for k in args.momentum.split(",") if k] or [0.0]
+    runs = [{"in_flight": args.in_flight, "gain": g, "beta1": b, "momentum": k,
+             "lr_scale": args.lr_scale,
              "val_loss": (v := run(args.steps, args.in_flight, g,
-                                   stages_only=args.stages_only, seed=args.seed)),
-             "ratio_vs_sync": v / sync} for g in gains]
+                                   stages_only=args.stages_only, seed=args.seed, beta1=b,
+                                   lr_scale=args.lr_scale, momentum=k)),
+             "ratio_vs_sync": v / sync} for g in gains for b in betas for k in ks]
     result: dict[str, Any] = {"steps": args.steps, "stages_only": args.stages_only,
                               "seed": args.seed, "sync_val_loss": sync, "runs": runs,
                               "seconds": time.monotonic() - t0}

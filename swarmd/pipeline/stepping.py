@@ -63,9 +63,17 @@ class Stepper:
         self.counters = counters
         self._params = [p for p in module.parameters() if p.requires_grad]
 
+    def _count_lateness(self) -> None:
+        """Counters ``late_samples`` / ``stepped_samples``: their ratio is the mean lateness
+        (in optimizer steps, forward to backward here) of the gradients taken so far
+        (``tools/bench_schedules.py`` reports it; docs/pipeline.md, "Latency hiding")."""
+        self.counters["late_samples"] += int(self.worker.late_samples)
+        self.counters["stepped_samples"] += self.worker.samples_accumulated
+
     def take_gradient(self) -> tuple[torch.Tensor, int]:
         """This peer's mean gradient (flat float32) and its samples; the accumulation restarts."""
         samples = self.worker.samples_accumulated
+        self._count_lateness()
         # flattened where the gradients are, then one copy to the host (one synchronisation)
         vector = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
                             .reshape(-1).to(torch.float32) for p in self._params]).to("cpu")
@@ -88,6 +96,7 @@ class Stepper:
     def step_alone(self) -> None:
         """A peer alone in its stage: its own mean gradient, without flattening it."""
         samples = self.worker.samples_accumulated
+        self._count_lateness()
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples

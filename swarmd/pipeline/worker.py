@@ -129,6 +129,8 @@ class StageWorker:
         self.slowest_backward_s = 0.0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
+        #: their lateness: the sum over those backwards of (steps late x samples)
+        self.late_samples = 0.0
 
     @property
     def saved(self) -> int:
@@ -329,14 +331,16 @@ class StageWorker:
         return saved is not None and mb_id in saved.grads
 
     def _run_backward(self, saved: _Saved) -> dict[str, torch.Tensor]:
-        self.lag += LAG_EMA * ((self.steps - saved.step) - self.lag)
+        late = self.steps - saved.step
+        self.lag += LAG_EMA * (late - self.lag)
         for mb in saved.rows:
             self._saved.pop(mb, None)
         parts = [to_device(saved.grads[mb], self.device, saved.outputs.dtype) if mb in saved.grads
                  else torch.zeros_like(saved.outputs[r]) for mb, r in saved.rows.items()]
         self._backward(saved, parts[0] if len(parts) == 1 else torch.cat(parts))
-        self.samples_accumulated += sum(r.stop - r.start for mb, r in saved.rows.items()
-                                        if mb in saved.grads)
+        samples = sum(r.stop - r.start for mb, r in saved.rows.items() if mb in saved.grads)
+        self.samples_accumulated += samples
+        self.late_samples += late * samples
         assert saved.inputs.grad is not None
         g = saved.inputs.grad
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
@@ -391,6 +395,7 @@ class StageWorker:
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
+        self.late_samples = 0.0
 
     def _check(self, x: torch.Tensor, what: str) -> None:
         if not isinstance(x, torch.Tensor):
