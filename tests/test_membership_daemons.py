@@ -65,6 +65,23 @@ def test_daemons_agree_on_the_full_view_and_spread_over_stages(four: Any) -> Non
     assert all(d.get("/api/v0/swarm")["peers_total"] == 4 for d in daemons)
 
 
+def test_a_daemon_paused_past_its_expiry_comes_back_into_every_view(four: Any) -> None:
+    """A peer the others expired while it was paused (SIGSTOP: a suspended laptop, a long GC)
+    refreshes without a state change, so nothing pushes it: the others must pull it again."""
+    daemons = four
+    everyone = {d.peer_id for d in daemons}
+    wait_until(lambda: all(view_ids(d) == everyone for d in daemons), 30, "a full view")
+    paused, rest = daemons[3], daemons[:3]
+    paused.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: all(paused.peer_id not in view_ids(d) for d in rest), 30,
+                   "the paused daemon expiring from the others' views")
+    finally:
+        paused.signal(signal.SIGCONT)
+    wait_until(lambda: all(view_ids(d) == everyone for d in daemons), 30,
+               "the resumed daemon back in every view")
+
+
 def test_graceful_stop_and_sigkill_both_leave_every_view(four: Any) -> None:
     daemons = four
     assert all(d.proc.poll() is None for d in daemons)  # the module's swarm, still whole

@@ -190,6 +190,9 @@ class MembershipService:
         now = time.time()
         for ann in self.view.expire(now):
             log.info("peer %s left the view (expired)", ann.peer_id)
+            # still connected (its pulls failed, under load, while it lived): pull it again
+            # at once, as at first contact; its refreshes change nothing, so nobody pushes
+            self._pulled_from.discard(ann.peer_id)
         if self.schedule.announce_due(now):
             await self._announce(now)
         # Pulls run as tasks of their own: a pull that waits on a dead or slow peer (up to
@@ -206,9 +209,11 @@ class MembershipService:
             # peer are pulls not spent on live ones, and entries expire in 3 periods
             failing = {p for p, t in self._pull_failed.items() if t > now - PULL_FAILED_SKIP_S}
             self._pull_failed = {p: self._pull_failed[p] for p in failing}
-            candidates = [p for p in self.view.peer_ids(now) if p != self.host.peer_id]
+            # connected peers too: one the view expired is pulled by nobody else (its pulls
+            # failed everywhere); only a pull from it brings its fresh announcements back
+            candidates = sorted({*self.view.peer_ids(now), *connected} - {self.host.peer_id})
             candidates = [p for p in candidates if p not in failing] or candidates
-            order = self.schedule.pull(now, self.view.estimate(now), candidates or connected)
+            order = self.schedule.pull(now, self.view.estimate(now), candidates)
             if order is not None:
                 self._pull_task = self._spawn(self._scheduled_pull(order))
 

@@ -1,0 +1,67 @@
+"""The membership adapter over real libp2p hosts on 127.0.0.1 (in one process, so that one
+peer's pull handler can fail for a while, as a peer's does under load)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from swarmd.config import load_config
+from swarmd.errors import BadPeerMessage
+from swarmd.membership.service import LocalState, MembershipService
+from transport import identity
+from transport.host import Host, HostOptions
+
+pytestmark = pytest.mark.integration
+
+CONFIG = load_config(None, env={})
+
+
+async def until(what: str, seconds: float, check: Any) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+def test_a_peer_everyone_expired_while_its_pulls_failed_comes_back() -> None:
+    """B stays up and connected but answers no pull for a while: A and C expire it. B's
+    refreshes change nothing (no push), so A and C must pull B again although their views
+    no longer list it."""
+
+    async def main() -> None:
+        ids = [identity.generate() for _ in range(3)]
+        opts = HostOptions(pubsub=None)  # pulls alone: gossip would hide the hole
+        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
+            hosts = [a, b, c]
+            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"))
+                   for h, i, s in zip(hosts, ids, (0, 1, 1))]
+            async with mss[0] as ma, mss[1] as mb, mss[2] as mc:
+                await a.dial(b.addrs[0])
+                await a.dial(c.addrs[0])
+                await b.dial(c.addrs[0])
+                everyone = {h.peer_id for h in hosts}
+
+                def has(m: MembershipService, peer: str) -> bool:
+                    return m.view.get(peer) is not None and peer in m.view.peer_ids(time.time())
+
+                await until("full views", 30, lambda: all(
+                    has(m, p) for m in (ma, mb, mc) for p in everyone))
+
+                def refuse(data: bytes, now: float) -> bytes:
+                    raise BadPeerMessage("busy", "no pulls for now")
+
+                mb.view.handle_pull = refuse  # type: ignore[method-assign]
+                await until("A and C expiring B", 60, lambda: not has(ma, b.peer_id)
+                            and not has(mc, b.peer_id))
+                assert ma.counters().get("pulls_failed", 0) >= 1
+                del mb.view.handle_pull  # B answers pulls again
+                await until("B back in A's and C's views", 30, lambda: has(ma, b.peer_id)
+                            and has(mc, b.peer_id))
+                assert has(mb, a.peer_id) and has(mb, c.peer_id)
+
+    asyncio.run(main())
