@@ -373,6 +373,23 @@ def test_the_median_share_s_bias_is_gone_on_a_loaded_machine() -> None:
         pytest.approx(1.0, abs=0.05)
 
 
+def test_one_wild_compute_time_does_not_starve_a_peer() -> None:
+    """A reply that says almost no compute (a bug, a liar) moves its compute rate at most 4x
+    the average, once: its rate falls by 1.6 at most, it keeps being chosen and recovers."""
+    rng = random.Random(11)
+    compute = {"a": 533.0, "b": 533.0}
+    latency = {"a": 0.018, "b": 0.018}
+    w = Wiring()
+    w.update_peers({p: (533.0, 0) for p in compute}, 0.0, ceilings=dict.fromkeys(compute, 533.0))
+    _run_hops(w, compute, latency, 200, rng)
+    before = {s.peer_id: s.rate for s in w.snapshot(0.0)}["a"]
+    w.success("a", 8, 0.033, "forward", 0.0, compute_s=1e-9)
+    after = {s.peer_id: s.rate for s in w.snapshot(0.0)}["a"]
+    assert after >= before / 1.6 - 1e-9
+    picks = _run_hops(w, compute, latency, 2_000, rng)
+    assert picks["a"] / 2_000 == pytest.approx(0.5, rel=0.1)
+
+
 def test_a_peer_announcing_more_than_it_computes_gets_at_most_twice_its_hop_rate() -> None:
     w = Wiring()
     w.update_peers({"big": (1e6, 0)}, 0.0, ceilings={"big": 1e6})

@@ -99,6 +99,8 @@ _SLOW_EPS = 1e-3
 _MIN_THROUGHPUT = 1e-6
 #: the most a ceiling above what a peer's replies say it computes multiplies its hop rate by
 _MOST_GAIN = 2.0
+#: one reply's compute rate counts at most this many times the average, or a fraction of it
+_JUMP = 4.0
 
 
 def _ceiling(ceilings: Mapping[str, float] | None, peer_id: str) -> float:
@@ -333,7 +335,8 @@ class Wiring:
         if compute_s is not None and _finite(compute_s) and 0 < compute_s:
             p.compute_s = float(compute_s)
             c = samples * cost / min(compute_s, seconds)  # (more than the hop: nonsense)
-            if p.compute_rate:
+            if p.compute_rate:  # one wild reply moves it at most _JUMP-fold (a tiny compute
+                c = min(max(c, p.compute_rate / _JUMP), p.compute_rate * _JUMP)  # would starve)
                 p.compute_rate += self.config.ema_alpha * (c - p.compute_rate)
             else:
                 p.compute_rate = c
