@@ -22,8 +22,8 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   ceiling is brought into hop terms: times the share of a hop that is its compute,
   ``share_p = t_p / c_p`` (1 while unknown), where ``c_p`` is its compute rate: the moving
   average of ``samples x cost / compute_s`` over the ``compute_s`` its replies say
-  (:meth:`Wiring.success`), averaged as ``t_p`` is and as the peer averages what it announces.
-  The rate used is ``t_p x min(_MOST_GAIN, ceiling_p / c_p)``: the same form for every peer,
+  (:meth:`Wiring.success`), averaged as ``t_p`` is and as the peer averages what it announces
+  (one reply moves it ``_JUMP``-fold at most: a wild one would starve the peer). The rate used is ``t_p x min(_MOST_GAIN, ceiling_p / c_p)``: the same form for every peer,
   its hop rate times the fraction of its compute its announcement stands for, so the noise in
   hop and compute times counts alike for all and cancels in the shares (a median of per-hop
   shares stood 1.3-1.5x above what an uncapped peer's ``t_p`` follows on a loaded machine;
