@@ -459,8 +459,8 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
 def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_stage(tmp_path):
     """Stage 0 routes to an upload-capped stage-1 peer: its ``/api/v0/peers`` row (real HTTP)
     says the ceiling it announced, the compute share and compute time its hops said, the
-    routing ceiling (their product), the rate routing uses (the smaller of that and its hop
-    rate) and that the cap binds; ``swarmd peers`` prints the same."""
+    routing ceiling (their product), the rate routing uses (that, at most twice its hop rate)
+    and that the cap binds; ``swarmd peers`` prints the same."""
     from swarmd.node.host_options import upload_bytes_per_sample
     from swarmd.training.run import train
 
@@ -498,10 +498,10 @@ def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_sta
         row = next(p for p in first.get("/api/v0/peers") if p["peer_id"] == capped.peer_id)
         assert row["stage"] == 1 and row["routing"] == "ok" and row["measured"] is True
         assert 0 < row["ceiling"] <= most  # what it announced, within its cap
-        assert 0 < row["compute_share"] <= 1 and row["compute_s"] > 0
+        assert 0 < row["compute_share"] and row["compute_s"] > 0
         assert row["routing_ceiling"] == pytest.approx(row["ceiling"] * row["compute_share"],
                                                        rel=1e-3, abs=1e-3)
-        assert row["rate"] == pytest.approx(min(row["throughput"], row["routing_ceiling"]),
+        assert row["rate"] == pytest.approx(min(2 * row["throughput"], row["routing_ceiling"]),
                                             rel=1e-3, abs=1e-3)
         # the tiny model computes hundreds of samples/s; the cap carries about a dozen
         assert row["capped"] is True and row["rate"] < row["throughput"]

@@ -25,7 +25,10 @@ throughput each announced (averaged over the samples; the capped one's is what i
 ``share_ratio`` = forward share / announced share (target, on the steady part: 0.7..1.3,
 i.e. routing in proportion to the capped throughput).
 
-``targets``: ``{"name": {"value", "target", "ok"}}``. Every loop is bounded in count and time.
+``hop_verdicts``: what the trainer's own router judged of each peer's failed hops (slow: a
+timeout, which divides its rate for a while; busy; broken: banned), counted from its log
+records, to tell a peer that left routing from one routed by its cap. ``targets``:
+``{"name": {"value", "target", "ok"}}``. Every loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -137,9 +141,12 @@ def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
             wait_until(lambda: free.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2,
                        60, "both peers of the stage routable")
             config = load_config(None, {**os.environ, **env})
-            result, rows = uvloop.run(_train_sampling(
-                train(config, bootstrap=[free.addr], steps=steps, progress=lambda line: None,
-                      bar=False), {"capped": capped, "free": free}))
+            hops = _HopVerdicts({capped.peer_id: "capped", free.peer_id: "free"})
+            with hops.installed():
+                result, rows = uvloop.run(_train_sampling(
+                    train(config, bootstrap=[free.addr], steps=steps,
+                          progress=lambda line: None, bar=False),
+                    {"capped": capped, "free": free}))
             limits = capped.get("/api/v0/status")["limits"]
         finally:
             stop_all(started)
@@ -147,9 +154,45 @@ def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
 
     seam, _ = config.model_seam()
     report = _routing_report(cap, steps, result.lost, rows, limits,
-                             upload_bytes_per_sample(config, seam), config.training.batch_size)
+                             upload_bytes_per_sample(config, seam), config.training.batch_size,
+                             hops.events)
     return {**report, "average_every_steps": average_every,
             "target_batch_size": config.target_batch_size()}
+
+
+class _HopVerdicts(logging.Handler):
+    """The trainer's router's judgements of failed hops (``swarmd.pipeline.router`` logs each
+    one at info: stage, peer, kind, verdict, error), kept as (time, peer name, verdict)."""
+
+    MAX_EVENTS = 100_000
+
+    def __init__(self, names: dict[str, str]) -> None:
+        super().__init__(logging.INFO)
+        self.names = names
+        self.events: list[tuple[float, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and len(self.events) < self.MAX_EVENTS:
+            self.events.append((time.monotonic(), self.names.get(str(args[1]), "other"),
+                                str(args[3])))
+
+    def installed(self) -> Any:
+        import contextlib
+
+        logger = logging.getLogger("swarmd.pipeline.router")
+
+        @contextlib.contextmanager
+        def scope() -> Any:
+            level = logger.level
+            logger.addHandler(self)
+            logger.setLevel(logging.INFO)
+            try:
+                yield self
+            finally:
+                logger.removeHandler(self)
+                logger.setLevel(level)
+        return scope()
 
 
 async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, list[Any]]:
@@ -188,7 +231,8 @@ async def _train_sampling(training: Any, peers: dict[str, Any]) -> tuple[Any, li
     return result, rows
 
 
-def _shares(rows: list[Any], cap: int, per_sample: float, batch: int) -> dict[str, Any]:
+def _shares(rows: list[Any], cap: int, per_sample: float, batch: int,
+            events: list[tuple[float, str, str]] | None = None) -> dict[str, Any]:
     """The capped peer's share of the forwards served between the first and the last of
     ``rows``; its share of the throughput announced (averaged over them); and its share of
     what its cap left for hops (``capped_left_share``): the cap less the other bytes (averaging,
@@ -214,7 +258,13 @@ def _shares(rows: list[Any], cap: int, per_sample: float, batch: int) -> dict[st
     ratio = share / left_share if left_share else None
     busy = {n: round(b.get(f"busy_{n}", 0.0) - a.get(f"busy_{n}", 0.0)) for n in last}
     offline = {n: sum(r[2].get(f"offline_{n}", 0.0) for r in rows) for n in last}
+    verdicts: dict[str, dict[str, int]] = {}
+    for t, name, verdict in events or []:
+        if a["t"] <= t <= b["t"]:
+            by = verdicts.setdefault(name, {})
+            by[verdict] = by.get(verdict, 0) + 1
     return {"samples": len(rows), "forwards": served, "busy_refusals": busy,
+            "hop_verdicts": verdicts,
             "samples_not_online": offline,
             "announced": {n: round(v, 2) for n, v in announced.items()},
             "capped_other_upload_Bps": round(other), "capped_left_throughput": round(left_tput, 2),
@@ -226,14 +276,15 @@ def _shares(rows: list[Any], cap: int, per_sample: float, batch: int) -> dict[st
 
 
 def _routing_report(cap: int, steps: int, lost: int, rows: list[Any], limits: Any,
-                    per_sample: float, batch: int) -> dict[str, Any]:
+                    per_sample: float, batch: int,
+                    events: list[tuple[float, str, str]] | None = None) -> dict[str, Any]:
     """The whole run, and its steady part: from when both peers announce a throughput and a
     third of the run has passed (the first hops follow priors; the first averaging round has
     not yet loaded the capped peer's upload) to the end. The target is judged on that part."""
     start = next((i for i, r in enumerate(rows) if all(v > 0 for v in r[0].values())), 0)
     start = min(max(start, len(rows) // 3), max(0, len(rows) - 2))
-    whole = _shares(rows, cap, per_sample, batch)
-    steady = _shares(rows[start:], cap, per_sample, batch)
+    whole = _shares(rows, cap, per_sample, batch, events or [])
+    steady = _shares(rows[start:], cap, per_sample, batch, events or [])
     ratio = steady["share_ratio"]
     return {"cap_Bps": cap, "steps": steps, "lost": lost, **whole, "steady": steady,
             "capped_limits": limits,

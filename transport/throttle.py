@@ -57,6 +57,17 @@ class Throttle:
             self._counters.add(f"ratelimit.{direction}_wait_ms", round(wait * 1000))
             await trio.sleep(wait)
 
+    def upload_wait(self, n: int, now: float | None = None) -> float | None:
+        """How long a write of ``n`` more bytes would wait in the upload bucket at ``now``
+        (the debt of what others reserved before it; takes nothing); None: upload uncapped.
+        Read from the asyncio side too: the bucket's floats are read, never written, so the
+        worst a concurrent take does is make this a moment stale."""
+        bucket = self.upload
+        if bucket is None:
+            return None
+        tokens = bucket.available(time.monotonic() if now is None else now)
+        return max(0.0, (n - tokens) / bucket.rate)
+
     def status(self) -> dict[str, Any]:
         """The caps and what they did: per direction, the cap (None: off), bytes through the
         bucket, bytes that had to wait and the seconds waited (summed over callers)."""

@@ -57,6 +57,7 @@ from swarmd.pipeline.stepping import Gate
 from swarmd.pipeline.worker import StageWorker
 from transport.errors import PeerUnavailable, RemoteError, TransportError
 from transport.frames import Message
+from transport.throttle import Throttle
 
 #: how long the last stage waits for a trainer's announcement it has not seen yet
 TRAINER_WAIT_S = 10.0
@@ -192,9 +193,10 @@ class PipelineHandlers:
             self._routes.pop(fwd.mb, None)
             raise
         # the sender's wiring judges this peer by its own queue and compute, not by the rest
-        # of the chain the ok waited for
+        # of the chain the ok waited for, nor by the wait of the ok in our upload cap
         return Message(**HopReply(service_s=service_s, held_s=self._clock() - t0,
-                                  compute_s=compute_s).wire())
+                                  compute_s=compute_s,
+                                  upload_wait_s=_upload_wait(self.host)).wire())
 
     async def _pass_on(self, fwd: Any, y: Any) -> None:
         route = self._routes.get(fwd.mb) if not fwd.eval else None
@@ -326,3 +328,17 @@ def _poison(module: torch.nn.Module) -> None:
                 p.grad = torch.zeros_like(p)
             p.grad.view(-1)[0] = float("inf")
             return
+
+
+#: the bytes of a forward's ``ok`` on the wire, about (its metadata and the frame's head)
+OK_REPLY_BYTES = 256
+
+
+def _upload_wait(host: Any) -> float | None:
+    """How long an ``ok`` built now waits in this host's upload cap (None: uncapped, or a host
+    without a throttle): ``transport.throttle.Throttle.upload_wait``."""
+    throttle = getattr(host, "throttle", None)
+    if not isinstance(throttle, Throttle):
+        return None
+    seconds = throttle.upload_wait(OK_REPLY_BYTES)
+    return None if seconds is None else round(seconds, 6)

@@ -138,31 +138,40 @@ class Grad:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HopReply:
     """A forward's ``ok``: the peer's own queue and compute (``service_s``), its compute
-    alone (``compute_s``, its share of a batch's) and how long it held the request, the rest
-    of the chain included (``held_s``); None when not said."""
+    alone (``compute_s``, its share of a batch's), how long it held the request, the rest
+    of the chain included (``held_s``), and how long this reply waits in the peer's own
+    upload cap before it leaves (``upload_wait_s``: its bucket's debt when the reply is built;
+    a capped peer whose averaging fills its upload says it); None when not said."""
 
     service_s: float | None = None
     held_s: float | None = None
     compute_s: float | None = None
+    upload_wait_s: float | None = None
 
     def wire(self) -> dict[str, Any]:
         meta = {k: v for k, v in (("service_s", self.service_s), ("held_s", self.held_s),
-                                  ("compute_s", self.compute_s)) if v is not None}
+                                  ("compute_s", self.compute_s),
+                                  ("upload_wait_s", self.upload_wait_s)) if v is not None}
         return {"kind": "ok", "meta": meta}
 
     def seconds(self, round_trip_s: float) -> float:
         """What the hop cost the peer it went to: its compute plus the transfer (the round trip
-        less the time it held the request; the reply's wait in a capped peer's upload is in
-        it). The time it waited in its queue is not: that is load, which the wiring keeps
-        itself (counted in the rate too, a loaded peer would look slower than it computes, and
-        shares would stop following throughput). Its service time when it says no compute
-        time (an older peer); the round trip when the reply says nothing usable."""
+        less the time it held the request, less the time the reply said it waits in the
+        peer's upload cap: the cap is in the peer's announced throughput already, the ceiling
+        the wiring holds it to; counted in the hop too, other traffic in its upload would
+        lower its rate twice). The time it waited in its queue is not: that is load, which the
+        wiring keeps itself (counted in the rate too, a loaded peer would look slower than it
+        computes, and shares would stop following throughput). Its service time when it says
+        no compute time (an older peer); the round trip when the reply says nothing usable."""
         service, held, compute = self.service_s, self.held_s, self.compute_s
         if service is None or held is None or service > held or held > round_trip_s:
             return round_trip_s
+        transfer = round_trip_s - held
+        if self.upload_wait_s is not None:
+            transfer = max(0.0, transfer - self.upload_wait_s)
         if compute is not None and compute <= service:
-            return compute + (round_trip_s - held)
-        return service + (round_trip_s - held)
+            return compute + transfer
+        return service + transfer
 
 
 # ---- building from the wire ----------------------------------------------------------------
@@ -227,9 +236,9 @@ def parse_hop_reply(message: Any) -> HopReply:
                                      f"{getattr(message, 'kind', None)!r}")
     meta = getattr(message, "meta", None)
     meta = meta if isinstance(meta, Mapping) else {}
-    service, held, compute = (_seconds(meta.get(k)) for k in ("service_s", "held_s",
-                                                              "compute_s"))
-    return HopReply(service_s=service, held_s=held, compute_s=compute)
+    service, held, compute, wait = (_seconds(meta.get(k)) for k in (
+        "service_s", "held_s", "compute_s", "upload_wait_s"))
+    return HopReply(service_s=service, held_s=held, compute_s=compute, upload_wait_s=wait)
 
 
 def hop_seconds(reply: Any, round_trip_s: float) -> float:

@@ -35,7 +35,8 @@ announcement (``peers_of``) are dialed.
 A peer's announced throughput is also the ceiling of what the wiring believes of it
 (``Wiring.update_peers`` ``ceilings``, in hop terms through the ``compute_s`` each ``ok``
 says): a capped peer announces what its upload cap carries (``swarmd.node.caps``), which no
-hop time shows (docs/limits.md "Routing").
+hop time shows; the time its ``ok`` says it waited in that cap (``upload_wait_s``) is left
+out of the hop's cost, not of the link estimates (docs/limits.md "Routing").
 
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p

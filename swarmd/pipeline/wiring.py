@@ -19,16 +19,21 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   time, the chain's), and a hop that fits in a rate cap's burst never waits: only the
   announcement knows the cap. It is in compute terms (an uncapped peer announces what it
   computes), while ``t_p`` counts the hop's transfer too (a far peer gets less), so the
-  ceiling is brought into hop terms: times the share of a hop that is its compute
-  (``compute_s / seconds`` from :meth:`Wiring.success`: the upper median of its last
-  ``_SHARES`` hops'; 1 while unknown). A median, not the largest: the largest of noisy shares
-  stood above the typical share an uncapped peer's ``t_p`` shows, and gave a capped peer 1.4x
-  its share; not a mean: a hop whose reply waited in the peer's saturated upload is slow
-  already (``t_p``), and in the share too that wait would lower its rate twice (while fewer
-  than half its hops wait, the median ignores them). The rate used is
-  ``min(t_p, ceiling_p x share_p)``: an uncapped peer's ceiling does not bind, a capped one
-  gets its cap's fraction of what its hops show, less when its hops are slower still
-  (docs/limits.md "Routing").
+  ceiling is brought into hop terms: times the share of a hop that is its compute,
+  ``share_p = t_p / c_p`` (1 while unknown), where ``c_p`` is its compute rate: the moving
+  average of ``samples x cost / compute_s`` over the ``compute_s`` its replies say
+  (:meth:`Wiring.success`), averaged as ``t_p`` is and as the peer averages what it announces
+  (one reply moves it ``_JUMP``-fold at most: a wild one would starve the peer). The rate used is ``t_p x min(_MOST_GAIN, ceiling_p / c_p)``: the same form for every peer,
+  its hop rate times the fraction of its compute its announcement stands for, so the noise in
+  hop and compute times counts alike for all and cancels in the shares (a median of per-hop
+  shares stood 1.3-1.5x above what an uncapped peer's ``t_p`` follows on a loaded machine;
+  ``min(t_p, ...)`` clipped an uncapped peer's noise on one side only: +4-19% to a capped
+  one). An uncapped peer announces what it computes (a factor about 1), a capped one gets its
+  cap's fraction of what its hops show, and one that announces more than its replies say it
+  computes at most ``_MOST_GAIN`` times its hop rate. With no compute time said (an older
+  peer): ``min(t_p, ceiling_p)``. The time a reply waited in the peer's own upload cap
+  (``HopReply.upload_wait_s``) is not in a hop's seconds: the cap and what else fills it are
+  in the announcement already, so the wait counts once (docs/limits.md "Routing").
 * Each peer has a *cumulative load* ``L_p`` (seconds of work we have sent it). A task of
   ``samples`` of ``kind`` goes to the peer with the least *expected finish time*::
 
@@ -71,10 +76,16 @@ import math
 import random
 import statistics
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from swarmd.pipeline.penalties import ViolationBook, clean_reason
-from swarmd.pipeline.wiring_config import Kind, WiringConfig, _finite
+from swarmd.pipeline.wiring_config import (
+    PEER_ROUTING_STATES,
+    Kind,
+    PeerWiringState,
+    WiringConfig,
+    _finite,
+)
 
 __all__ = ["Kind", "WiringConfig", "PeerWiringState", "Wiring", "PEER_ROUTING_STATES"]
 
@@ -86,63 +97,16 @@ _TIE = 1e-12
 _SLOW_EPS = 1e-3
 #: throughputs (forward samples/s) are kept at least this, so that loads stay finite
 _MIN_THROUGHPUT = 1e-6
-#: a peer's compute share of a hop (the ceiling's conversion): the upper median of this many
-_SHARES = 15
-#: what ``PeerWiringState.state`` says, the worst first
-PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
+#: the most a ceiling above what a peer's replies say it computes multiplies its hop rate by
+_MOST_GAIN = 2.0
+#: one reply's compute rate counts at most this many times the average, or a fraction of it
+_JUMP = 4.0
 
 
 def _ceiling(ceilings: Mapping[str, float] | None, peer_id: str) -> float:
     """``peer_id``'s ceiling from a remote announcement; 0 (none) unless usable."""
     c = ceilings.get(peer_id) if ceilings is not None else None
     return float(c) if c is not None and _finite(c) and c >= _MIN_THROUGHPUT else 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeerWiringState:
-    """One peer as ``status`` shows it."""
-
-    peer_id: str
-    #: estimate in forward samples/s (before the slow factor); measured: from our own calls
-    throughput: float
-    measured: bool
-    queue: int
-    #: seconds of work sent, relative to the least loaded peer's history
-    load: float
-    #: when the ban ends; None when not banned
-    banned_until: float | None
-    error_streak: int
-    slow_factor: float
-    slow: bool
-    chosen: int
-    timeouts: int
-    errors: int
-    #: busy answers; when its pause after the last one ends (None: not paused)
-    busy: int = 0
-    busy_until: float | None = None
-    #: ok, paused (busy), slow or banned (``PEER_ROUTING_STATES``)
-    state: str = "ok"
-    #: why it is banned ("violation:<reason>" or "error:<reason>"); None when not banned
-    ban_reason: str | None = None
-    #: seconds of ban left; None when not banned
-    ban_left_s: float | None = None
-    #: protocol violations counted, and the last one's reason (kept after its ban ends)
-    violations: int = 0
-    violation_reason: str | None = None
-    #: whether the peer is in the stage's list now (a violator is remembered after it left)
-    listed: bool = True
-    #: the most it says it sustains (its announced throughput); None: no ceiling
-    ceiling: float | None = None
-    #: the share of its hops' time that is its compute (the ceiling counts times this)
-    compute_share: float = 1.0
-    #: the compute time its last reply said (None: none said yet)
-    compute_s: float | None = None
-    #: the ceiling in hop terms (``ceiling x compute_share``); None: no ceiling
-    routing_ceiling: float | None = None
-    #: the rate routing uses (before the slow factor): ``min(throughput, routing_ceiling)``
-    rate: float = 0.0
-    #: whether the ceiling binds (routing believes less of it than its hops show)
-    capped: bool = False
 
 
 @dataclass(slots=True)
@@ -169,23 +133,26 @@ class _Peer:
     unmeasured_load: float = 0.0
     #: the most it says it sustains (forward samples/s of compute); 0: no ceiling
     ceiling: float = 0.0
-    #: the share of a hop's time that was its compute: the recent upper median (1: unknown)
-    compute_share: float = 1.0
-    #: the last ``_SHARES`` hops' compute shares, oldest first
-    compute_shares: list[float] = field(default_factory=list)
+    #: forward samples/s of compute its replies said (``c_p``, averaged; 0: none said yet)
+    compute_rate: float = 0.0
     #: the compute time its last reply said (None: none yet)
     compute_s: float | None = None
 
+    def compute_share(self) -> float:
+        """The share of its hops' time that is its compute: ``t_p / c_p`` (1: unknown)."""
+        return self.estimate / self.compute_rate if self.compute_rate else 1.0
+
     def routing_ceiling(self) -> float | None:
         """The ceiling in hop terms (None: no ceiling)."""
-        return self.ceiling * self.compute_share if self.ceiling else None
+        return self.ceiling * self.compute_share() if self.ceiling else None
 
     def rate(self) -> float:
-        """The throughput routing uses (before the slow factor): the estimate, at most the
-        ceiling in hop terms."""
+        """The throughput routing uses (before the slow factor): the ceiling in hop terms, at
+        most the estimate (``_MOST_GAIN`` times it once the compute rate is known)."""
         if not self.ceiling:
             return self.estimate
-        return min(self.estimate, self.ceiling * self.compute_share)
+        gain = _MOST_GAIN if self.compute_rate else 1.0
+        return min(gain * self.estimate, self.ceiling * self.compute_share())
 
 
 class Wiring:
@@ -365,12 +332,14 @@ class Wiring:
         p.busy_streak, p.busy_until = 0, 0.0
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
-        if compute_s is not None and _finite(compute_s) and 0 <= compute_s:
+        if compute_s is not None and _finite(compute_s) and 0 < compute_s:
             p.compute_s = float(compute_s)
-            share = min(1.0, compute_s / seconds)
-            p.compute_shares.append(share)
-            del p.compute_shares[:-_SHARES]
-            p.compute_share = sorted(p.compute_shares)[len(p.compute_shares) // 2]
+            c = samples * cost / min(compute_s, seconds)  # (more than the hop: nonsense)
+            if p.compute_rate:  # one wild reply moves it at most _JUMP-fold (a tiny compute
+                c = min(max(c, p.compute_rate / _JUMP), p.compute_rate * _JUMP)  # would starve)
+                p.compute_rate += self.config.ema_alpha * (c - p.compute_rate)
+            else:
+                p.compute_rate = c
         measured = max(samples * cost / seconds, _MIN_THROUGHPUT)
         if p.measured:
             p.estimate += self.config.ema_alpha * (measured - p.estimate)
@@ -462,7 +431,7 @@ class Wiring:
                 ban_reason=p.ban_reason if banned is not None else None,
                 ban_left_s=banned - now if banned is not None else None,
                 violations=v.count if v else 0, violation_reason=v.reason if v else None,
-                ceiling=p.ceiling or None, compute_share=p.compute_share,
+                ceiling=p.ceiling or None, compute_share=p.compute_share(),
                 compute_s=p.compute_s, routing_ceiling=p.routing_ceiling(), rate=p.rate(),
                 capped=p.rate() < p.estimate))
         for peer_id in sorted(set(self.book) - self._peers.keys()):

@@ -1,4 +1,5 @@
-"""The wiring's tunables (``swarmd.pipeline.wiring``): one frozen value, validated when built."""
+"""The wiring's tunables (``swarmd.pipeline.wiring``): one frozen value, validated when built;
+and the row of a peer's wiring state that ``status`` shows."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Kind", "WiringConfig"]
+__all__ = ["Kind", "WiringConfig", "PeerWiringState", "PEER_ROUTING_STATES"]
 
 Kind = Literal["forward", "backward"]
+#: what ``PeerWiringState.state`` says, the worst first
+PEER_ROUTING_STATES = ("banned", "paused", "slow", "ok")
 
 
 def _finite(x: float) -> bool:
@@ -83,3 +86,51 @@ class WiringConfig:
     def busy_s(self, streak: int) -> float:
         """How long a peer sits out after ``streak`` busy answers in a row (>= 1)."""
         return min(self.busy_max_s, self.busy_base_s * 2.0 ** min(max(streak, 1) - 1, 64))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerWiringState:
+    """One peer as ``status`` shows it."""
+
+    peer_id: str
+    #: estimate in forward samples/s (before the slow factor); measured: from our own calls
+    throughput: float
+    measured: bool
+    queue: int
+    #: seconds of work sent, relative to the least loaded peer's history
+    load: float
+    #: when the ban ends; None when not banned
+    banned_until: float | None
+    error_streak: int
+    slow_factor: float
+    slow: bool
+    chosen: int
+    timeouts: int
+    errors: int
+    #: busy answers; when its pause after the last one ends (None: not paused)
+    busy: int = 0
+    busy_until: float | None = None
+    #: ok, paused (busy), slow or banned (``PEER_ROUTING_STATES``)
+    state: str = "ok"
+    #: why it is banned ("violation:<reason>" or "error:<reason>"); None when not banned
+    ban_reason: str | None = None
+    #: seconds of ban left; None when not banned
+    ban_left_s: float | None = None
+    #: protocol violations counted, and the last one's reason (kept after its ban ends)
+    violations: int = 0
+    violation_reason: str | None = None
+    #: whether the peer is in the stage's list now (a violator is remembered after it left)
+    listed: bool = True
+    #: the most it says it sustains (its announced throughput); None: no ceiling
+    ceiling: float | None = None
+    #: the share of its hops' time that is its compute (the ceiling counts times this)
+    compute_share: float = 1.0
+    #: the compute time its last reply said (None: none said yet)
+    compute_s: float | None = None
+    #: the ceiling in hop terms (``ceiling x compute_share``); None: no ceiling
+    routing_ceiling: float | None = None
+    #: the rate routing uses (before the slow factor): the routing ceiling, at most
+    #: ``throughput`` (twice it once its compute rate is known)
+    rate: float = 0.0
+    #: whether the ceiling binds (routing believes less of it than its hops show)
+    capped: bool = False
