@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from daemon_harness import DaemonProcess, wait_until
+from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
 from swarmd.training.run import train
@@ -61,10 +61,27 @@ def _agree(peers: list[DaemonProcess], what: str) -> dict[str, Any]:
         raise AssertionError(f"{exc}; peers: {seen}") from None
 
 
-def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(daemons: Any) -> None:
-    d0, *stage1 = daemons(0, 1, 1, 1)
-    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 3, 30,
-               "three stage-1 peers routable")
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A stage-0 and three stage-1 daemons shared by the next two tests (one swarm start
+    fewer): the first trains and only reads; the second, which kills a peer, comes after it
+    and counts its rounds and steps from where the first left them."""
+    started: list[DaemonProcess] = []
+    try:
+        d = start_swarm(tmp_path_factory.mktemp("four"), [0, 1, 1, 1], env=ENV, into=started)
+        wait_until(lambda: d[0].get("/api/v0/swarm")["stages"][1]["routable_peers"] == 3, 30,
+                   "three stage-1 peers routable")
+        yield d
+    finally:
+        stop_all(started)
+
+
+def _rounds(d: DaemonProcess) -> int:
+    return int(d.get("/api/v0/status")["counters"].get("sync.rounds", 0))
+
+
+def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(four: Any) -> None:
+    d0, *stage1 = four
     result = _train(d0, 12)
     assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
     info = _agree(stage1, "the three stage-1 peers at one step with equal weights")
@@ -74,21 +91,22 @@ def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(daemons: An
     assert all(c.get("sync.rounds_failed", 0) == 0 for c in rounds)
 
 
-def test_a_peer_killed_mid_training_leaves_the_others_equal(daemons: Any) -> None:
-    d0, *stage1 = daemons(0, 1, 1, 1)
+def test_a_peer_killed_mid_training_leaves_the_others_equal(four: Any) -> None:
+    d0, *stage1 = four
     victim = stage1[2]
-    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 3, 30,
-               "three stage-1 peers routable")
+    # the swarm trained before: rounds and steps are counted from here
+    start_rounds = _rounds(victim)
+    start_step = _agree(stage1, "the stage-1 peers at one step before the run")["step"]
     killed = threading.Event()
 
     def killer() -> None:  # SIGKILL one peer once it has averaged a few rounds
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                rounds = victim.get("/api/v0/status")["counters"].get("sync.rounds", 0)
+                rounds = _rounds(victim)
             except OSError:  # answering slowly under load: ask again
                 rounds = 0
-            if rounds >= 3:
+            if rounds >= start_rounds + 3:
                 victim.proc.kill()
                 killed.set()
                 return
@@ -104,7 +122,10 @@ def test_a_peer_killed_mid_training_leaves_the_others_equal(daemons: Any) -> Non
     assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
     info = _agree(stage1[:2], "the surviving stage-1 peers at one step with equal weights")
     counters = [d.get("/api/v0/status")["counters"] for d in stage1[:2]]
-    assert info["step"] >= 8, [{k: v for k, v in c.items() if "sync" in k or "stage" in k or "allreduce" in k} for c in counters]
+    assert info["step"] >= start_step + 8, [
+        {k: v for k, v in c.items() if "sync" in k or "stage" in k or "allreduce" in k}
+        for c in counters]
+    stop_all(four)  # its last test: not left running beside the next test's daemons
 
 
 @pytest.mark.timeout(300)  # four daemon starts and a training run; slow on a loaded machine

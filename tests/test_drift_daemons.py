@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,28 @@ def _keeper_lines(d: DaemonProcess) -> str:
                      if "swarmd.keeper" in line or "swarmd.sync" in line)[-3000:]
 
 
-def _drifted_pair(daemons: Any, tmp_path: Path) -> tuple[DaemonProcess, ...]:
-    """Two stage-1 peers at step 0 with other weights, and a stage-0 peer: (d0, a, b). ``b``
-    restarts from a checkpoint it made alone in a swarm of its own with another seed."""
-    lone = DaemonProcess(tmp_path / "drifter", "--stage", "1",
-                         env={**ENV, "SWARMD_TRAINING_SEED": "7"})
+@pytest.fixture(scope="module")
+def drifter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A stage-1 home whose checkpoint (step 0) a daemon made alone in a swarm of its own with
+    another seed (other initial weights), and those weights' digest: made once for the module
+    (a daemon start and stop), copied by each test, so no test changes it for another."""
+    home = tmp_path_factory.mktemp("drift") / "drifter"
+    lone = DaemonProcess(home, "--stage", "1", env={**ENV, "SWARMD_TRAINING_SEED": "7"})
     try:
         lone.wait_started()
         other = _stage(lone)["params_digest"]
     finally:
         stop_all([lone])  # a graceful stop saves the checkpoint
+    assert list((home / "checkpoints").glob("stage-1*")), lone.stderr()
+    return home, other
+
+
+def _drifted_pair(daemons: Any, tmp_path: Path, drifter: tuple[Path, str]
+                  ) -> tuple[DaemonProcess, ...]:
+    """Two stage-1 peers at step 0 with other weights, and a stage-0 peer: (d0, a, b). ``b``
+    restarts from a copy of ``drifter``'s checkpoint (another seed)."""
+    shutil.copytree(drifter[0], tmp_path / "drifter")
+    other = drifter[1]
     d0, a = daemons(0, 1)
     ours = _stage(a)["params_digest"]  # before b is known: nothing can have repaired it yet
     assert ours != other
@@ -81,8 +94,8 @@ def _wait_agreed(a: DaemonProcess, b: DaemonProcess, within_s: float) -> dict[st
 
 @pytest.mark.timeout(300)  # four daemon starts and a training run; slow on a loaded machine
 def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
-        daemons: Any, tmp_path: Path) -> None:
-    d0, a, b = _drifted_pair(daemons, tmp_path)
+        daemons: Any, tmp_path: Path, drifter: tuple[Path, str]) -> None:
+    d0, a, b = _drifted_pair(daemons, tmp_path, drifter)
     try:
         config = load_config(None, {**os.environ, **ENV})
         result = uvloop.run(asyncio.wait_for(
@@ -104,10 +117,10 @@ def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
 
 @pytest.mark.timeout(240)  # three daemon starts; no training
 def test_mates_left_apart_at_the_same_step_with_no_rounds_converge(
-        daemons: Any, tmp_path: Path) -> None:
+        daemons: Any, tmp_path: Path, drifter: tuple[Path, str]) -> None:
     """No trainer: no round ever carries a digest. The idle check (state_digest) finds the
     drift and the higher peer id takes the lower one's state."""
-    d0, a, b = _drifted_pair(daemons, tmp_path)
+    d0, a, b = _drifted_pair(daemons, tmp_path, drifter)
     try:
         info = _wait_agreed(a, b, 90)
         assert info["step"] == 0  # nothing stepped: repaired at the same step

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from daemon_harness import DaemonProcess, wait_until
+from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
 from swarmd.state.checkpoint import load_checkpoint
@@ -97,10 +97,35 @@ def _until_holding(victim: DaemonProcess) -> None:
             pass
 
 
-@pytest.mark.timeout(300)  # three daemon starts and a training run; slow on a loaded machine
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A stage-0 peer and the stage-1 peer that stays, shared by the two tests (two daemon
+    starts fewer), and ``victim(root)``: a stage-1 peer to stop, a fresh one for each test (the
+    first starts with the swarm)."""
+    root = tmp_path_factory.mktemp("preemption")
+    started: list[DaemonProcess] = []
+    try:
+        d0, keep, first = start_swarm(root, [0, 1, 1], env=ENV, into=started)
+        spare = [first]
+
+        def victim(home: Path) -> DaemonProcess:
+            if spare:
+                return spare.pop()
+            d = DaemonProcess(home, "--stage", "1", "--bootstrap", d0.addr, env=ENV)
+            started.append(d)
+            d.wait_started()
+            return d
+
+        yield d0, keep, victim
+    finally:
+        stop_all(started)
+
+
+@pytest.mark.timeout(300)  # three daemon starts (the module's) and a training run; slow on a loaded machine
 def test_a_peer_stopped_by_sigterm_mid_training_leaves_in_its_grace_and_loses_nothing(
-        daemons: Any, tmp_path: Path) -> None:
-    d0, keep, victim = daemons(0, 1, 1)
+        swarm: Any, tmp_path: Path) -> None:
+    d0, keep, start_victim = swarm
+    victim = start_victim(tmp_path / "victim")
     wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
                "two stage-1 peers routable")
     home = tmp_path / "trainer"
@@ -135,13 +160,14 @@ def test_a_peer_stopped_by_sigterm_mid_training_leaves_in_its_grace_and_loses_no
     assert keep.get("/api/v0/stage")["step"] >= saved.step
 
 
-@pytest.mark.timeout(300)  # three daemon starts and a training run; slow on a loaded machine
+@pytest.mark.timeout(300)  # a daemon start and a training run; slow on a loaded machine
 def test_a_peer_whose_trainer_froze_leaves_at_the_drain_deadline_and_the_run_goes_on(
-        daemons: Any, tmp_path: Path) -> None:
+        swarm: Any, tmp_path: Path) -> None:
     """The trainer (a ``swarmd train`` process) is frozen with SIGSTOP mid-step, so what the
     leaving peer holds for it cannot finish: the peer waits out its drain, hands that back,
     saves and exits 0 within the grace; the trainer, thawed, finishes without losing any."""
-    d0, keep, victim = daemons(0, 1, 1)
+    d0, keep, start_victim = swarm
+    victim = start_victim(tmp_path / "victim")  # the first test's one has left
     wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
                "two stage-1 peers routable")
     home = tmp_path / "trainer"
