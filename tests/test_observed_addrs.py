@@ -110,8 +110,9 @@ def test_a_new_direct_connection_to_a_known_peer_reports_again() -> None:
                     break
                 await asyncio.sleep(0.02)
             await a.dial(b.addrs[0])
+            # by our second identify, or by py-libp2p's own when it no longer held a's
+            # protocols (a race with its disconnect handling): either way, a second report
             await reports(b, got, 2)
-            assert b.counters.get("observed_addrs.reidentified") >= 1
             assert {peer for peer, _ in got} == {a.peer_id}
 
     asyncio.run(main())
