@@ -30,12 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.integration
 
-#: SWARMD_TEST_NAT_ROUND_S (a test hook of swarmd/node/nat.py): a NATed daemon whose verdict is
-#: still unknown looks again every 3 s, not 20 s, so it reserves its relays seconds after the
-#: first dial-back says private (the default waits out a 20 s round at start); the trainer
-#: reads 2 MB of text, not 30 (seconds of its start)
+#: the trainer reads 2 MB of text, not 30 (seconds of its start)
 ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4",
-       "SWARMD_TEST_NAT_ROUND_S": "3", "SWARMD_DATA_MAX_BYTES": "2000000"}
+       "SWARMD_DATA_MAX_BYTES": "2000000"}
 #: the figure: once the direct connection exists, at least this share of the NATed peers'
 #: bytes is direct
 DIRECT_SHARE = 0.9

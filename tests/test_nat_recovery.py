@@ -23,13 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.integration
 
-#: SWARMD_TEST_NAT_ROUND_S (a test hook of swarmd/node/nat.py): a NATed daemon whose verdict is
-#: still unknown looks again every 3 s, not 20 s, so it reserves its relays seconds after the
-#: first dial-back says private (the default waits out a 20 s round at start); the trainer
-#: reads 2 MB of text, not 30 (seconds of its start)
+#: the trainer reads 2 MB of text, not 30 (seconds of its start)
 #: the default configuration's liveness (network.liveness_*): no TCP user timeout
 ENV = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_TRAINING_MICROBATCHES": "4",
-       "SWARMD_TEST_NAT_ROUND_S": "3", "SWARMD_DATA_MAX_BYTES": "2000000"}
+       "SWARMD_DATA_MAX_BYTES": "2000000"}
 OUTAGE_S = 30.0
 #: the figure: serving again within this long of the recovery
 RECOVERY_S = 60.0

@@ -128,9 +128,7 @@ def test_a_nated_daemon_learns_its_gateways_public_address(wanlab: Any, tmp_path
 
     # a slot on each of the three public peers: n1 dials each of them itself, so each runs
     # identify over a direct connection (one that dials n1 through a relay observes nothing)
-    # (SWARMD_TEST_NAT_ROUND_S: n1 reserves its slots 3 s, not 20 s, after it knows it is private)
-    env = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_NETWORK_RELAY_RESERVATIONS": "3",
-           "SWARMD_TEST_NAT_ROUND_S": "3"}
+    env = {"SWARMD_BALANCING_ENABLED": "false", "SWARMD_NETWORK_RELAY_RESERVATIONS": "3"}
     link = Link(delay_ms=2.0)
     lab = wanlab(HostSpec(name="pub", link=link), HostSpec(name="p1", link=link),
                  HostSpec(name="p2", link=link), HostSpec(name="n1", link=link, nat=True))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -36,11 +35,11 @@ OBSERVED_MIN_PEERS = 3
 #: an observer's report stands this long (identify runs once per connection, and connections
 #: last: a short window would forget a right address on a quiet swarm)
 OBSERVED_WINDOW_S = 6 * 3600.0
+#: while public: how often the relays are looked at (only to free slots we no longer need)
 ROUND_S = 20.0
-#: a test hook: the lab tests' daemons look again after this many seconds instead of ROUND_S
-#: while the verdict is not private (at start: unknown until the first dial-back answers)
-TEST_ROUND_ENV = "SWARMD_TEST_NAT_ROUND_S"
-#: while private: how often the relays' connections are checked (one local call)
+#: while private or unknown (at start, until the first dial-back answers): how often the
+#: relays' connections and the verdict are looked at (local calls), so relays are reserved
+#: seconds after the verdict says private
 CHECK_S = 3.0
 #: failed reserve-agains after which a relay we lost is given up for another
 REJOIN_TRIES = 3
@@ -84,7 +83,6 @@ class NatService:
         self._policy = AddressPolicy(no_announce=tuple(network.no_announce))
         self._confirmed: tuple[str, ...] = ()
         self._rejoin_failures: dict[str, int] = {}
-        self._round_s = float(os.environ.get(TEST_ROUND_ENV, ROUND_S))
 
     async def __aenter__(self) -> NatService:
         await self.dialback.__aenter__()
@@ -174,7 +172,7 @@ class NatService:
                     await self._reserve_more(set(relay.reservations))
             if not connected:
                 self.dialback.recheck()  # everything dropped (our router restarted?)
-            await asyncio.sleep(self._round_s if verdict != PRIVATE else CHECK_S)
+            await asyncio.sleep(ROUND_S if verdict == PUBLIC else CHECK_S)
 
     async def _rejoin(self, lost: set[str]) -> None:
         """Relays we hold a slot on but are no longer connected to (our router restarted, or
