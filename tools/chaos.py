@@ -38,7 +38,6 @@ import json
 import os
 import random
 import secrets
-import subprocess
 import sys
 import tempfile
 import threading
@@ -147,27 +146,8 @@ def train_until(lab: Any, host: str, home: Path, bootstrap: str, steps: int,
                 env: dict[str, str], seconds: float, stop: Path) -> dict[str, Any]:
     """``swarmd train --json`` in ``host`` (at most ``steps`` steps) that also ends once
     ``stop`` exists (tools/chaoslab/train_until.py), within ``seconds``; its JSON result."""
-    home.mkdir(parents=True, exist_ok=True)
-    metrics = home / "train-metrics.jsonl"
-    if metrics.exists():
-        metrics.unlink()
-    with open(home / "train.stderr", "w") as err:
-        proc = lab.run(host, [sys.executable, str(HERE / "chaoslab" / "train_until.py"),
-                              str(stop), "--home", str(home), "--json", "--bootstrap",
-                              bootstrap, "--steps", str(steps),
-                              "--listen", f"/ip4/{lab.addr(host)}/tcp/0"],
-                       stdout=subprocess.PIPE, stderr=err, text=True, cwd=home,
-                       env={**os.environ, "SWARMD_LOG_LEVEL": "warning", **env})
-        try:
-            out, _ = proc.communicate(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise RuntimeError(f"swarmd train in {host} did not finish within {seconds:.0f} s")
-    if proc.returncode != 0:
-        raise RuntimeError(f"swarmd train failed ({proc.returncode}):\n"
-                           f"{(home / 'train.stderr').read_text()[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    return daemons.train(lab, host, home, bootstrap, steps, 1, env, seconds,
+                         program=(str(HERE / "chaoslab" / "train_until.py"), str(stop)))
 
 
 def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,

@@ -106,16 +106,22 @@ def stop_all(daemons: Sequence[LabDaemon], seconds: float = 15.0, *,
         d._stderr.close()
 
 
+#: what ``train`` runs: ``swarmd train`` (tools/chaoslab/train_until.py wraps it)
+SWARMD_TRAIN = ("-m", "swarmd", "train")
+
+
 def train(lab: Any, host: str, home: Path, bootstrap: str, steps: int, tokens_per_step: int,
-          env: dict[str, str], seconds: float) -> dict[str, Any]:
-    """``swarmd train --json`` in ``host``; its JSON result plus ``steady_tokens_per_s``: the
-    rate over the second half of the steps (from its metrics file), past start-up and warm-up."""
+          env: dict[str, str], seconds: float,
+          program: tuple[str, ...] = SWARMD_TRAIN) -> dict[str, Any]:
+    """``swarmd train --json`` in ``host`` (``program``: the Python arguments before its own);
+    its JSON result plus ``steady_tokens_per_s``: the rate over the second half of the steps
+    (from its metrics file), past start-up and warm-up."""
     home.mkdir(parents=True, exist_ok=True)
     metrics = home / "train-metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
     with open(home / "train.stderr", "w") as err:
-        proc = lab.run(host, [sys.executable, "-m", "swarmd", "train", "--home", str(home),
+        proc = lab.run(host, [sys.executable, *program, "--home", str(home),
                               "--json", "--bootstrap", bootstrap, "--steps", str(steps),
                               "--listen", f"/ip4/{lab.addr(host)}/tcp/0"],
                        stdout=subprocess.PIPE, stderr=err, text=True, cwd=home,
