@@ -4,6 +4,7 @@ configuration keys, the stage worker's byte bound and the throughput a capped pe
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,6 +401,20 @@ def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path)
     assert "Traceback" not in out.stderr
 
 
+def _free_then_capped(tmp_path: Path, env: dict[str, str], cap: int, capped_stage: int,
+                      started: list[DaemonProcess]) -> tuple[DaemonProcess, DaemonProcess]:
+    """A stage-0 daemon, then one of ``capped_stage`` with its upload capped at ``cap``
+    bootstrapped from it; both started (and added to ``started``, for the caller to stop)."""
+    free = DaemonProcess(tmp_path / "free", "--stage", "0", env=env)
+    started.append(free)
+    free.wait_started()
+    capped = DaemonProcess(tmp_path / "capped", "--stage", str(capped_stage), "--bootstrap",
+                           free.addr, env={**env, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
+    started.append(capped)
+    capped.wait_started()
+    return free, capped
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)  # two daemon starts and a training run; slow on a loaded machine
 def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_rate(tmp_path):
@@ -410,14 +425,9 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
 
     base = {k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")}
     cap = 200_000
-    free = DaemonProcess(tmp_path / "free", "--stage", "0", env=base)
-    started = [free]
+    started: list[DaemonProcess] = []
     try:
-        free.wait_started()
-        capped = DaemonProcess(tmp_path / "capped", "--stage", "0", "--bootstrap", free.addr,
-                               env={**base, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
-        started.append(capped)
-        capped.wait_started()
+        free, capped = _free_then_capped(tmp_path, base, cap, 0, started)
         wait_until(lambda: free.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2, 30,
                    "both peers of the stage routable")
         config = load_config(None, {**os.environ, **base})
@@ -467,14 +477,9 @@ def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_sta
     base = {**{k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")},
             "SWARMD_SWARM_STAGES": "2", "SWARMD_SWARM_NAME": "limits-peers"}
     cap = 200_000
-    first = DaemonProcess(tmp_path / "s0", "--stage", "0", env=base)
-    started = [first]
+    started: list[DaemonProcess] = []
     try:
-        first.wait_started()
-        capped = DaemonProcess(tmp_path / "s1", "--stage", "1", "--bootstrap", first.addr,
-                               env={**base, "SWARMD_LIMITS_UPLOAD_BYTES_S": str(cap)})
-        started.append(capped)
-        capped.wait_started()
+        first, capped = _free_then_capped(tmp_path, base, cap, 1, started)
         wait_until(lambda: all(s["routable_peers"] == 1
                                for s in first.get("/api/v0/swarm")["stages"]), 30,
                    "both stages routable")

@@ -302,7 +302,7 @@ class Host(RequestReply):
             self._t_register(protocol)
         async with host.run(listen), trio.open_nursery() as nursery:
             self._t_nursery = nursery
-            self._t_watch_liveness(host.get_network(), nursery)
+            self._t_watch_connections(host.get_network(), nursery)
             if self._pubsub is not None:
                 await self._pubsub.t_start(host, nursery)
             if self.relay is not None:
@@ -313,7 +313,8 @@ class Host(RequestReply):
             ready()
             await trio.sleep_forever()
 
-    def _t_watch_liveness(self, network: Any, nursery: trio.Nursery) -> None:
+    def _t_watch_connections(self, network: Any, nursery: trio.Nursery) -> None:
+        """On every new connection: TCP tuning, the liveness watch, identify again if due."""
         tuning, policy = self.options.liveness, self.options.pings
         watch = LivenessWatch(policy, self.counters) if policy is not None else None
         again = observed.reidentify(self._t_host, nursery, self.counters)
