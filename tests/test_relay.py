@@ -436,7 +436,11 @@ async def t_send_hop(host: Host, relay: str, data: bytes) -> None:
 
 async def t_flood_connect(host: Host, relay: str, addrs: list[str], dest: str,
                           n: int) -> Counter[str]:
-    """``n`` concurrent CONNECTs to ``dest``; each answered stream is reset right away."""
+    """``n`` concurrent CONNECTs to ``dest``; the streams are reset once all are answered.
+
+    An admitted circuit stays open until then: reset at once, it would free its slot for a
+    CONNECT the relay has not read yet (under load the flood's messages arrive spread out).
+    """
     from libp2p.peer.id import ID
     from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, PeerId
     from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
@@ -444,8 +448,8 @@ async def t_flood_connect(host: Host, relay: str, addrs: list[str], dest: str,
     from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
     lhost, answers = host._t_host, Counter[str]()
-    started = trio.Event()
-    waiting = [n]
+    started, answered = trio.Event(), trio.Event()
+    waiting, unanswered = [n], [n]
 
     async def one() -> None:
         stream = await lhost.new_stream(ID.from_base58(relay), [PROTOCOL_ID])
@@ -460,6 +464,10 @@ async def t_flood_connect(host: Host, relay: str, addrs: list[str], dest: str,
             answers[StatusCode(resp.status).name] += 1
         except Exception:
             answers["no answer"] += 1
+        unanswered[0] -= 1
+        if unanswered[0] == 0:
+            answered.set()
+        await answered.wait()
         await stream.reset()
 
     with trio.fail_after(30):
