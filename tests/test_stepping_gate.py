@@ -46,3 +46,51 @@ def test_a_forward_at_a_closed_gate_gives_up_after_its_wait_and_a_step_drops_the
 
     assert asyncio.run(scenario()) == [False, "stepped", True]
     assert counters["dropped_for_step"] == 1
+
+
+class _HeldWorker:
+    """A microbatch whose backward comes back while the step waits for it."""
+
+    def __init__(self) -> None:
+        self.held = {"in flight"}
+
+    @property
+    def saved(self) -> int:
+        return len(self.held)
+
+    def expire(self, now: float) -> list[str]:
+        gone, self.held = list(self.held), set()
+        return gone
+
+
+@pytest.mark.parametrize("drain_steps", [False, True])
+def test_a_step_drains_first_only_when_asked(drain_steps: bool) -> None:
+    """``serving.step_drains``: a draining step runs once the microbatch in flight came back
+    (and new forwards wait meanwhile); a plain step runs at once beside it."""
+    worker, counters = _HeldWorker(), Counter[str]()
+    gate = Gate(worker, _Compute(), counters, stage=0,  # type: ignore[arg-type]
+                drain_steps=drain_steps)
+
+    async def scenario() -> tuple[list[int], bool]:
+        seen: list[int] = []
+        step = asyncio.ensure_future(gate.between(lambda: seen.append(worker.saved)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        closed = not await gate.wait_open(0.01)
+        worker.held.clear()  # its backward came back
+        await asyncio.wait_for(step, 5)
+        return seen, closed
+
+    seen, closed = asyncio.run(scenario())
+    assert seen == ([0] if drain_steps else [1]) and closed == drain_steps
+    assert counters["dropped_for_step"] == 0
+
+
+def test_step_drains_chooses_the_stages() -> None:
+    from swarmd.config.stage import ServingSection
+
+    assert [ServingSection(step_drains=v).drains(s) for v in ("off", "first", "all")
+            for s in (0, 1)] == [False, False, True, False, True, True]
+    assert ServingSection().max_batch("cpu", 8) == 1
+    assert ServingSection().max_batch("cuda", 8) == 8
+    assert ServingSection(batch_forwards="on").max_batch("cpu", 8) == 8

@@ -343,8 +343,8 @@ class Daemon:
                               timeout_s=c.averaging.timeout_s),
             on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
             on_diverged=lambda peer, step: self.keeper.diverged(peer, step),
-            max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
-                c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1,
+            max_batch=c.serving.max_batch(self._device.type, MAX_BATCH),
+            step_drains=c.serving.drains(stage),
             addrs_of=self._addrs_of)
         apply_stage_limits(c, server)  # a stage that does not fit is refused here
         keeper = StageKeeper(

@@ -70,6 +70,7 @@ class StageServer:
                  on_behind: Callable[[str, int], None] | None = None,
                  on_diverged: Callable[[str, int], None] | None = None,
                  module: torch.nn.Module | None = None, max_batch: int = 1,
+                 step_drains: bool = False,
                  addrs_of: Callable[[str], tuple[str, ...]] = lambda peer: ()) -> None:
         """``seam`` is the model (default: the built-in GPT of ``model_config``); ``module``
         this stage's part of it when already built (else built here, randomly initialised);
@@ -94,7 +95,8 @@ class StageServer:
                                               optimizer_steps=0)
         self.compute = Compute(f"stage{stage}-compute", self.counters)
         self.batcher = Batcher(self.worker, self.compute, self.counters, max_batch=max_batch)
-        self.gate = Gate(self.worker, self.compute, self.counters, stage)
+        self.gate = Gate(self.worker, self.compute, self.counters, stage,
+                         drain_steps=step_drains)
         self.stepper = Stepper(self.module, self.worker, self.optimizer, self.counters)
         self._throughput = Throughput()
         last = stage == num_stages - 1

@@ -173,8 +173,11 @@ class Gate:
     opens the gate again."""
 
     def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
-                 stage: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 stage: int, clock: Callable[[], float] = time.monotonic, *,
+                 drain_steps: bool = False) -> None:
         self.worker = worker
+        #: steps drain too (``serving.step_drains``): no gradient reaches a step late here
+        self.drain_steps = drain_steps
         self.compute = compute
         self.counters = counters
         self.stage = stage
@@ -258,7 +261,10 @@ class Gate:
         return len(dropped)
 
     async def between(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` (an optimizer step) in the compute thread, without draining."""
+        """Run ``fn`` (an optimizer step) in the compute thread, without draining (unless
+        ``drain_steps``: then as ``when_drained``)."""
+        if self.drain_steps:
+            return await self.when_drained(fn, *args)
         return await self.compute.run(fn, *args)
 
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
