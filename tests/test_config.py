@@ -42,8 +42,8 @@ def test_defaults():
     assert config == Config()
     assert (config.model.factory, config.model.hf) == ("", "")
     assert (config.data.tokenizer, config.data.text_field) == ("bytes", "text")
-    assert (config.training.lr_schedule, config.training.warmup_steps) == ("constant", 0)
-    assert (config.training.grad_clip, config.training.weight_decay) == (0.0, 0.0)
+    assert (config.training.lr_schedule, config.training.warmup_steps) == ("constant", 50)
+    assert (config.training.grad_clip, config.training.weight_decay) == (1.0, 0.0)
     assert config.swarm.name == "swarmd-default"
     assert config.network.listen == ("/ip4/0.0.0.0/tcp/31337",)
     assert config.network.bootstrap == ()

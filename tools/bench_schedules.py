@@ -6,8 +6,8 @@
 
 Each run starts a fresh local swarm (2 stages, one ``swarmd join`` per stage on 127.0.0.1,
 the demo model, int8 on the wire, as ``tools/bench_pipeline.py``), trains ``--steps`` steps of
-``training.microbatches`` microbatches with ``swarmd.training.run.train()`` (same seed: the
-same batches in the same order, the same initial weights) and reports the validation loss on
+``training.microbatches`` microbatches with ``swarmd.training.run.train()`` (within a repeat
+the same seed: the same batches in the same order, the same initial weights) and reports the validation loss on
 the same fixed held-out batches before and after. The synchronous schedule (``sync``: a step's
 microbatches, then the step) is the reference; each pipelined run pins the number in flight
 (``fixed_in_flight``) to the figure given, so its staleness is what a WAN run that keeps that
@@ -71,6 +71,8 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
             counters = {name: d.get("/api/v0/status")["counters"]
                         for name, d in (("stage0", first), ("stage1", second))}
             stale = {name: int(c.get("stage.dropped_stale", 0)) for name, c in counters.items()}
+            stage_steps = {name: int(c.get("stage.optimizer_steps", 0))
+                           for name, c in counters.items()}
             # mean steps from a forward to its backward on each stage (Stepper's counters)
             late = {name: int(c.get("stage.late_samples", 0)) / max(1, int(c.get(
                 "stage.stepped_samples", 0))) for name, c in counters.items()}
@@ -84,35 +86,48 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
             "train_loss_last_half": sum(x["loss"] for x in tail) / max(1, len(tail)),
             "tokens_per_s": result.tokens_per_s, "restarted": result.restarted,
             "lost": result.lost, "dropped_stale": stale, "mean_lateness_steps": late,
+            "stage_optimizer_steps": stage_steps,
             "seconds": result.seconds}
 
 
-def measure(steps: int, in_flights: list[int], repeats: int = 1) -> dict[str, Any]:
-    """Each schedule ``repeats`` times, interleaved (sync, pipelined..., sync, ...): the
-    synchronous run alone varies by a few percent between invocations (gradients are summed
-    in arrival order), so ratios are of the mean final validation losses."""
+def measure(steps: int, in_flights: list[int], repeats: int = 1,
+            seed: int = 0) -> dict[str, Any]:
+    """Each schedule ``repeats`` times, interleaved (sync, pipelined..., sync, ...), repeat
+    ``r`` with ``training.seed`` = ``seed + r``: the final loss depends on the data order by
+    several percent (and the synchronous run varies by a little between invocations:
+    gradients are summed in arrival order), so the target is on the ratio of the means over
+    the repeats; ``paired_ratios`` are each run's against the sync run of its seed."""
     from bench_pipeline import bench_env
 
     t0 = time.monotonic()
     env = bench_env("demo")
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
+        # each repeat its own data order and initial weights, the same for every schedule in
+        # it: a pair differs only by its schedule, and the means are over several orders
+        env = {**env, "SWARMD_TRAINING_SEED": str(seed + rep)}
         runs.append(one_run(env, steps, "sync", None))
+        runs[-1]["seed"] = seed + rep
         say(f"sync #{rep + 1}: final validation loss {runs[-1]['final_val_loss']:.4f}")
         for n in in_flights:
             runs.append(one_run(env, steps, "pipelined", n))
+            runs[-1]["seed"] = seed + rep
             say(f"pipelined, {n} in flight #{rep + 1}: final validation loss "
                 f"{runs[-1]['final_val_loss']:.4f}, steps late {runs[-1]['mean_lateness_steps']}")
     by: dict[int | None, list[float]] = {}
     for r in runs:
         by.setdefault(r["in_flight"], []).append(r["final_val_loss"])
     ref = sum(by[None]) / len(by[None])
+    sync_of = {r["seed"]: r["final_val_loss"] for r in runs if r["in_flight"] is None}
     for r in runs:
         r["val_loss_ratio_vs_sync"] = r["final_val_loss"] / ref
+        r["val_loss_ratio_vs_its_sync"] = r["final_val_loss"] / sync_of[r["seed"]]
     summary = {("sync" if n is None else f"in_flight_{n}"): {
         "mean_final_val_loss": sum(v) / len(v), "min": min(v), "max": max(v),
-        "ratio_vs_sync": sum(v) / len(v) / ref} for n, v in by.items()}
-    return {"runs": runs, "summary": summary, "repeats": repeats, "targets": {
+        "ratio_vs_sync": sum(v) / len(v) / ref,
+        "paired_ratios": [r["val_loss_ratio_vs_its_sync"] for r in runs
+                          if r["in_flight"] == n]} for n, v in by.items()}
+    return {"runs": runs, "summary": summary, "repeats": repeats, "seed": seed, "targets": {
         f"val_loss_within_3pct_in_flight_{n}": summary[f"in_flight_{n}"]["ratio_vs_sync"]
         <= TARGET for n in in_flights}, "seconds": time.monotonic() - t0}
 
@@ -123,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each schedule, interleaved; ratios are of the means")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="training.seed of the first repeat (the next ones count up)")
     parser.add_argument("--in-flight", default="16,32",
                         help="comma-separated numbers in flight for the pipelined runs")
     args = parser.parse_args(argv)
     in_flights = [int(v) for v in args.in_flight.split(",") if v]
     if args.steps < 2 or args.repeats < 1 or any(n < 1 for n in in_flights):
         parser.error("--steps must be at least 2, --repeats and every --in-flight at least 1")
-    result = measure(args.steps, in_flights, args.repeats)
+    result = measure(args.steps, in_flights, args.repeats, args.seed)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -10,7 +10,9 @@ the demo's learning rate) trains on the batches ``train()`` draws. Microbatch ``
 with ``N`` in flight and ``M`` microbatches per step is computed on the weights of the step
 when it would have been sent (the steps whose ``M`` microbatches had all come back, i.e. ``d``
 steps before the one that applies its gradient), as the stages' weight stashing does, with the
-forward on the weights predicted ``gain x d`` steps ahead along the last step's change (linear
+forward on the weights predicted ``gain x d`` steps ahead along the change of the step before it
+was sent (what a stage knows at a forward; until 2026-12-01 this used the latest step's change,
+known only at the backward, which made prediction look far better than it is) (linear
 weight prediction; ``gain`` 0: none). ``--stages-only`` keeps the trainer's parts (embedding,
 head) current, as in the swarm. Reports the validation loss on fixed held-out batches and its
 ratio to the synchronous run (no delay; so is any ``N <= M``). Deterministic: one seed, one thread.
@@ -51,7 +53,7 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
     from bench_pipeline import bench_env, whole_model
     from swarmd.config import load_config
     from swarmd.training.data import load_corpus
-    from swarmd.training.optim import make_optimizer
+    from swarmd.training.optim import lr_at, make_optimizer
 
     config = load_config(None, {**os.environ, **bench_env("demo")})
     seam, _ = config.model_seam()
@@ -71,12 +73,16 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
     val = [corpus.sample_batch("val", batch, seq, val_draw) for _ in range(VAL_BATCHES)]
     names = [n for n, _ in model.named_parameters()]
     late = [n for n in names if not stages_only or n.startswith("stages.")]
+    by_part: dict[str, list[torch.nn.Parameter]] = {}
+    for n, p in model.named_parameters():
+        by_part.setdefault(".".join(n.split(".")[:2]) if n.startswith("stages.") else "", []
+                           ).append(p)
+    parts = list(by_part.values())
 
     def weights() -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     history = {0: weights()}
-    change: dict[str, torch.Tensor] | None = None
     base_beta1 = optimizer.param_groups[0]["betas"][0]
     for step in range(steps):
         lateness = 0.0
@@ -90,22 +96,28 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
             w = {n: p.detach() for n, p in model.named_parameters()}
             for n in late:
                 w[n] = history[sent_at][n]
-                if gain and d and change is not None:
-                    w[n] = w[n] + (gain * d) * change[n]
+                if gain and d and sent_at >= 1:  # what the stage knew then: its last step
+                    w[n] = w[n] + (gain * d) * (history[sent_at][n] - history[sent_at - 1][n])
             params = {n: t.clone().requires_grad_(True) for n, t in w.items()}
             _, loss = torch.func.functional_call(model, params, (x, y))
             grads = torch.autograd.grad(loss / per_step, [params[n] for n in names])
             for (_, p), g in zip(model.named_parameters(), grads):
                 p.grad = g if p.grad is None else p.grad + g
-        before = history[step]
         if momentum:
             for group in optimizer.param_groups:
                 group["betas"] = (stale_beta1(base_beta1, lateness, k=momentum),
                                   group["betas"][1])
+        if config.training.grad_clip > 0:  # each stage and the trainer clip their own part
+            for part in parts:
+                torch.nn.utils.clip_grad_norm_(part, config.training.grad_clip)
+        for group in optimizer.param_groups:  # the trainer's and the stages' schedule
+            group["lr"] = lr_at(step, config.training.lr * lr_scale,
+                                schedule=config.training.lr_schedule,
+                                warmup_steps=config.training.warmup_steps,
+                                decay_steps=config.training.decay_steps)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history[step + 1] = weights()
-        change = {n: history[step + 1][n] - before[n] for n in names}
         for k in [k for k in history if k < step + 1 - (in_flight // per_step + 2)]:
             del history[k]
     with torch.no_grad():

@@ -177,7 +177,10 @@ class TrainingConfig(_Section):
         "one of " + ", ".join(f'"{s}"' for s in LR_SCHEDULES), _one_of(LR_SCHEDULES),
     )
     warmup_steps: int = _opt(
-        0, "Optimizer steps over which the learning rate rises linearly from 0 (0: none).",
+        50, "Optimizer steps over which the learning rate rises linearly from 0 (0: none). "
+        "Delayed gradients (the pipelined schedule) hurt most while the loss falls fast: with "
+        "a warm-up and grad_clip they train as well as the synchronous schedule "
+        "(docs/pipeline.md, \"Training quality\").",
         "an integer from 0 to 2**31", _int_range(0, 1 << 31),
     )
     decay_steps: int = _opt(
@@ -185,8 +188,9 @@ class TrainingConfig(_Section):
         "an integer from 1 to 2**31", _int_range(1, 1 << 31),
     )
     grad_clip: float = _opt(
-        0.0, "Largest global gradient norm; larger gradients are scaled down to it (0: no "
-        "clipping).", "a number, 0 or more", _non_negative,
+        1.0, "Largest gradient norm of each stage's (and the trainer's) parameters; larger "
+        "gradients are scaled down to it (0: no clipping).", "a number, 0 or more",
+        _non_negative,
     )
     weight_decay: float = _opt(
         0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",
