@@ -317,6 +317,7 @@ class Daemon:
         from swarmd.state.keeper import StageKeeper
         from swarmd.pipeline.server import MAX_BATCH, StageServer
         from swarmd.averaging.stage_sync import SyncSettings
+        from swarmd.state.replay import ReplayLog
         from swarmd.training.swarm_optim import OptimSettings
 
         c = self.config
@@ -345,7 +346,8 @@ class Daemon:
             on_diverged=lambda peer, step: self.keeper.diverged(peer, step),
             max_batch=MAX_BATCH if c.serving.batch_forwards == "on" or (
                 c.serving.batch_forwards == "auto" and self._device.type == "cuda") else 1,
-            addrs_of=self._addrs_of)
+            addrs_of=self._addrs_of,
+            replay=ReplayLog(max_steps=c.state.replay_steps, max_bytes=c.state.replay_max_bytes))
         apply_stage_limits(c, server)  # a stage that does not fit is refused here
         keeper = StageKeeper(
             self.host, server, swarm=c.swarm.name, home=self.options.home,
