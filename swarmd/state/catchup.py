@@ -47,6 +47,12 @@ class Replayer:
         self.protocol = protocol
         self.model_hash = model_hash
         self.counters = counters
+        #: the step the last source answering ``replay`` was at (None: no answer)
+        self.target: int | None = None
+
+    def caught_up(self) -> bool:
+        """Whether the last ``replay`` reached the step its source was at."""
+        return self.target is not None and self.server.step >= self.target
 
     @property
     def log(self) -> ReplayLog:
@@ -84,6 +90,7 @@ class Replayer:
         for the gradients from our step on and apply them, until a source says we are at its
         step or ``MAX_REQUESTS`` were made. Returns the steps replayed."""
         batch = self._batch()
+        self.target = None
         if not self.enabled or batch <= 0 or not sources:
             return 0
         done, target, last = 0, None, None
@@ -96,6 +103,7 @@ class Replayer:
                          "replay", self.server.stage, since)
                 break
             last, target = reply.peer, reply.step
+            self.target = target
             if not reply.vectors:
                 break  # the source is at our step: caught up
             await self.server.run_exclusive(self._apply, since, reply.vectors)

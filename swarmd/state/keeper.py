@@ -350,6 +350,8 @@ class StageKeeper:
         (a drift), ``peer``'s own state at that step or later, even at our step."""
         if at_least is None:
             peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
+            if await self._replayed(peers):
+                return
             newer_than = self.server.step
         else:  # only the winner's weights repair a drift: nobody else's
             peers = [p for p in self.sources() if p[0] == peer] or [(peer, ())]
@@ -380,6 +382,17 @@ class StageKeeper:
             await self._replayer.replay(peers)  # the steps taken meanwhile
         self._count("caught_up")
         log.info("stage %d: caught up to step %d", self.stage, self.server.step)
+
+    async def _replayed(self, peers: list[tuple[str, tuple[str, ...]]]) -> bool:
+        """Behind by a few steps: whether replaying them onto our state caught us up (no
+        download then: ``swarmd.state.catchup``)."""
+        if not self._replayer.enabled:
+            return False
+        async with self.server.rounds_held():
+            if await self._replayer.replay(peers) and self._replayer.caught_up():
+                self._count("caught_up_by_replay")
+                return True
+        return False
 
     async def stepped(self) -> None:
         """After every optimizer step: save a checkpoint when one is due."""
