@@ -171,7 +171,7 @@ def test_replaying_the_logged_steps_onto_the_old_state_is_bitwise_the_stepped_pe
 
     behind, _ = make_peer(2, opt)  # other initial weights: all comes from the state
     restore(old, behind.module, behind.optimizer, stage=0, model_hash="h")
-    behind.forget()
+    behind.forget(3)
     for i, vector in enumerate(vectors):
         behind.apply_gradient(vector.clone(), at=3 + i)
 

@@ -355,7 +355,7 @@ class Daemon:
             sources=lambda: self.membership.state_sources(stage),
             announced_steps=lambda: self.membership.steps_of(stage),
             weights_digest=lambda: server.run_exclusive(
-                lambda: (server.step, server.stepper.round_digest())))
+                lambda: (server.stepper.weights_step, server.stepper.round_digest())))
         server.on_step(lambda: self._spawn(keeper.stepped()))
         # a peer that moved keeps its measured speed: announcing 0 would make the others see
         # its new stage as still short of peers and follow it

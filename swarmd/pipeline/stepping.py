@@ -69,15 +69,21 @@ class Stepper:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.replay = replay if replay is not None else ReplayLog(max_steps=0, max_bytes=0)
         self._step = step if step is not None else (lambda: 0)
+        #: the step the weights are at, as the compute thread sees it: the stage's step
+        #: (``step()``) moves on the event loop only after a step returned, so a capture or
+        #: digest queued right behind a step must read this, never ``step()``
+        self.weights_step = 0
 
     @property
     def numel(self) -> int:
         """The length of a flat gradient of this stage (its trainable parameters)."""
         return sum(p.numel() for p in self._params)
 
-    def forget(self) -> None:
-        """The weights were replaced (a download): the gradients logged no longer lead here."""
+    def forget(self, step: int) -> None:
+        """The weights were replaced by a state at ``step`` (a download): the gradients
+        logged no longer lead here."""
         self.replay.clear()
+        self.weights_step = step
 
     def _count_lateness(self) -> None:
         """Counters ``late_samples`` / ``stepped_samples``: their ratio is the mean lateness
@@ -101,9 +107,9 @@ class Stepper:
     def apply_gradient(self, vector: torch.Tensor, at: int | None = None) -> None:
         """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside.
         The step is logged for replay as applied at ``at`` (default: the stage's step)."""
+        at = self._step() if at is None else at
         if self.replay.enabled:  # the optimizer may clip the gradient in place: log a copy
-            self.replay.record(self._step() if at is None else at,
-                               vector.detach().to("cpu", torch.float32, copy=True))
+            self.replay.record(at, vector.detach().to("cpu", torch.float32, copy=True))
         kept = [p.grad for p in self._params]
         for p, g in self._unflatten(vector):
             p.grad = g
@@ -111,23 +117,23 @@ class Stepper:
         self.optimizer.step()
         for p, g in zip(self._params, kept):
             p.grad = g
-        self._stepped()
+        self._stepped(at)
 
     def step_alone(self) -> None:
         """A peer alone in its stage: its own mean gradient, without flattening it."""
-        samples = self.worker.samples_accumulated
+        samples, at = self.worker.samples_accumulated, self._step()
         self._count_lateness()
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples
         if self.replay.enabled:
-            self._log_alone()
+            self._log_alone(at)
         self.worker.before_step()
         self.optimizer.step()
         self.worker.zero_grad()
-        self._stepped()
+        self._stepped(at)
 
-    def _log_alone(self) -> None:
+    def _log_alone(self, at: int) -> None:
         """Log the mean gradient ``step_alone`` steps with (before the optimizer clips it in
         place). A parameter without a gradient is skipped by the optimizer, which a replayed
         zero gradient would not be: such a step cannot be replayed (the log is cleared)."""
@@ -136,9 +142,10 @@ class Stepper:
             return
         vector = torch.cat([p.grad.detach().reshape(-1).to(torch.float32)  # type: ignore[union-attr]
                             for p in self._params]).to("cpu")
-        self.replay.record(self._step(), vector)
+        self.replay.record(at, vector)
 
-    def _stepped(self) -> None:
+    def _stepped(self, at: int) -> None:
+        self.weights_step = at + 1
         self.counters["optimizer_steps"] += 1
         dropped = self.worker.stepped()
         if dropped:  # their backward gets unknown_microbatch; the trainer restarts them

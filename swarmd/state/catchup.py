@@ -69,7 +69,7 @@ class Replayer:
         """(our step, the gradients applied from ``since`` on, at most ``count``), read in
         the compute thread (where they are logged)."""
         def read() -> tuple[int, list[torch.Tensor] | None]:
-            return self.server.step, self.log.between(since, count)
+            return self.server.stepper.weights_step, self.log.between(since, count)
         step, vectors = await self.server.run_exclusive(read)
         if vectors:
             self._count("replays_served")

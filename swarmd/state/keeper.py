@@ -248,7 +248,7 @@ class StageKeeper:
         restore(state, self.server.module, self.server.optimizer, stage=self.stage,
                 model_hash=self.model_hash)
         self.server.worker.zero_grad()  # gradients of the old weights do not apply
-        self.server.stepper.forget()  # nor the steps that led to them
+        self.server.stepper.forget(state.step)  # nor the steps that led to them
 
     # ---- while serving ---------------------------------------------------------------------
     async def _snapshot(self) -> StageState | None:
@@ -258,7 +258,7 @@ class StageKeeper:
 
     def _capture(self) -> StageState:
         return capture(self.server.module, self.server.optimizer, stage=self.stage,
-                       step=self.server.step, model_hash=self.model_hash)
+                       step=self.server.stepper.weights_step, model_hash=self.model_hash)
 
     def behind(self, peer: str, step: int) -> None:
         """A mate is at ``step``, ahead of us: download its state (once at a time)."""
