@@ -289,3 +289,17 @@ def test_the_server_answers_kept_gradients_within_its_message_limit_or_not_kept(
     with pytest.raises(BadStateRequest):
         ask(3, 0)
     assert server.counters["bad_requests.replay"] == 1
+
+
+def test_the_weights_step_follows_the_steps_taken_and_the_state_taken_over() -> None:
+    """What a capture or a digest in the compute thread labels the weights with: the stage's
+    step moves on the event loop only after a step returned."""
+    stepper, step = make_peer(5, OptimSettings())
+    step[0] = 4
+    stepper.apply_gradient(torch.zeros(stepper.numel))
+    assert stepper.weights_step == 5  # while the stage's step still says 4
+    stepper.apply_gradient(torch.zeros(stepper.numel), at=9)
+    assert stepper.weights_step == 10 and stepper.replay.since(9) is not None
+    assert stepper.replay.since(4) is None  # 5..8 were not stepped here: a gap
+    stepper.forget(2)
+    assert stepper.weights_step == 2 and len(stepper.replay) == 0
