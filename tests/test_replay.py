@@ -111,12 +111,15 @@ def test_the_log_is_bounded_and_since_always_leads_to_the_newest_step(
 # ---- exactness: a replay gives the weights and optimizer state of the peer that stepped ------
 
 
-def make_peer(seed: int, settings_: OptimSettings) -> tuple[Stepper, list[int]]:
+def make_peer(seed: int, settings_: OptimSettings,
+              dtype: torch.dtype = torch.float32) -> tuple[Stepper, list[int]]:
     torch.manual_seed(seed)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
-    worker = StageWorker(module, width=8, max_tokens=1024)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8)).to(dtype)
+    worker = StageWorker(module, width=8, max_tokens=1024, dtype=dtype)
     step = [0]
-    stepper = Stepper(module, worker, SwarmOptimizer(module.parameters(), settings_),
+    stepper = Stepper(module, worker, SwarmOptimizer(module.parameters(), settings_,
+                                                     dtype=dtype),
                       Counter(), replay=ReplayLog(max_steps=8, max_bytes=1 << 20),
                       step=lambda: step[0])
     return stepper, step
@@ -124,7 +127,7 @@ def make_peer(seed: int, settings_: OptimSettings) -> tuple[Stepper, list[int]]:
 
 def backward(stepper: Stepper, seed: int, samples: int = 3) -> None:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 8, generator=g)
+    x = torch.randn(samples, 8, generator=g).to(next(stepper.module.parameters()).dtype)
     stepper.module(x).pow(2).sum().backward()
     stepper.worker.samples_accumulated += samples
 
@@ -144,18 +147,23 @@ def same_tree(a: Any, b: Any) -> bool:
     return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("name,dtype", [("adamw", torch.float32), ("lamb", torch.float32),
+                                        ("adamw", torch.bfloat16)])
 def test_replaying_the_logged_steps_onto_the_old_state_is_bitwise_the_stepped_peer(
-        name: str) -> None:
+        name: str, dtype: torch.dtype) -> None:
     # warmup makes the lr depend on the step count; a tight clip scales gradients in place
     opt = OptimSettings(name=name, lr=1e-2, grad_clip=0.5, schedule="cosine",
                         warmup_steps=3, decay_steps=20)
-    ahead, ahead_step = make_peer(1, opt)
+    ahead, ahead_step = make_peer(1, opt, dtype)
     for i in range(3):  # some history first: moments that are not zero
         backward(ahead, 100 + i)
         ahead.step_alone()
         ahead_step[0] += 1
     old = capture(ahead.module, ahead.optimizer, stage=0, step=3, model_hash="h")
+    # a stage state does not carry float32 master weights (bf16/fp16 stages restore them
+    # rounded: swarm_optim.load_state_dict), so such a download is already not bitwise the
+    # mate's; with the masters given over too, the replay itself is exact
+    masters = ahead.optimizer.masters_state()
     for i in range(5):  # k = 5 steps after the state was taken: alone and in rounds
         if i % 2:
             backward(ahead, 200 + i)
@@ -169,8 +177,10 @@ def test_replaying_the_logged_steps_onto_the_old_state_is_bitwise_the_stepped_pe
     vectors = ahead.replay.since(3)
     assert vectors is not None and len(vectors) == 5
 
-    behind, _ = make_peer(2, opt)  # other initial weights: all comes from the state
+    behind, _ = make_peer(2, opt, dtype)  # other initial weights: all comes from the state
     restore(old, behind.module, behind.optimizer, stage=0, model_hash="h")
+    if masters is not None:
+        behind.optimizer.load_masters(masters)
     behind.forget(3)
     for i, vector in enumerate(vectors):
         behind.apply_gradient(vector.clone(), at=3 + i)
