@@ -213,6 +213,16 @@ def test_a_lone_step_with_a_parameter_without_gradient_cannot_be_replayed() -> N
     assert stepper.replay.since(0) is None and len(stepper.replay) == 0
 
 
+def test_a_stage_whose_gradient_exceeds_the_byte_bound_keeps_none_and_copies_none() -> None:
+    stepper, step = make_peer(6, OptimSettings())
+    stepper.replay = ReplayLog(max_steps=8, max_bytes=stepper.numel * 4 - 1)
+    assert not stepper.replay.keeps(stepper.numel * 4)
+    backward(stepper, 1)
+    stepper.step_alone()
+    stepper.apply_gradient(torch.zeros(stepper.numel), at=1)
+    assert len(stepper.replay) == 0 and stepper.replay.since(0) is None
+
+
 # ---- the wire -------------------------------------------------------------------------------
 
 

@@ -108,8 +108,10 @@ class Stepper:
         """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside.
         The step is logged for replay as applied at ``at`` (default: the stage's step)."""
         at = self._step() if at is None else at
-        if self.replay.enabled:  # the optimizer may clip the gradient in place: log a copy
+        if self.replay.keeps(vector.numel() * 4):  # the optimizer may clip it in place: a copy
             self.replay.record(at, vector.detach().to("cpu", torch.float32, copy=True))
+        else:
+            self.replay.clear()
         kept = [p.grad for p in self._params]
         for p, g in self._unflatten(vector):
             p.grad = g
@@ -137,7 +139,7 @@ class Stepper:
         """Log the mean gradient ``step_alone`` steps with (before the optimizer clips it in
         place). A parameter without a gradient is skipped by the optimizer, which a replayed
         zero gradient would not be: such a step cannot be replayed (the log is cleared)."""
-        if any(p.grad is None for p in self._params):
+        if not self.replay.keeps(self.numel * 4) or any(p.grad is None for p in self._params):
             self.replay.clear()
             return
         vector = torch.cat([p.grad.detach().reshape(-1).to(torch.float32)  # type: ignore[union-attr]

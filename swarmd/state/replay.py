@@ -51,6 +51,11 @@ class ReplayLog:
     def enabled(self) -> bool:
         return self.max_steps > 0 and self.max_bytes > 0
 
+    def keeps(self, nbytes: int) -> bool:
+        """Whether a vector of ``nbytes`` would be kept (else the caller need not copy it:
+        ``record`` would only clear the log)."""
+        return self.enabled and nbytes <= self.max_bytes
+
     def __len__(self) -> int:
         return len(self._entries)
 
