@@ -26,14 +26,15 @@ KINDS: dict[str, tuple[str, ...]] = {
     "forward": ("forward",), "backward": ("backward",), "result": ("result",),
     "grad": ("grad",), "round": ("progress", "prepare", "start"),
     "allreduce": ("part", "contribute", "contribution", "probe", "repair", "absent"),
-    "state": ("state_info", "state_chunk", "state_digest"), "view": ("pull",),
+    "state": ("state_info", "state_chunk", "state_digest", "state_replay"), "view": ("pull",),
     "announce": ("announce",),
 }
 #: metadata keys any receiver reads
 KEYS = ("mb", "stage", "step", "path", "trainer", "trainer_addrs", "model", "model_hash",
         "eval", "round", "group", "samples", "bandwidth", "bandwidths", "free", "digest", "index",
         "checksum", "chunks", "r", "a", "p", "w", "c", "e", "code", "message", "service_s",
-        "held_s", "compute_s", "upload_wait_s", "upload_bytes_s", "results")
+        "held_s", "compute_s", "upload_wait_s", "upload_bytes_s", "results", "since", "count",
+        "kept")
 WEIRD: tuple[Any, ...] = (None, True, -1, 0, 2**63 - 1, -2**63, 1e308, math.nan, math.inf, "",
                           "x" * 5000, [], ["12D3KooW"] * 10_000, {"a": {"b": {"c": [1]}}},
                           b"\x00" * 64, [None, 1, "a"], -0.0, "../../etc/passwd")

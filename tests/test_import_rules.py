@@ -43,6 +43,7 @@ CORES = frozenset({
     "swarmd.averaging.messages",
     "swarmd.state.transfer",
     "swarmd.state.messages",
+    "swarmd.state.replay",
     "transport.codecs",
     "swarmd.models.seam",
     "swarmd.pipeline.inflight",

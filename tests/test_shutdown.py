@@ -28,6 +28,7 @@ from swarmd.state import keeper as keeper_module
 from swarmd.state.checkpoint import SaveAborted, load_checkpoint, save_checkpoint
 from swarmd.state.encoding import capture
 from swarmd.state.keeper import StageKeeper
+from swarmd.state.replay import ReplayLog
 
 HASH = "model-abc"
 
@@ -204,6 +205,15 @@ class _Server:
         self.optimizer = torch.optim.AdamW(self.module.parameters())
         self.step = 0
         self.worker = self
+        self.stepper = self  # what the keeper asks of a Stepper: no gradients kept to replay
+        self.replay = ReplayLog(max_steps=0, max_bytes=0)
+
+    @property
+    def weights_step(self) -> int:
+        return self.step
+
+    def forget(self, step: int) -> None:
+        pass
 
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ from swarmd.config.sections import (ENV_PREFIX, RESERVED_ENV, DataConfig, HttpCo
                                     TrainingConfig, WireConfig, _cross_checks)
 from swarmd.config.limits import LimitsConfig
 from swarmd.config.stage import (AveragingConfig, BalancingSection, CheckpointConfig,
-                                 ServingSection)
+                                 ServingSection, StateSection)
 from swarmd.errors import ConfigError
 from transport.limits import Limits
 
@@ -41,6 +41,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    state: StateSection = field(default_factory=StateSection)
     balancing: BalancingSection = field(default_factory=BalancingSection)
     serving: ServingSection = field(default_factory=ServingSection)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -137,9 +138,9 @@ def _model_of(config: Config) -> tuple[Any, Any, Any]:
 
 _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls for cls in (SwarmConfig, ModelSection, TrainingConfig, DataConfig,
-                                 AveragingConfig, CheckpointConfig, BalancingSection,
-                                 ServingSection, NetworkConfig, WireConfig, HttpConfig, LogConfig,
-                                 LimitsConfig, NodeConfig)
+                                 AveragingConfig, CheckpointConfig, StateSection,
+                                 BalancingSection, ServingSection, NetworkConfig, WireConfig,
+                                 HttpConfig, LogConfig, LimitsConfig, NodeConfig)
 }
 _SPECS: dict[str, dataclasses.Field] = {
     f"{section}.{f.name}": f for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)  # type: ignore[arg-type]

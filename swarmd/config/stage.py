@@ -66,6 +66,25 @@ class CheckpointConfig(_Section):
 
 
 @dataclass(frozen=True)
+class StateSection(_Section):
+    SECTION: ClassVar[str] = "state"
+    DOC: ClassVar[str] = ("How a stage peer that downloaded its mates' state catches up with "
+                          "the steps they took meanwhile (swarmd/state/catchup.py).")
+
+    replay_steps: int = _opt(
+        8, "Keep the gradients of this many last optimizer steps, so that a mate whose "
+        "downloaded state is that many steps old replays them instead of downloading again "
+        "(0: off). Memory: one float32 copy of the stage's trainable parameters per step kept.",
+        "an integer from 0 to 1024", _int_range(0, 1024),
+    )
+    replay_max_bytes: int = _opt(
+        256 << 20, "The most bytes those kept gradients take (the oldest are dropped first; a "
+        "stage whose float32 gradient is bigger keeps none).",
+        "an integer from 0 to 2**40", _int_range(0, 1 << 40),
+    )
+
+
+@dataclass(frozen=True)
 class BalancingSection(_Section):
     SECTION: ClassVar[str] = "balancing"
     DOC: ClassVar[str] = ("When a peer moves to the stage that limits the pipeline "

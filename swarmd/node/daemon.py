@@ -317,6 +317,7 @@ class Daemon:
         from swarmd.state.keeper import StageKeeper
         from swarmd.pipeline.server import MAX_BATCH, StageServer
         from swarmd.averaging.stage_sync import SyncSettings
+        from swarmd.state.replay import ReplayLog
         from swarmd.training.swarm_optim import OptimSettings
 
         c = self.config
@@ -344,8 +345,8 @@ class Daemon:
             on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
             on_diverged=lambda peer, step: self.keeper.diverged(peer, step),
             max_batch=c.serving.max_batch(self._device.type, MAX_BATCH),
-            step_drains=c.serving.drains(stage),
-            addrs_of=self._addrs_of)
+            step_drains=c.serving.drains(stage), addrs_of=self._addrs_of,
+            replay=ReplayLog(max_steps=c.state.replay_steps, max_bytes=c.state.replay_max_bytes))
         apply_stage_limits(c, server)  # a stage that does not fit is refused here
         keeper = StageKeeper(
             self.host, server, swarm=c.swarm.name, home=self.options.home,
@@ -353,7 +354,7 @@ class Daemon:
             sources=lambda: self.membership.state_sources(stage),
             announced_steps=lambda: self.membership.steps_of(stage),
             weights_digest=lambda: server.run_exclusive(
-                lambda: (server.step, server.stepper.round_digest())))
+                lambda: (server.stepper.weights_step, server.stepper.round_digest())))
         server.on_step(lambda: self._spawn(keeper.stepped()))
         # a peer that moved keeps its measured speed: announcing 0 would make the others see
         # its new stage as still short of peers and follow it

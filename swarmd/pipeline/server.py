@@ -41,6 +41,7 @@ from swarmd.pipeline.stepping import DRAIN_S, Gate, Stepper
 from swarmd.pipeline.worker import StageWorker
 from swarmd.pipeline.wiring import Wiring
 from swarmd.protocols import Protocols
+from swarmd.state.replay import ReplayLog
 from swarmd.models.seam import ModelSeam
 from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
 
@@ -71,10 +72,12 @@ class StageServer:
                  on_diverged: Callable[[str, int], None] | None = None,
                  module: torch.nn.Module | None = None, max_batch: int = 1,
                  step_drains: bool = False,
-                 addrs_of: Callable[[str], tuple[str, ...]] = lambda peer: ()) -> None:
+                 addrs_of: Callable[[str], tuple[str, ...]] = lambda peer: (),
+                 replay: ReplayLog | None = None) -> None:
         """``seam`` is the model (default: the built-in GPT of ``model_config``); ``module``
         this stage's part of it when already built (else built here, randomly initialised);
-        ``optim`` the ``[training]`` optimizer keys (default: ``optimizer`` at ``lr``)."""
+        ``optim`` the ``[training]`` optimizer keys (default: ``optimizer`` at ``lr``);
+        ``replay`` logs the gradients stepped with, for mates to replay (default: none)."""
         from swarmd.models.builtin import BuiltinGPT
 
         if seam is None:
@@ -97,7 +100,8 @@ class StageServer:
         self.batcher = Batcher(self.worker, self.compute, self.counters, max_batch=max_batch)
         self.gate = Gate(self.worker, self.compute, self.counters, stage,
                          drain_steps=step_drains)
-        self.stepper = Stepper(self.module, self.worker, self.optimizer, self.counters)
+        self.stepper = Stepper(self.module, self.worker, self.optimizer, self.counters,
+                               replay=replay, step=lambda: self.sync.step)
         self._throughput = Throughput()
         last = stage == num_stages - 1
         self.router = None if last else Router(

@@ -27,6 +27,7 @@ import torch
 
 from swarmd.pipeline.batching import Compute
 from swarmd.pipeline.worker import StageWorker
+from swarmd.state.replay import ReplayLog
 from swarmd.training.model import tensor_bytes, to_device
 
 log = logging.getLogger("swarmd.stage")
@@ -56,12 +57,33 @@ class Stepper:
     """The optimizer math of one stage; every method runs in the compute thread."""
 
     def __init__(self, module: torch.nn.Module, worker: StageWorker, optimizer: Any,
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], *, replay: ReplayLog | None = None,
+                 step: Callable[[], int] | None = None) -> None:
+        """``replay`` (with ``step()``, the stage's step before a step is applied) logs the
+        gradient of every step taken here, so that a mate can replay it
+        (``swarmd.state.replay``)."""
         self.module = module
         self.worker = worker
         self.optimizer = optimizer
         self.counters = counters
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self.replay = replay if replay is not None else ReplayLog(max_steps=0, max_bytes=0)
+        self._step = step if step is not None else (lambda: 0)
+        #: the step the weights are at, as the compute thread sees it: the stage's step
+        #: (``step()``) moves on the event loop only after a step returned, so a capture or
+        #: digest queued right behind a step must read this, never ``step()``
+        self.weights_step = 0
+
+    @property
+    def numel(self) -> int:
+        """The length of a flat gradient of this stage (its trainable parameters)."""
+        return sum(p.numel() for p in self._params)
+
+    def forget(self, step: int) -> None:
+        """The weights were replaced by a state at ``step`` (a download): the gradients
+        logged no longer lead here."""
+        self.replay.clear()
+        self.weights_step = step
 
     def _count_lateness(self) -> None:
         """Counters ``late_samples`` / ``stepped_samples``: their ratio is the mean lateness
@@ -82,8 +104,14 @@ class Stepper:
         self.worker.zero_grad()
         return vector, samples
 
-    def apply_gradient(self, vector: torch.Tensor) -> None:
-        """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside."""
+    def apply_gradient(self, vector: torch.Tensor, at: int | None = None) -> None:
+        """Step with ``vector`` as the gradient; what accumulated meanwhile is kept aside.
+        The step is logged for replay as applied at ``at`` (default: the stage's step)."""
+        at = self._step() if at is None else at
+        if self.replay.keeps(vector.numel() * 4):  # the optimizer may clip it in place: a copy
+            self.replay.record(at, vector.detach().to("cpu", torch.float32, copy=True))
+        else:
+            self.replay.clear()
         kept = [p.grad for p in self._params]
         for p, g in self._unflatten(vector):
             p.grad = g
@@ -91,21 +119,35 @@ class Stepper:
         self.optimizer.step()
         for p, g in zip(self._params, kept):
             p.grad = g
-        self._stepped()
+        self._stepped(at)
 
     def step_alone(self) -> None:
         """A peer alone in its stage: its own mean gradient, without flattening it."""
-        samples = self.worker.samples_accumulated
+        samples, at = self.worker.samples_accumulated, self._step()
         self._count_lateness()
         for p in self._params:
             if p.grad is not None and samples:
                 p.grad /= samples
+        if self.replay.enabled:
+            self._log_alone(at)
         self.worker.before_step()
         self.optimizer.step()
         self.worker.zero_grad()
-        self._stepped()
+        self._stepped(at)
 
-    def _stepped(self) -> None:
+    def _log_alone(self, at: int) -> None:
+        """Log the mean gradient ``step_alone`` steps with (before the optimizer clips it in
+        place). A parameter without a gradient is skipped by the optimizer, which a replayed
+        zero gradient would not be: such a step cannot be replayed (the log is cleared)."""
+        if not self.replay.keeps(self.numel * 4) or any(p.grad is None for p in self._params):
+            self.replay.clear()
+            return
+        vector = torch.cat([p.grad.detach().reshape(-1).to(torch.float32)  # type: ignore[union-attr]
+                            for p in self._params]).to("cpu")
+        self.replay.record(at, vector)
+
+    def _stepped(self, at: int) -> None:
+        self.weights_step = at + 1
         self.counters["optimizer_steps"] += 1
         dropped = self.worker.stepped()
         if dropped:  # their backward gets unknown_microbatch; the trainer restarts them

@@ -18,14 +18,16 @@ flips) before decoding; a bad file raises :class:`CorruptCheckpoint`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
 import secrets
 import struct
+import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from swarmd.errors import SwarmdError
 from swarmd.state.encoding import MAX_STATE_BYTES, BadStageState, StageState, decode, encode
@@ -215,3 +217,31 @@ def _fsync_dir(dir: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a daemon thread of its own (not the loop's executor, which the
+    process waits for when it exits: an abandoned save must not hold the exit up)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not future.done():
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:  # handed to the awaiting side
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
+    return future

@@ -25,8 +25,9 @@ import torch
 from swarmd.links import LinkEstimates, chunks_in_flight, links_for
 from swarmd.state.encoding import (BadStageState, NonFiniteState, StageState, check_finite_state,
                                    decode, digest)
-from swarmd.state.messages import (DigestReply, DigestRequest, SizeBound, check_offer,
-                                   parse_chunk, parse_digest, parse_info)
+from swarmd.state.messages import (DigestReply, DigestRequest, ReplayReply, ReplayRequest,
+                                   SizeBound, check_offer, parse_chunk, parse_digest, parse_info,
+                                   parse_replay)
 from transport.errors import (
     LocalUsageError,
     PeerProtocolError,
@@ -115,6 +116,30 @@ async def ask_digest(host: Any, protocol: str, peer: str, addrs: Sequence[str], 
         raise
     except BadStateRequest:
         counters["bad_digest_replies"] = counters.get("bad_digest_replies", 0) + 1
+        return None
+    except (RemoteError, TransportError):
+        return None
+
+
+async def ask_replay(host: Any, protocol: str, peer: str, addrs: Sequence[str], *,
+                     request: ReplayRequest, numel: int, timeout_s: float,
+                     counters: dict[str, int]) -> ReplayReply | None:
+    """The gradients ``peer`` applied from ``request.since`` on (``state_replay``), checked
+    (``parse_replay``), or None: unreachable, refused (an older peer), or malformed
+    (``bad_replay_replies`` counted). Within ``timeout_s`` for the dial and for the request."""
+    try:
+        if addrs and not await host.ensure_connected(peer, addrs, timeout=timeout_s):
+            return None
+        reply = await host.request(peer, protocol, Message(kind="state_replay",
+                                                           meta=request.to_meta()),
+                                   timeout=timeout_s, codec=_NONE)
+        return parse_replay(peer, reply.kind, reply.meta, reply.tensors, asked=request,
+                            numel=numel)
+    except (TransportClosed, LocalUsageError):
+        raise
+    except BadStateRequest as exc:
+        counters["bad_replay_replies"] = counters.get("bad_replay_replies", 0) + 1
+        log.warning("stage %d: a malformed replay reply from %s: %s", request.stage, peer, exc)
         return None
     except (RemoteError, TransportError):
         return None

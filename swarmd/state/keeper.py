@@ -17,7 +17,8 @@
   (no rounds: training paused) asks its mates for their step and weights digest
   (``state_digest``, ``swarmd.averaging.authority.IdleDrift``) and takes the state of the
   lowest-id mate at its step when that one's digest differs (``idle_adopt_from``,
-  ``state.idle_diverged``), so a drift left when training stopped is repaired too; every
+  ``state.idle_diverged``), so a drift left when training stopped is repaired too; after a
+  download, the steps the stage took meanwhile are replayed (``swarmd.state.catchup``); every
   ``every_steps`` steps and on shutdown the state is saved atomically (``save_checkpoint``).
 """
 
@@ -31,8 +32,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from swarmd.averaging.authority import IdleDrift, idle_adopt_from
+from swarmd.state.catchup import Replayer
 from swarmd.state.checkpoint import (CorruptCheckpoint, SaveAborted, checkpoint_dir,
-                                     checkpoint_path, load_checkpoint, quarantine,
+                                     checkpoint_path, in_thread, load_checkpoint, quarantine,
                                      save_checkpoint)
 from swarmd.state.encoding import (NonFiniteState, StageState, StateMismatch, capture,
                                    check_finite_state, restore, state_bytes_bound)
@@ -108,10 +110,13 @@ class StageKeeper:
         #: (done, total) bytes of a download in progress, for status
         self.syncing: tuple[int, int] | None = None
         self.source_of_state = "initial"
+        self._replayer = Replayer(host, server, protocol=self.protocol, model_hash=model_hash,
+                                  counters=self._counts)
         self._serving = StateServer(host, self.protocol, self._snapshot, stage=self.stage,
                                     model_hash=model_hash, counters=self._served,
                                     step=lambda: self.server.step,
-                                    weights_digest=self._digest_if_ready)
+                                    weights_digest=self._digest_if_ready,
+                                    replay=self._replayer.serve)
         self._catching_up: asyncio.Task[None] | None = None
         self._last_catch_up = 0.0
         self._last_repair = -REPAIR_GAP_S
@@ -146,6 +151,8 @@ class StageKeeper:
         if state is not None:
             await self.server.when_drained(self._restore, state)
             self.server.took_state(state.step)
+        if origin == "peers":  # no round runs yet: the mates' steps since are replayed
+            await self._replayer.replay(peers)
         self.source_of_state = origin
         self._saved_step = self.server.step if origin == "checkpoint" else -1
         log.info("stage %d: state from %s (step %d)", self.stage, origin, self.server.step)
@@ -241,6 +248,7 @@ class StageKeeper:
         restore(state, self.server.module, self.server.optimizer, stage=self.stage,
                 model_hash=self.model_hash)
         self.server.worker.zero_grad()  # gradients of the old weights do not apply
+        self.server.stepper.forget(state.step)  # nor the steps that led to them
 
     # ---- while serving ---------------------------------------------------------------------
     async def _snapshot(self) -> StageState | None:
@@ -250,7 +258,7 @@ class StageKeeper:
 
     def _capture(self) -> StageState:
         return capture(self.server.module, self.server.optimizer, stage=self.stage,
-                       step=self.server.step, model_hash=self.model_hash)
+                       step=self.server.stepper.weights_step, model_hash=self.model_hash)
 
     def behind(self, peer: str, step: int) -> None:
         """A mate is at ``step``, ahead of us: download its state (once at a time)."""
@@ -342,6 +350,8 @@ class StageKeeper:
         (a drift), ``peer``'s own state at that step or later, even at our step."""
         if at_least is None:
             peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
+            if await self._replayed(peers):
+                return
             newer_than = self.server.step
         else:  # only the winner's weights repair a drift: nobody else's
             peers = [p for p in self.sources() if p[0] == peer] or [(peer, ())]
@@ -369,8 +379,20 @@ class StageKeeper:
                 log.error("stage %d: the downloaded state does not fit: %s", self.stage, exc)
                 return
             self.server.took_state(state.step)
+            await self._replayer.replay(peers)  # the steps taken meanwhile
         self._count("caught_up")
-        log.info("stage %d: caught up to step %d", self.stage, state.step)
+        log.info("stage %d: caught up to step %d", self.stage, self.server.step)
+
+    async def _replayed(self, peers: list[tuple[str, tuple[str, ...]]]) -> bool:
+        """Behind by a few steps: whether replaying them onto our state caught us up (no
+        download then: ``swarmd.state.catchup``)."""
+        if not self._replayer.enabled:
+            return False
+        async with self.server.rounds_held():
+            if await self._replayer.replay(peers) and self._replayer.caught_up():
+                self._count("caught_up_by_replay")
+                return True
+        return False
 
     async def stepped(self) -> None:
         """After every optimizer step: save a checkpoint when one is due."""
@@ -430,7 +452,7 @@ class StageKeeper:
                 return None
             t0 = time.monotonic()
             state = await self.server.run_exclusive(self._capture)
-            self._writer = _in_thread(self._save_finite, state)
+            self._writer = in_thread(self._save_finite, state)
             try:
                 path = await asyncio.shield(self._writer)
             except NonFiniteState as exc:  # the last good checkpoint stays
@@ -468,30 +490,3 @@ class StageKeeper:
                 pass
         await self.save(deadline, hurry)  # on shutdown: never lose more than this
 
-
-def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-    """``fn(*args)`` in a daemon thread of its own (not the loop's executor, which the
-    process waits for when it exits: an abandoned save must not hold the exit up)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if not future.done():
-            if exc is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as error:  # handed to the awaiting side
-            result, exc = None, error
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
-    return future

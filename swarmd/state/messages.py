@@ -1,7 +1,8 @@
 """The messages of state transfer (:mod:`swarmd.state.transfer`), as values. Pure: no I/O.
 
 Requests (served by :class:`swarmd.state.serve.StateServer`) are parsed in one place,
-:func:`parse_request`; replies (read by :mod:`swarmd.state.fetch`) in :func:`parse_info` and
+:func:`parse_request`; replies (read by :mod:`swarmd.state.fetch`) in :func:`parse_info`,
+:func:`parse_digest`, :func:`parse_replay` (gradients to replay: ``swarmd.state.catchup``) and
 :func:`parse_chunk`, checked against what the fetching side asked and expects: the chunk of the
 snapshot and index it asked that very source for, of the size the offer implies, and an offer
 whose size fits the stage's model (:func:`check_offer`). Unknown keys are dropped; anything
@@ -18,12 +19,14 @@ import torch
 from swarmd.state.transfer import _HEX32, _HEX64, BadStateRequest, StateInfo
 
 __all__ = ["ChunkReply", "ChunkRequest", "DigestReply", "DigestRequest", "InfoRequest",
-           "SizeBound", "check_offer", "parse_chunk", "parse_digest", "parse_info",
-           "parse_request"]
+           "ReplayReply", "ReplayRequest", "SizeBound", "check_offer", "parse_chunk",
+           "parse_digest", "parse_info", "parse_replay", "parse_request"]
 
 MAX_MODEL_HASH_CHARS = 256
 #: the most chunks a snapshot may have (16 GiB of 1 KiB chunks would be 16 Mi)
 MAX_CHUNKS = 1 << 24
+#: the most gradients one ``state_replay`` asks for (``state.replay_steps`` is at most this)
+MAX_REPLAY_STEPS = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -99,11 +102,72 @@ def parse_digest(peer: str, kind: str, meta: Mapping[str, Any],
     return DigestReply(peer=peer, step=meta.get("step"), digest=meta.get("digest"))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayRequest(InfoRequest):
+    """``state_replay``: the gradients you applied at steps ``since`` .. ``since + count - 1``
+    (``swarmd.state.replay``), as many of them as you keep, and your step."""
+
+    since: int
+    count: int
+
+    def __post_init__(self) -> None:
+        InfoRequest.__post_init__(self)
+        if not _is_int(self.since) or not 0 <= self.since < 1 << 62:
+            raise BadStateRequest("replay", f"since {self.since!r}"[:80])
+        if not _is_int(self.count) or not 1 <= self.count <= MAX_REPLAY_STEPS:
+            raise BadStateRequest("replay", f"count {self.count!r}"[:80])
+
+    def to_meta(self) -> dict[str, Any]:
+        return {**InfoRequest.to_meta(self), "since": self.since, "count": self.count}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayReply:
+    """A mate's answer to ``state_replay``: its step, and the gradients it applied from step
+    ``since`` on (``vectors``, checked), or None when it does not keep them (``not kept``)."""
+
+    peer: str
+    since: int
+    step: int
+    vectors: tuple[torch.Tensor, ...] | None
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"since": self.since, "step": self.step, "kept": self.vectors is not None}
+
+
+def parse_replay(peer: str, kind: str, meta: Mapping[str, Any], tensors: Sequence[Any], *,
+                 asked: ReplayRequest, numel: int) -> ReplayReply:
+    """``peer``'s reply to ``asked``: at most ``asked.count`` flat float32 vectors of
+    ``numel`` finite values, answering from ``asked.since``, at a step no lower than what
+    they take the state to; or a ``not kept`` answer with no tensors."""
+    if kind != "state_replay" or not isinstance(meta, Mapping):
+        raise BadStateRequest("replay_reply", f"answered state_replay with {kind[:40]!r}")
+    step, kept = meta.get("step"), meta.get("kept")
+    if meta.get("since") != asked.since or not isinstance(kept, bool) or not _is_int(step) \
+            or not 0 <= step < 1 << 62:
+        raise BadStateRequest("replay_reply", "a replay reply needs since, step and kept")
+    if not kept:
+        if tensors:
+            raise BadStateRequest("replay_reply", "a not-kept reply carries no tensors")
+        return ReplayReply(peer=peer, since=asked.since, step=step, vectors=None)
+    if not 0 < len(tensors) <= asked.count or asked.since + len(tensors) > step:
+        raise BadStateRequest("replay_reply", f"{len(tensors)} vectors answer {asked.count} "
+                                              f"steps from {asked.since} to step {step}")
+    for vector in tensors:
+        if not (isinstance(vector, torch.Tensor) and vector.dtype == torch.float32
+                and tuple(vector.shape) == (numel,)):
+            raise BadStateRequest("replay_reply", f"a replayed gradient must be {numel} "
+                                                  f"float32 values")
+        if not bool(torch.isfinite(vector).all()):
+            raise BadStateRequest("replay_reply", "a replayed gradient holds NaN/Inf")
+    return ReplayReply(peer=peer, since=asked.since, step=step, vectors=tuple(tensors))
+
+
 def parse_request(kind: str, meta: Mapping[str, Any],
                   tensors: Sequence[Any] = ()) -> InfoRequest | ChunkRequest:
     """A state request from the wire. Requests carry no tensors: a peer pushing a chunk
     nobody asked it for is refused here."""
-    if kind not in ("state_info", "state_chunk", "state_digest"):
+    if kind not in ("state_info", "state_chunk", "state_digest", "state_replay"):
         raise BadStateRequest("kind", f"unknown request kind {kind[:64]!r}")
     if tensors:
         raise BadStateRequest("unsolicited_data", f"a {kind} request carries no tensors")
@@ -114,6 +178,8 @@ def parse_request(kind: str, meta: Mapping[str, Any],
         return InfoRequest(**base)
     if kind == "state_digest":
         return DigestRequest(**base)
+    if kind == "state_replay":
+        return ReplayRequest(**base, since=meta.get("since"), count=meta.get("count"))
     return ChunkRequest(**base, digest=meta.get("digest"), index=meta.get("index"))
 
 

@@ -12,7 +12,7 @@ import torch
 from swarmd.errors import BadPeerMessage, ModelMismatch, SwarmdError, WrongStage
 from swarmd.state.encoding import NonFiniteState, StageState, check_finite_state, digest, encode
 from swarmd.state.messages import (ChunkRequest, DigestReply, DigestRequest, InfoRequest,
-                                   parse_request)
+                                   ReplayReply, ReplayRequest, parse_request)
 from transport.frames import Message
 from swarmd.state.transfer import (
     DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, _NONE, BadStateRequest, NoState,
@@ -20,6 +20,16 @@ from swarmd.state.transfer import (
 )
 
 log = logging.getLogger("swarmd.state.transfer")
+
+#: bytes a ``state_replay`` reply takes besides its vectors' values, at most
+REPLY_OVERHEAD = 64 << 10
+
+
+def _message_limit(host: Any) -> int | None:
+    """The host's largest message, if it says (``transport.limits``)."""
+    limit = getattr(getattr(getattr(host, "options", None), "limits", None),
+                    "max_message_bytes", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +53,8 @@ class StateServer:
     (``no_state`` to the requester, counted as ``non_finite_snapshots``). ``counters`` (a dict
     to update, e.g. the keeper's) defaults to a new one. ``weights_digest()`` (optional) gives
     (step, round digest) of the live weights for ``state_digest`` (the idle drift check); a
-    server without one answers it ``no_state``.
+    server without one answers it ``no_state``. ``replay(since, count)`` (optional) gives
+    (step, the gradients applied from ``since`` on or None) for ``state_replay``.
     """
 
     def __init__(self, host: Any, protocol: str,
@@ -53,8 +64,9 @@ class StateServer:
                  clock: Callable[[], float] = time.monotonic,
                  counters: dict[str, int] | None = None,
                  step: Callable[[], int] | None = None,
-                 weights_digest: Callable[[], Awaitable[tuple[int, str] | None]] | None = None
-                 ) -> None:
+                 weights_digest: Callable[[], Awaitable[tuple[int, str] | None]] | None = None,
+                 replay: Callable[[int, int], Awaitable[tuple[int, list[torch.Tensor] | None]]]
+                 | None = None) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or keep < 1 or keep_s <= 0:
             raise ValueError(f"StateServer needs chunk_bytes in {MIN_CHUNK_BYTES}.."
                              f"{MAX_CHUNK_BYTES}, keep >= 1 and keep_s > 0")
@@ -72,6 +84,7 @@ class StateServer:
         self._snapshot = snapshot
         self._step = step
         self._weights_digest = weights_digest
+        self._replay = replay
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
         self._lock = asyncio.Lock()
@@ -101,6 +114,8 @@ class StateServer:
                 return self._chunk(request)
             if isinstance(request, DigestRequest):
                 return await self._digest()
+            if isinstance(request, ReplayRequest):
+                return await self._replayed(request)
             return await self._info()
         except BadPeerMessage as exc:
             self._count(f"bad_requests.{exc.reason}")
@@ -141,6 +156,24 @@ class StateServer:
         step, digest_ = found
         reply = DigestReply(peer=self.host.peer_id, step=step, digest=digest_)
         return Message(kind="state_digest", meta=reply.to_meta())
+
+    async def _replayed(self, request: ReplayRequest) -> Message:
+        """The gradients applied from ``request.since`` on (at most ``request.count``), or
+        ``kept: false`` (none kept that far back, or this server keeps none)."""
+        self._count("replays")
+        if self._replay is None:
+            raise NoState(f"this peer keeps no gradients of stage {self.stage} to replay")
+        step, vectors = await self._replay(request.since, request.count)
+        limit = _message_limit(self.host)
+        if vectors and limit is not None:  # as many as one message carries (at least one)
+            room = max(0, (limit - REPLY_OVERHEAD) // max(1, vectors[0].numel() * 4))
+            vectors = vectors[:room]
+        if not vectors:
+            self._count("replays_not_kept")
+            vectors = None
+        reply = ReplayReply(peer=self.host.peer_id, since=request.since, step=step,
+                            vectors=tuple(vectors) if vectors else None)
+        return Message(kind="state_replay", meta=reply.to_meta(), tensors=reply.vectors or ())
 
     async def _freeze(self) -> _Cached:
         state = await self._snapshot()
