@@ -22,14 +22,15 @@ from typing import Any, Sequence
 
 import torch
 
+from swarmd.links import links_for
 from swarmd.state.fetch import ask_digest, ask_replay
 from swarmd.state.messages import MAX_REPLAY_STEPS, ReplayRequest
 from swarmd.state.replay import ReplayLog
 
 log = logging.getLogger("swarmd.keeper")
 
-#: each replay request's deadline (the dial, then the request)
-REPLAY_TIMEOUT_S = 60.0
+#: what a mate's compute thread may need besides the link (reading its log, a digest)
+SERVE_EXTRA_S = 2.0
 #: requests one catch-up makes at most (the stage may step on while we replay)
 MAX_REQUESTS = 8
 #: mates asked in turn for the gradients, at most
@@ -123,10 +124,14 @@ class Replayer:
         """The first source's answer that has the gradients (or says we are at its step)."""
         request = ReplayRequest(stage=self.server.stage, model_hash=self.model_hash,
                                 since=since, count=batch)
+        nbytes = batch * 4 * self.server.stepper.numel  # float32 vectors
         for peer, addrs in sources:
+            # the deadline follows the link: the bytes asked for at the measured rate and RTT
+            timeout = links_for(self.host).deadline(peer, nbytes, round_trips=2,
+                                                    extra_s=SERVE_EXTRA_S)
             reply = await ask_replay(self.host, self.protocol, peer, addrs, request=request,
                                      numel=self.server.stepper.numel,
-                                     timeout_s=REPLAY_TIMEOUT_S, counters=self.counters)
+                                     timeout_s=timeout, counters=self.counters)
             if reply is None or reply.step < since:
                 continue
             if reply.vectors is not None or reply.step == since:
@@ -147,7 +152,9 @@ class Replayer:
         addrs = next((a for p, a in sources if p == peer), ())
         theirs = await ask_digest(self.host, self.protocol, peer, addrs,
                                   stage=self.server.stage, model_hash=self.model_hash,
-                                  timeout_s=REPLAY_TIMEOUT_S, counters=self.counters)
+                                  timeout_s=links_for(self.host).deadline(
+                                      peer, 0, round_trips=2, extra_s=SERVE_EXTRA_S),
+                                  counters=self.counters)
         if theirs is None or theirs.step != self.server.step:
             return  # it stepped on meanwhile (or cannot say): nothing cheap to compare
         ours = await self.server.run_exclusive(self.server.stepper.round_digest)
