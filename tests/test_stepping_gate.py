@@ -14,8 +14,8 @@ from swarmd.pipeline.stepping import Gate
 
 
 class _Worker:
-    def __init__(self) -> None:
-        self.held = {"lost"}  # a microbatch whose backward never comes
+    def __init__(self, held: str = "lost") -> None:
+        self.held = {held}  # by default a microbatch whose backward never comes
 
     @property
     def saved(self) -> int:
@@ -48,26 +48,11 @@ def test_a_forward_at_a_closed_gate_gives_up_after_its_wait_and_a_step_drops_the
     assert counters["dropped_for_step"] == 1
 
 
-class _HeldWorker:
-    """A microbatch whose backward comes back while the step waits for it."""
-
-    def __init__(self) -> None:
-        self.held = {"in flight"}
-
-    @property
-    def saved(self) -> int:
-        return len(self.held)
-
-    def expire(self, now: float) -> list[str]:
-        gone, self.held = list(self.held), set()
-        return gone
-
-
 @pytest.mark.parametrize("drain_steps", [False, True])
 def test_a_step_drains_first_only_when_asked(drain_steps: bool) -> None:
     """``serving.step_drains``: a draining step runs once the microbatch in flight came back
     (and new forwards wait meanwhile); a plain step runs at once beside it."""
-    worker, counters = _HeldWorker(), Counter[str]()
+    worker, counters = _Worker("in flight"), Counter[str]()  # its backward comes back
     gate = Gate(worker, _Compute(), counters, stage=0,  # type: ignore[arg-type]
                 drain_steps=drain_steps)
 
