@@ -16,6 +16,7 @@ from swarmd.pipeline.stepping import Gate
 class _Worker:
     def __init__(self, held: str = "lost") -> None:
         self.held = {held}  # by default a microbatch whose backward never comes
+        self.samples_accumulated = 0
 
     @property
     def saved(self) -> int:
@@ -27,6 +28,8 @@ class _Worker:
 
 
 class _Compute:
+    queued = 0  # calls waiting for or in the compute thread
+
     async def run(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
@@ -79,3 +82,36 @@ def test_step_drains_chooses_the_stages() -> None:
     assert ServingSection().max_batch("cpu", 8) == 1
     assert ServingSection().max_batch("cuda", 8) == 8
     assert ServingSection(batch_forwards="on").max_batch("cpu", 8) == 8
+
+
+def test_a_draining_gate_closes_after_a_steps_worth_and_opens_at_the_step() -> None:
+    """``step_samples``: once a step's worth was forwarded the next forwards wait for that
+    step, which then applies exactly those (no overshoot: the stage steps as often as
+    without draining); the step opens the gate. A cap whose microbatches were all lost opens
+    again by itself, but not while a backward is still in the compute thread."""
+    worker, compute = _Worker("in flight"), _Compute()
+    gate = Gate(worker, compute, Counter(), stage=0,  # type: ignore[arg-type]
+                drain_steps=True, step_samples=4)
+
+    async def scenario() -> list[bool]:
+        seen = []
+        with gate.admitted(2):
+            pass
+        seen.append(await gate.wait_open(0.01))      # 2 of 4: open
+        with gate.admitted(2):
+            pass
+        seen.append(await gate.wait_open(0.1))       # 4 of 4, one held here: closed
+        worker.held.clear()
+        compute.queued = 1                           # its backward runs, not counted yet
+        seen.append(await gate.wait_open(0.1))       # still closed: the step will come
+        compute.queued, worker.samples_accumulated = 0, 4
+        step = asyncio.ensure_future(gate.between(lambda: None))
+        await asyncio.wait_for(step, 5)
+        seen.append(await gate.wait_open(0.01))      # the step opened the gate
+        worker.samples_accumulated = 0
+        with gate.admitted(4):
+            pass
+        seen.append(await gate.wait_open(1.0))       # capped, nothing left: opens again
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False, False, True, True]

@@ -180,7 +180,7 @@ class PipelineHandlers:
         if fwd.eval:
             y = await self.compute.run(self.worker.infer, fwd.x, admit=True)
         else:
-            with self.gate.admitted():
+            with self.gate.admitted(int(fwd.x.shape[0])):
                 y, compute_s = await self.batcher.forward(fwd.mb, fwd.x)
             self.throughput.measured(int(fwd.x.shape[0]), compute_s)  # compute alone
             self._remember(fwd.mb, _Route(trainer=fwd.trainer, previous=peer))

@@ -99,7 +99,7 @@ class StageServer:
         self.compute = Compute(f"stage{stage}-compute", self.counters)
         self.batcher = Batcher(self.worker, self.compute, self.counters, max_batch=max_batch)
         self.gate = Gate(self.worker, self.compute, self.counters, stage,
-                         drain_steps=step_drains)
+                         drain_steps=step_drains, step_samples=max(1, target_batch_size))
         self.stepper = Stepper(self.module, self.worker, self.optimizer, self.counters,
                                replay=replay, step=lambda: self.sync.step)
         self._throughput = Throughput()

@@ -212,14 +212,25 @@ class Gate:
     forward used, so nothing waits. Replacing the weights wholesale (``when_drained``) closes
     the gate to new forwards, waits (at most ``DRAIN_S``) for those in flight, drops the rest
     (their backward gets ``unknown_microbatch``; the trainer restarts them), runs ``fn``, and
-    opens the gate again."""
+    opens the gate again.
+
+    With ``drain_steps`` (``serving.step_drains``) steps drain too, and the gate closes once
+    ``step_samples`` samples were forwarded since the last step: the step then applies exactly
+    those, none late (without the cap a drained step would wait for everything in flight and
+    take it all, so the stage would step a few times less often). A gate closed by the cap
+    with nothing left in flight here (those microbatches were lost) opens again."""
 
     def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
                  stage: int, clock: Callable[[], float] = time.monotonic, *,
-                 drain_steps: bool = False) -> None:
+                 drain_steps: bool = False, step_samples: int = 0) -> None:
         self.worker = worker
         #: steps drain too (``serving.step_drains``): no gradient reaches a step late here
         self.drain_steps = drain_steps
+        #: with ``drain_steps``: samples forwarded per step, at most (0: no cap)
+        self.step_samples = step_samples if drain_steps else 0
+        self._forwarded = 0
+        self._capped = False
+        self._draining = False
         self.compute = compute
         self.counters = counters
         self.stage = stage
@@ -238,14 +249,39 @@ class Gate:
             return True
         try:
             async with asyncio.timeout(timeout_s):
-                await self._open.wait()
+                while not self._open.is_set():
+                    if self._stuck():
+                        self._uncap()  # what the cap waited for will never come back
+                        break
+                    try:
+                        async with asyncio.timeout(DRAIN_POLL_S * 25):
+                            await self._open.wait()
+                    except TimeoutError:
+                        pass
             return True
         except TimeoutError:
             return False
 
+    def _stuck(self) -> bool:
+        """Capped, with nothing left here to come back and too few samples for the step: the
+        microbatches the cap waited for were lost, so no step would open the gate."""
+        return self._capped and not (
+            self._draining or self.worker.saved or self._admitted or self.compute.queued
+            # (a backward in the compute thread has left ``saved`` but not yet counted)
+            or self.worker.samples_accumulated >= self.step_samples)
+
+    def _uncap(self) -> None:
+        self._forwarded, self._capped = 0, False
+        self._open.set()
+
     @contextmanager
-    def admitted(self) -> Iterator[None]:
-        """A forward past the gate, not saved yet: a step waits for it too."""
+    def admitted(self, samples: int = 0) -> Iterator[None]:
+        """A forward (of ``samples``) past the gate, not saved yet: a step waits for it too."""
+        if self.step_samples:
+            self._forwarded += samples
+            if self._forwarded >= self.step_samples:  # the rest wait for this step
+                self._capped = True
+                self._open.clear()
         self._admitted += 1
         try:
             yield
@@ -311,6 +347,7 @@ class Gate:
 
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._open.clear()
+        self._draining = True
         try:
             await self.drain(DRAIN_S)
             if self.worker.saved:
@@ -320,4 +357,5 @@ class Gate:
                             "dropped before the step", self.stage, len(dropped), DRAIN_S)
             return await self.compute.run(fn, *args)
         finally:
-            self._open.set()
+            self._draining = False
+            self._uncap()
