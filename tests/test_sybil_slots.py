@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarmd.config import load_config
@@ -77,6 +77,7 @@ _owners = st.sampled_from(["a", "b", "c", "h"])
 
 
 @settings(max_examples=400, deadline=None)
+@example(slots=[("a", 0.0), ("a", 0.0), ("c", 1.0)], answering={"a"}, requester="b", now=10.0)
 @given(slots=st.lists(st.tuples(_owners, st.floats(0, 100)), min_size=1, max_size=12),
        answering=st.sets(_owners), requester=_owners, now=st.floats(0, 200))
 def test_a_victim_is_always_another_owner_s_ripe_slot_and_a_share_is_respected(
@@ -95,7 +96,9 @@ def test_a_victim_is_always_another_owner_s_ripe_slot_and_a_share_is_respected(
         counts = {o: sum(h.owner == o for h in held) for o in {h.owner for h in held}}
         share = len(held) // len(counts.keys() | {requester})
         assert counts[taken.owner] > share and counts.get(requester, 0) < share
-        assert all(o in answering for o in counts if o != requester)
+        # and no silent owner had a ripe slot (a silent owner's unripe slot is not takeable)
+        assert all(h.owner in answering for h in held
+                   if h.owner != requester and now - h.since >= 10)
 
 
 @settings(max_examples=200, deadline=None)
