@@ -96,10 +96,10 @@ def test_a_draining_gate_closes_after_a_steps_worth_and_opens_at_the_step() -> N
     async def scenario() -> list[bool]:
         seen = []
         with gate.admitted(2):
-            pass
+            assert gate.in_flight == 2  # the one held and this forward
         seen.append(await gate.wait_open(0.01))      # 2 of 4: open
         with gate.admitted(2):
-            pass
+            assert gate.in_flight == 2  # the one held and this forward
         seen.append(await gate.wait_open(0.1))       # 4 of 4, one held here: closed
         worker.held.clear()
         compute.queued = 1                           # its backward runs, not counted yet
@@ -110,7 +110,7 @@ def test_a_draining_gate_closes_after_a_steps_worth_and_opens_at_the_step() -> N
         seen.append(await gate.wait_open(0.01))      # the step opened the gate
         worker.samples_accumulated = 0
         with gate.admitted(4):
-            pass
+            assert gate.in_flight == 1  # only this forward: nothing is held any more
         seen.append(await gate.wait_open(1.0))       # capped, nothing left: opens again
         return seen
 
