@@ -96,9 +96,7 @@ class Stepper:
         """This peer's mean gradient (flat float32) and its samples; the accumulation restarts."""
         samples = self.worker.samples_accumulated
         self._count_lateness()
-        # flattened where the gradients are, then one copy to the host (one synchronisation)
-        vector = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                            .reshape(-1).to(torch.float32) for p in self._params]).to("cpu")
+        vector = self._flat_grads()
         if samples:
             vector /= samples
         self.worker.zero_grad()
@@ -142,9 +140,13 @@ class Stepper:
         if not self.replay.keeps(self.numel * 4) or any(p.grad is None for p in self._params):
             self.replay.clear()
             return
-        vector = torch.cat([p.grad.detach().reshape(-1).to(torch.float32)  # type: ignore[union-attr]
-                            for p in self._params]).to("cpu")
-        self.replay.record(at, vector)
+        self.replay.record(at, self._flat_grads())
+
+    def _flat_grads(self) -> torch.Tensor:
+        """The parameters' gradients as one flat float32 vector on the host (zeros where a
+        parameter has none), flattened where they are: one device-to-host copy."""
+        return torch.cat([(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+                          .reshape(-1).to(torch.float32) for p in self._params]).to("cpu")
 
     def _stepped(self, at: int) -> None:
         self.weights_step = at + 1
