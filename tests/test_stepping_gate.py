@@ -8,6 +8,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from swarmd.pipeline import stepping
 from swarmd.pipeline.stepping import Gate
@@ -115,3 +117,48 @@ def test_a_draining_gate_closes_after_a_steps_worth_and_opens_at_the_step() -> N
         return seen
 
     assert asyncio.run(scenario()) == [True, False, False, True, True]
+
+
+def test_a_forward_waits_at_a_draining_gate_as_long_as_its_recent_closes_lasted() -> None:
+    """With ``step_drains`` the gate closes for every step: each close (cap to reopen) is
+    timed, and a new forward waits up to twice the longest recent one, so a drain as long as
+    the usual ones refuses nobody with busy; a restore's drain is not timed."""
+    now = [100.0]
+    worker = _Worker("in flight")
+    gate = Gate(worker, _Compute(), Counter(), stage=0, clock=lambda: now[0],  # type: ignore[arg-type]
+                drain_steps=True, step_samples=4)
+    assert gate.wait_s() == stepping.GATE_WAIT_S  # nothing measured yet
+
+    async def one_step(lasting: float) -> None:
+        with gate.admitted(4):  # a step's worth: the gate closes
+            pass
+        now[0] += lasting
+        worker.held.clear()
+        worker.samples_accumulated = 4
+        await gate.between(lambda: None)
+        worker.samples_accumulated = 0
+        worker.held.add("in flight")
+
+    async def scenario() -> list[float]:
+        seen = []
+        await one_step(2.0)
+        seen.append(gate.wait_s())
+        await one_step(1.0)
+        seen.append(gate.wait_s())  # the longest of the recent ones counts
+        worker.held.clear()
+        await gate.when_drained(lambda: None)  # a restore: not timed
+        worker.held.add("in flight")
+        seen.append(gate.wait_s())
+        for _ in range(stepping.CLOSED_KEEP):
+            await one_step(0.5)
+        seen.append(gate.wait_s())  # the 2 s close is forgotten; the floor holds
+        return seen
+
+    assert asyncio.run(scenario()) == [4.0, 4.0, 4.0, stepping.GATE_WAIT_S]
+
+
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), max_size=10))
+def test_the_wait_at_a_draining_gate_stays_within_its_floor_and_cap(closes: list[float]) -> None:
+    wait = stepping.gate_wait_s(closes)
+    assert stepping.GATE_WAIT_S <= wait <= stepping.GATE_WAIT_MAX_S
+    assert wait == stepping.GATE_WAIT_MAX_S or wait >= stepping.CLOSED_FACTOR * max(closes, default=0)

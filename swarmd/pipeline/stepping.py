@@ -19,9 +19,9 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import torch
 
@@ -40,6 +40,14 @@ DRAIN_POLL_S = 0.002
 #: ``DRAIN_S``) must not hold new forwards past their senders' deadlines, which would lose
 #: them too and make the next step wait again
 GATE_WAIT_S = 2.0
+#: with ``serving.step_drains`` the gate closes for every step (``Gate``): a forward waits up to
+#: this many times the longest of the last ``CLOSED_KEEP`` such closes (at least
+#: ``GATE_WAIT_S``, at most ``GATE_WAIT_MAX_S``: well within the 10 s a sender's hop deadline
+#: leaves beyond what it measured, ``held.DOWNSTREAM_RETRY_S``), so a drain as long as the
+#: usual ones refuses nobody
+CLOSED_FACTOR = 2.0
+CLOSED_KEEP = 8
+GATE_WAIT_MAX_S = 5.0
 #: a retiring peer waits for a microbatch it holds until it is this many times older than the
 #: slowest recent forward-to-backward wait here (at least ``LIVE_MIN_S``): an older one was
 #: most likely given up by its trainer, and waiting for it would spend the grace for nothing
@@ -220,7 +228,10 @@ class Gate:
     ``step_samples`` samples were forwarded since the last step: the step then applies exactly
     those, none late (without the cap a drained step would wait for everything in flight and
     take it all, so the stage would step a few times less often). A gate closed by the cap
-    with nothing left in flight here (those microbatches were lost) opens again."""
+    with nothing left in flight here (those microbatches were lost) opens again. Such a gate
+    closes once a step, for about a pipeline round trip: a forward waits for it as long as
+    the recent closes lasted (``gate_wait_s``), so the trainer is not told ``busy`` (and does
+    not shrink what it keeps in flight) for a wait that is part of every step."""
 
     def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
                  stage: int, clock: Callable[[], float] = time.monotonic, *,
@@ -233,6 +244,10 @@ class Gate:
         self._forwarded = 0
         self._capped = False
         self._draining = False
+        #: when the gate closed for the current step (cap or drain), and how long the last
+        #: such closes lasted (seconds)
+        self._closed_at: float | None = None
+        self.closes: deque[float] = deque(maxlen=CLOSED_KEEP)
         self.compute = compute
         self.counters = counters
         self.stage = stage
@@ -245,10 +260,16 @@ class Gate:
         #: set once the peer leaves the stage: new forwards are refused with busy
         self.retiring = False
 
-    async def wait_open(self, timeout_s: float = GATE_WAIT_S) -> bool:
-        """Whether the gate opened within ``timeout_s``."""
+    def wait_s(self) -> float:
+        """How long a new forward waits at the closed gate before it is refused with busy."""
+        return gate_wait_s(self.closes)
+
+    async def wait_open(self, timeout_s: float | None = None) -> bool:
+        """Whether the gate opened within ``timeout_s`` (default ``wait_s()``)."""
         if self._open.is_set():
             return True
+        if timeout_s is None:
+            timeout_s = self.wait_s()
         try:
             async with asyncio.timeout(timeout_s):
                 while not self._open.is_set():
@@ -274,7 +295,15 @@ class Gate:
 
     def _uncap(self) -> None:
         self._forwarded, self._capped = 0, False
+        if self._closed_at is not None:
+            self.closes.append(max(0.0, self._clock() - self._closed_at))
+            self._closed_at = None
         self._open.set()
+
+    def _close_for_step(self) -> None:
+        if self._closed_at is None:
+            self._closed_at = self._clock()
+        self._open.clear()
 
     @contextmanager
     def admitted(self, samples: int = 0) -> Iterator[None]:
@@ -283,7 +312,7 @@ class Gate:
             self._forwarded += samples
             if self._forwarded >= self.step_samples:  # the rest wait for this step
                 self._capped = True
-                self._open.clear()
+                self._close_for_step()
         self._admitted += 1
         try:
             yield
@@ -344,6 +373,7 @@ class Gate:
         """Run ``fn`` (an optimizer step) in the compute thread, without draining (unless
         ``drain_steps``: then as ``when_drained``)."""
         if self.drain_steps:
+            self._close_for_step()
             return await self.when_drained(fn, *args)
         return await self.compute.run(fn, *args)
 
@@ -361,3 +391,11 @@ class Gate:
         finally:
             self._draining = False
             self._uncap()
+
+
+def gate_wait_s(closes: Iterable[float], *, floor_s: float = GATE_WAIT_S,
+                cap_s: float = GATE_WAIT_MAX_S, factor: float = CLOSED_FACTOR) -> float:
+    """How long a forward waits at a gate closed for a step: ``factor`` x the longest recent
+    close (``closes``, seconds), within [``floor_s``, ``cap_s``]; ``floor_s`` with none yet."""
+    longest = max(closes, default=0.0)
+    return min(cap_s, max(floor_s, factor * longest))
