@@ -163,6 +163,31 @@ def test_overdue_entries_leave_routing_before_they_expire() -> None:
     assert len(v.announcements(NOW + 201)) == 2
 
 
+def test_a_stage_has_state_when_another_peer_serves_it_online_or_announces_a_step() -> None:
+    me = pid(9)
+    # a first peer of a new stage: nothing shows it (nor our own entry, nor other stages)
+    assert not view().stage_has_state(1, NOW, besides=me)
+    assert not view(ann(9, stage=1, step=5), ann(0, stage=0, step=5)).stage_has_state(
+        1, NOW, besides=me)
+    # fresh mates still syncing at step 0 hold nothing; another model's peers neither
+    fresh = view(ann(1, stage=1, state=PeerState.SYNCING),
+                 ann(4, stage=1, state=PeerState.JOINING),
+                 ann(7, stage=1, model_hash="other", step=9))
+    assert not fresh.stage_has_state(1, NOW, besides=me)
+    # online (even overdue), or trained (step > 0) in any state: the stage has state
+    overdue = view(ann(1, stage=1))
+    assert overdue.why_not(pid(1), NOW + 25) == "overdue"
+    assert overdue.stage_has_state(1, NOW + 25, besides=me)
+    assert view(ann(1, stage=1, state=PeerState.SYNCING, step=3)).stage_has_state(
+        1, NOW, besides=me)
+    assert view(ann(1, stage=1, state=PeerState.MIGRATING, step=3)).stage_has_state(
+        1, NOW, besides=me)
+    # gone: expired or left
+    assert not view(ann(1, stage=1)).stage_has_state(1, NOW + 30, besides=me)
+    assert not view(ann(1, stage=1, state=PeerState.LEAVING, step=3)).stage_has_state(
+        1, NOW, besides=me)
+
+
 # -------------------------------------------------------------------------- expiry, leaving
 
 @pytest.mark.parametrize("period", [2.0, 10.0, 1750.0])

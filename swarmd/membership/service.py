@@ -344,6 +344,11 @@ class MembershipService:
         """The step each routable other peer of ``stage`` last announced."""
         return {a.peer_id: a.step for a in self._others_of(stage, {None})}
 
+    def stage_has_state(self, stage: int) -> bool:
+        """Whether the view shows another peer holding ``stage``'s state (online, or at a
+        step > 0): a joiner of the stage waits for it rather than start from scratch."""
+        return self.view.stage_has_state(stage, time.time(), besides=self.host.peer_id)
+
     def trainers(self) -> dict[str, tuple[str, ...]]:
         """The other trainers: {peer_id: addrs} of peers announced online with no stage and
         our model (``swarmd.training.trainer_sync``)."""

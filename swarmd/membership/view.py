@@ -309,6 +309,18 @@ class View:
             return "overdue"
         return None
 
+    def stage_has_state(self, stage: int, now: float, *, besides: str) -> bool:
+        """Whether a peer other than ``besides`` (ourselves) holds ``stage``'s state as far as
+        the view shows: one of our model announcing the stage online (overdue too), or at a
+        step > 0 in any state (syncing after a load, migrating there). A joiner of the stage
+        should wait for it to become a state source, not start from the initial weights; a
+        mate still syncing at step 0 holds nothing (two fresh joiners must not wait for each
+        other)."""
+        return any(a.stage == stage and a.peer_id != besides
+                   and a.model_hash == self.config.model_hash
+                   and (a.state is PeerState.ONLINE or a.step > 0)
+                   for a in self.announcements(now))
+
     def _live_entries(self, now: float) -> Iterator[_Entry]:
         for e in self._entries.values():
             if e.expires_at > now and e.ann.state is not PeerState.LEAVING:

@@ -29,8 +29,7 @@ from swarmd.config import Config
 from swarmd.errors import SwarmdError
 from swarmd.node.connectivity import keep_connected
 from swarmd.node.caps import UploadLeft
-from swarmd.node.host_options import (announced_throughput, apply_stage_limits, limits_status,
-                                      stages_that_fit)
+from swarmd.node.host_options import announced_throughput, limits_status, stages_that_fit
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 
@@ -313,12 +312,7 @@ class Daemon:
     async def _serve_stage(self) -> None:
         """Serve ``self.stage``: take the newest state (checkpoint or peers), then forward,
         backward, averaging and state transfer over libp2p."""
-        from swarmd.node.host_options import codec_spec
-        from swarmd.state.keeper import StageKeeper
-        from swarmd.pipeline.server import MAX_BATCH, StageServer
-        from swarmd.averaging.stage_sync import SyncSettings
-        from swarmd.state.replay import ReplayLog
-        from swarmd.training.swarm_optim import OptimSettings
+        from swarmd.node.stage_setup import build_keeper, build_server
 
         c = self.config
         seam, _ = c.model_seam()
@@ -332,29 +326,13 @@ class Daemon:
             lambda: seam.build_stage(stage, c.swarm.stages, seed=c.training.seed,
                                      device=self._device, dtype=self._dtype,
                                      weights=seam.own_weights()))
-        server = StageServer(
-            self.host, swarm=c.swarm.name, stage=stage, num_stages=c.swarm.stages,
-            seam=seam, model_hash=c.model_hash(), codec=codec_spec(c),
-            lr=c.training.lr, seed=c.training.seed, peers_of=self.membership.peers_of,
-            max_tokens=4 * c.training.batch_size * min(seam.max_seq_len, c.model.seq_len),
-            device=self._device, dtype=self._dtype, optim=OptimSettings.from_config(c.training),
-            target_batch_size=c.target_batch_size(), averager=self.averager,
-            sync=SyncSettings(compression=c.averaging.compression,
-                              aggregator=c.averaging.aggregator,
-                              timeout_s=c.averaging.timeout_s),
-            on_behind=lambda peer, step: self.keeper.behind(peer, step), module=module,
-            on_diverged=lambda peer, step: self.keeper.diverged(peer, step),
-            max_batch=c.serving.max_batch(self._device.type, MAX_BATCH),
-            step_drains=c.serving.drains(stage), addrs_of=self._addrs_of,
-            replay=ReplayLog(max_steps=c.state.replay_steps, max_bytes=c.state.replay_max_bytes))
-        apply_stage_limits(c, server)  # a stage that does not fit is refused here
-        keeper = StageKeeper(
-            self.host, server, swarm=c.swarm.name, home=self.options.home,
-            model_hash=c.model_hash(), every_steps=c.checkpoint.every_steps,
-            sources=lambda: self.membership.state_sources(stage),
-            announced_steps=lambda: self.membership.steps_of(stage),
-            weights_digest=lambda: server.run_exclusive(
-                lambda: (server.stepper.weights_step, server.stepper.round_digest())))
+        server = build_server(c, self.host, stage=stage, seam=seam, module=module,
+                              device=self._device, dtype=self._dtype,
+                              membership=self.membership, averager=self.averager,
+                              keeper=lambda: self.keeper, addrs_of=self._addrs_of)
+        keeper = build_keeper(c, self.host, server, home=self.options.home,
+                              membership=self.membership, stage=stage,
+                              bootstrapping=self._bootstrapping())
         server.on_step(lambda: self._spawn(keeper.stepped()))
         # a peer that moved keeps its measured speed: announcing 0 would make the others see
         # its new stage as still short of peers and follow it
@@ -381,10 +359,14 @@ class Daemon:
         if stopping is not None:
             log.info("stopped serving the stage %.1f s into the stop", self._since_stop())
 
+    def _bootstrapping(self) -> bool:
+        """Whether a bootstrap was given (else: a first peer of a new swarm)."""
+        return bool(self.options.bootstrap or self.config.network.bootstrap)
+
     async def _wait_for_view(self) -> None:
         """Wait for a first view from the swarm, at most ``PLACEMENT_WAIT_S`` once in the
         daemon's life (``--stage auto`` then serving the stage would wait it out twice)."""
-        if self._view_waited or not (self.options.bootstrap or self.config.network.bootstrap):
+        if self._view_waited or not self._bootstrapping():
             return  # a first peer of a new swarm has nobody to ask
         try:
             await asyncio.wait_for(self.membership.has_view.wait(), PLACEMENT_WAIT_S)

@@ -5,8 +5,8 @@
   corrupt checkpoint (or one holding NaN/Inf) is reported, set aside (``quarantine``) and
   replaced from peers. The checkpoint is read, hashed and checked in a thread. A peer that had
   a checkpoint (it served the stage before), or whose ``mates_expected()`` says the swarm shows
-  the stage served, waits (at most ``MATES_WAIT_S``) for its view to name a mate before it
-  decides. Only a peer with neither a checkpoint nor a live peer of its stage starts from the
+  the stage's state held (or no view came yet), waits (at most ``MATES_WAIT_S``) for its view
+  to name a mate before it decides. Only a peer with neither a checkpoint nor a live peer of its stage starts from the
   initial weights. Offers are bounded by what the stage's module implies
   (``state_bytes_bound``), and a downloaded state must be finite.
 - **While serving**: a ``StateServer`` hands this stage's state to joiners, captured in the
@@ -193,15 +193,18 @@ class StageKeeper:
 
     async def _wait_for_sources(self, *, expected: bool) -> list[tuple[str, tuple[str, ...]]]:
         """``sources()``; when mates are expected (a checkpoint says this peer served the
-        stage before, or the swarm shows it served) but none is known yet, ask again until
-        one appears or ``mates_wait_s`` passed: a view still filling must not make a
+        stage before, or ``mates_expected()``: the swarm shows it served, or no view came yet)
+        but none is known yet, ask again until one appears, ``mates_wait_s`` passed, or (no
+        checkpoint) ``mates_expected()`` turns false: a view still filling must not make a
         restarted peer start from stale or initial weights."""
+        def still_expected() -> bool:
+            return expected or (self.mates_expected is not None and self.mates_expected())
+
         peers = self.sources()
-        if peers or not (expected or (self.mates_expected is not None
-                                      and self.mates_expected())):
+        if peers or not still_expected():
             return peers
         deadline = time.monotonic() + self.mates_wait_s
-        while not peers and time.monotonic() < deadline:
+        while not peers and time.monotonic() < deadline and still_expected():
             await asyncio.sleep(MATES_POLL_S)
             peers = self.sources()
         self._count("waited_for_mates")

@@ -1,0 +1,174 @@
+"""A fresh joiner of a stage waits for the stage's live mate before it decides where its state
+comes from (``swarmd.node.stage_setup.mates_expected`` with ``StageKeeper``): while no view has
+been pulled, and while the view shows another peer holding the stage's state; a first peer of a
+stage decides at once. The view is the real ``View`` fed signed announcements; the downloads are
+faked (``_fetch``), nothing goes on the network."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+from typing import Any
+
+import torch
+
+from swarmd.config import load_config
+from swarmd.membership import Announcement, PeerState, View, ViewConfig, encode_signed
+from swarmd.membership.service import MembershipService
+from swarmd.node.stage_setup import build_keeper
+from swarmd.state.encoding import capture
+
+CONFIG = load_config(None, {})
+ME, MATE, OTHER = "12D3KooWme", "12D3KooWmate", "12D3KooWother"
+
+
+def _sign(pid: str) -> Any:
+    return lambda message: hmac.new(pid.encode(), message, hashlib.sha256).digest()
+
+
+def _verify(pid: str, message: bytes, signature: bytes) -> bool:
+    return hmac.compare_digest(_sign(pid)(message), signature)
+
+
+class _Host:
+    peer_id = ME
+
+
+class _Membership:
+    """What the keeper reads of ``MembershipService``, over a real view (its own methods)."""
+
+    state_sources = MembershipService.state_sources
+    stage_has_state = MembershipService.stage_has_state
+    _others_of = MembershipService._others_of
+
+    def __init__(self) -> None:
+        self.host = _Host()
+        self.view = View(ViewConfig(stages=CONFIG.swarm.stages, model_hash=CONFIG.model_hash()),
+                         _verify)
+        self.has_view = asyncio.Event()
+
+    def announce(self, pid: str, *, stage: int, state: PeerState, step: int = 0) -> None:
+        now = time.time()
+        ann = Announcement(peer_id=pid, addrs=("/ip4/127.0.0.1/tcp/1",), stage=stage,
+                           state=state, throughput=1.0, queue=0, version="0",
+                           model_hash=CONFIG.model_hash(), timestamp=now, period=60.0, step=step)
+        assert self.view.apply(encode_signed(ann, _sign(pid)), now).outcome in ("added",
+                                                                                 "updated")
+
+
+class _Server:
+    stage = 1
+    module = torch.nn.Linear(4, 4)
+    step = 0
+
+    async def when_drained(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    def took_state(self, step: int) -> None:
+        self.step = step
+
+
+class _Quiet:
+    def start(self) -> None:
+        pass
+
+    async def replay(self, peers: Any) -> None:
+        pass
+
+
+def _keeper(membership: _Membership, *, bootstrapping: bool = True,
+            wait_s: float = 60.0) -> Any:
+    keeper = build_keeper(CONFIG, _Host(), _Server(), home=None, membership=membership,
+                          stage=1, bootstrapping=bootstrapping)
+    keeper.mates_wait_s = wait_s  # long: a wait that is not cut short fails the test's bound
+    keeper.announced_steps = None
+    keeper._serving = keeper._replayer = _Quiet()
+    keeper._restore = lambda state: None
+    keeper.asked = []
+    module = torch.nn.Linear(4, 4)
+    state = capture(module, torch.optim.AdamW(module.parameters()), stage=1, step=6,
+                    model_hash=CONFIG.model_hash())
+
+    async def fetch(peers: Any, *, newer_than: Any) -> Any:
+        keeper.asked.append([p for p, _ in peers])
+        return state
+
+    keeper._fetch = fetch
+    return keeper
+
+
+def _run(scenario: Any) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_joiner_waits_for_its_first_view_then_downloads_from_the_mate_it_names() -> None:
+    async def scenario() -> None:
+        membership = _Membership()  # nothing pulled yet: the mate is not known
+        keeper = _keeper(membership)
+
+        async def pulled() -> None:
+            await asyncio.sleep(0.5)
+            membership.announce(MATE, stage=1, state=PeerState.ONLINE, step=6)
+            membership.has_view.set()
+
+        later = asyncio.create_task(pulled())
+        assert await keeper.load() == "peers"
+        await later
+        assert keeper.asked == [[MATE]] and keeper.server.step == 6
+        assert keeper.counters["waited_for_mates"] == 1
+
+    _run(scenario)
+
+
+def test_a_joiner_waits_for_a_mate_the_view_shows_loaded_but_not_yet_online() -> None:
+    async def scenario() -> None:
+        membership = _Membership()
+        membership.announce(MATE, stage=1, state=PeerState.SYNCING, step=6)
+        membership.has_view.set()
+        keeper = _keeper(membership)
+
+        async def online() -> None:
+            await asyncio.sleep(0.5)
+            membership.announce(MATE, stage=1, state=PeerState.ONLINE, step=6)
+
+        later = asyncio.create_task(online())
+        assert await keeper.load() == "peers"
+        await later
+        assert keeper.asked == [[MATE]]
+
+    _run(scenario)
+
+
+def test_a_first_peer_of_a_stage_decides_at_once() -> None:
+    async def scenario() -> None:
+        membership = _Membership()  # the view shows stage 0 served, a fresh mate at step 0
+        membership.announce(OTHER, stage=0, state=PeerState.ONLINE, step=9)
+        membership.announce(MATE, stage=1, state=PeerState.SYNCING)
+        membership.has_view.set()
+        keeper = _keeper(membership, wait_s=600.0)
+        assert await keeper.load() == "initial"
+        assert keeper.asked == [] and "waited_for_mates" not in keeper.counters
+        alone = _keeper(_Membership(), bootstrapping=False, wait_s=600.0)  # a new swarm
+        assert await alone.load() == "initial" and "waited_for_mates" not in alone.counters
+
+    _run(scenario)
+
+
+def test_a_wait_for_the_first_view_ends_when_it_shows_nobody_on_the_stage() -> None:
+    async def scenario() -> None:
+        membership = _Membership()
+        keeper = _keeper(membership, wait_s=600.0)
+
+        async def pulled() -> None:
+            await asyncio.sleep(0.5)
+            membership.announce(OTHER, stage=0, state=PeerState.ONLINE, step=9)
+            membership.has_view.set()
+
+        later = asyncio.create_task(pulled())
+        assert await keeper.load() == "initial"  # long before the 600 s wait
+        await later
+        assert keeper.asked == [] and keeper.counters["waited_for_mates"] == 1
+
+    _run(scenario)
