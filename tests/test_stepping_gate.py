@@ -1,5 +1,6 @@
 """The gate a step closes: a new forward waits for it only briefly (then is refused with busy),
-so a step that waits out a lost microbatch does not make new ones miss their deadlines."""
+so a step that waits out a lost microbatch does not make new ones miss their deadlines; with
+``serving.step_drains`` as long as the recent step closes lasted (bounded)."""
 
 from __future__ import annotations
 
@@ -125,8 +126,8 @@ def test_a_forward_waits_at_a_draining_gate_as_long_as_its_recent_closes_lasted(
     the usual ones refuses nobody with busy; a restore's drain is not timed."""
     now = [100.0]
     worker = _Worker("in flight")
-    gate = Gate(worker, _Compute(), Counter(), stage=0, clock=lambda: now[0],  # type: ignore[arg-type]
-                drain_steps=True, step_samples=4)
+    gate = Gate(worker, _Compute(), Counter(), stage=0,  # type: ignore[arg-type]
+                clock=lambda: now[0], drain_steps=True, step_samples=4)
     assert gate.wait_s() == stepping.GATE_WAIT_S  # nothing measured yet
 
     async def one_step(lasting: float) -> None:
@@ -161,4 +162,5 @@ def test_a_forward_waits_at_a_draining_gate_as_long_as_its_recent_closes_lasted(
 def test_the_wait_at_a_draining_gate_stays_within_its_floor_and_cap(closes: list[float]) -> None:
     wait = stepping.gate_wait_s(closes)
     assert stepping.GATE_WAIT_S <= wait <= stepping.GATE_WAIT_MAX_S
-    assert wait == stepping.GATE_WAIT_MAX_S or wait >= stepping.CLOSED_FACTOR * max(closes, default=0)
+    longest = max(closes, default=0.0)
+    assert wait == stepping.GATE_WAIT_MAX_S or wait >= stepping.CLOSED_FACTOR * longest

@@ -4,6 +4,7 @@
     python tools/sim_staleness.py --json --in-flight 8 --gains 0,1 --steps 200 --stages-only
     python tools/sim_staleness.py --json --stages-only --gains 1 --beta1 0.8,0.7   # late runs' beta1
     python tools/sim_staleness.py --json --stages-only --gains 1 --momentum 0.5    # beta1 by lateness
+    python tools/sim_staleness.py --json --late-stage 0 --in-flight 5 --gains 0 --dc 0,1000
 
 The whole demo model (built as the swarm builds it: same seed, same initial weights, AdamW at
 the demo's learning rate) trains on the batches ``train()`` draws. Microbatch ``i`` of a run
@@ -18,8 +19,12 @@ head) current, as in the swarm. Reports the validation loss on fixed held-out ba
 ratio to the synchronous run (no delay; so is any ``N <= M``). Deterministic: one seed, one thread.
 ``--beta1`` (Adam's beta1 of the late runs), ``--momentum K`` (beta1 lowered each step by its
 gradients' mean lateness, ``stale_beta1``) and ``--lr-scale`` screen staleness compensations
-(docs/pipeline.md, "Momentum reduction"). Every stage is modelled as equally late; in the swarm
-stage 0 measured 1.4-2.1 steps and stage 1 0.25 at 16 in flight, where this models 3.75.
+(docs/pipeline.md, "Momentum reduction"); ``--dc L`` delay compensation (DC-ASGD, Zheng et al.
+2017: a late gradient g plus L x g*g*(w_now - w_then)), ``--late-lr F`` a lower lr for the
+late weights only; ``--late-stage K`` makes only stage K late, ``--lr`` sets the base learning
+rate of every run (docs/pipeline.md, "What a late gradient costs"). Every late stage is modelled
+as equally late (5 in flight, 4 a step: one step late; 16: 3.75), where the swarm at 16 in
+flight measured stage 0 1.4-2.1 steps and stage 1 0.25 late.
 """
 
 from __future__ import annotations
@@ -47,22 +52,33 @@ def stale_beta1(base: float, lateness: float, *, k: float) -> float:
 
 
 def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int,
-        beta1: float | None = None, lr_scale: float = 1.0, momentum: float = 0.0) -> float:
+        beta1: float | None = None, lr_scale: float = 1.0, momentum: float = 0.0,
+        dc: float = 0.0, late_lr: float = 1.0, late_stage: int | None = None,
+        lr: float | None = None) -> float:
     import torch
 
-    from bench_pipeline import bench_env, whole_model
+    from bench_pipeline import whole_model
     from swarmd.config import load_config
     from swarmd.training.data import load_corpus
     from swarmd.training.optim import lr_at, make_optimizer
 
-    config = load_config(None, {**os.environ, **bench_env("demo")})
+    config = load_config(None, _env(lr))
     seam, _ = config.model_seam()
     seq = min(config.model.seq_len, seam.max_seq_len)
     batch, per_step = config.training.batch_size, config.training.microbatches
     corpus = load_corpus(Path(config.data.path) if config.data.path else None,
                          max_bytes=config.data.max_bytes, seq_len=seq)
     model = whole_model(seam, config.swarm.stages, config.training.seed)
-    optimizer = make_optimizer(config.training.optimizer, model.parameters(),
+    names = [n for n, _ in model.named_parameters()]
+    prefix = "stages." if late_stage is None else f"stages.{late_stage}."
+    late = [n for n in names if not (stages_only or late_stage is not None)
+            or n.startswith(prefix)]
+    delayed = in_flight > per_step
+    groups = [{"params": [p for n, p in model.named_parameters() if n not in late]},
+              {"params": [p for n, p in model.named_parameters() if n in late],
+               "factor": late_lr if delayed else 1.0}]
+    optimizer = make_optimizer(config.training.optimizer,
+                               [g for g in groups if g["params"]],  # type: ignore[misc]
                                config.training.lr * lr_scale,
                                weight_decay=config.training.weight_decay)
     if beta1 is not None:
@@ -71,8 +87,6 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
     draw = torch.Generator().manual_seed(config.training.seed + seed)
     val_draw = torch.Generator().manual_seed(123)
     val = [corpus.sample_batch("val", batch, seq, val_draw) for _ in range(VAL_BATCHES)]
-    names = [n for n, _ in model.named_parameters()]
-    late = [n for n in names if not stages_only or n.startswith("stages.")]
     by_part: dict[str, list[torch.nn.Parameter]] = {}
     for n, p in model.named_parameters():
         by_part.setdefault(".".join(n.split(".")[:2]) if n.startswith("stages.") else "", []
@@ -100,7 +114,10 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
                     w[n] = w[n] + (gain * d) * (history[sent_at][n] - history[sent_at - 1][n])
             params = {n: t.clone().requires_grad_(True) for n, t in w.items()}
             _, loss = torch.func.functional_call(model, params, (x, y))
-            grads = torch.autograd.grad(loss / per_step, [params[n] for n in names])
+            grads = list(torch.autograd.grad(loss / per_step, [params[n] for n in names]))
+            if dc and d:
+                _compensate(grads, names, late, dict(model.named_parameters()),
+                            history[sent_at], dc, per_step)
             for (_, p), g in zip(model.named_parameters(), grads):
                 p.grad = g if p.grad is None else p.grad + g
         if momentum:
@@ -111,7 +128,7 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
             for part in parts:
                 torch.nn.utils.clip_grad_norm_(part, config.training.grad_clip)
         for group in optimizer.param_groups:  # the trainer's and the stages' schedule
-            group["lr"] = lr_at(step, config.training.lr * lr_scale,
+            group["lr"] = group.get("factor", 1.0) * lr_at(step, config.training.lr * lr_scale,
                                 schedule=config.training.lr_schedule,
                                 warmup_steps=config.training.warmup_steps,
                                 decay_steps=config.training.decay_steps)
@@ -122,6 +139,24 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
             del history[k]
     with torch.no_grad():
         return sum(float(model(x, y)[1]) for x, y in val) / len(val)
+
+
+def _env(lr: float | None) -> dict[str, str]:
+    from bench_pipeline import bench_env
+
+    return {**os.environ, **bench_env("demo"),
+            **({} if lr is None else {"SWARMD_TRAINING_LR": str(lr)})}
+
+
+def _compensate(grads: list[Any], names: list[str], late: list[str], live: dict[str, Any],
+                then: dict[str, Any], dc: float, per_step: int) -> None:
+    """DC-ASGD in place: each late weight's gradient (of the microbatch's mean loss, here
+    divided by ``per_step``) plus ``dc`` x g * g * (the weights now - those it was computed
+    on), the diagonal outer-product estimate of the Hessian times the weights' change."""
+    for k, n in enumerate(names):
+        if n in late:
+            g = grads[k] * per_step
+            grads[k] = (g + dc * g * g * (live[n].detach() - then[n])) / per_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--momentum", default="",
                         help="comma-separated k of the stale-momentum rule (stale_beta1)")
     parser.add_argument("--lr-scale", type=float, default=1.0, help="lr factor of the late runs")
+    parser.add_argument("--dc", default="", help="comma-separated DC-ASGD lambdas")
+    parser.add_argument("--late-lr", type=float, default=1.0,
+                        help="lr factor of the late weights only, in the late runs")
+    parser.add_argument("--late-stage", type=int, default=None,
+                        help="only this stage's weights are late")
+    parser.add_argument("--lr", type=float, default=None, help="base lr (default: the demo's)")
     args = parser.parse_args(argv)
     gains = [float(g) for g in args.gains.split(",") if g]
     if args.steps < 1 or args.in_flight < 1 or any(g < 0 for g in gains):
@@ -146,20 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     t0 = time.monotonic()
-    from bench_pipeline import bench_env
     from swarmd.config import load_config
 
-    per_step = load_config(None, {**os.environ, **bench_env("demo")}).training.microbatches
-    sync = run(args.steps, per_step, 0.0, stages_only=args.stages_only, seed=args.seed)
+    per_step = load_config(None, _env(args.lr)).training.microbatches
+    sync = run(args.steps, per_step, 0.0, stages_only=args.stages_only, seed=args.seed,
+               lr=args.lr)
     betas = [float(b) for b in args.beta1.split(",") if b] or [None]
     ks = [float(k) for k in args.momentum.split(",") if k] or [0.0]
-    runs = [{"in_flight": args.in_flight, "gain": g, "beta1": b, "momentum": k,
-             "lr_scale": args.lr_scale,
+    dcs = [float(x) for x in args.dc.split(",") if x] or [0.0]
+    runs = [{"in_flight": args.in_flight, "gain": g, "beta1": b, "momentum": k, "dc": dc,
+             "lr_scale": args.lr_scale, "late_lr": args.late_lr, "late_stage": args.late_stage,
              "val_loss": (v := run(args.steps, args.in_flight, g,
                                    stages_only=args.stages_only, seed=args.seed, beta1=b,
-                                   lr_scale=args.lr_scale, momentum=k)),
-             "ratio_vs_sync": v / sync} for g in gains for b in betas for k in ks]
+                                   lr_scale=args.lr_scale, momentum=k, dc=dc,
+                                   late_lr=args.late_lr, late_stage=args.late_stage,
+                                   lr=args.lr)),
+             "ratio_vs_sync": v / sync} for g in gains for b in betas for k in ks for dc in dcs]
     result: dict[str, Any] = {"steps": args.steps, "stages_only": args.stages_only,
+                              "lr": args.lr,
                               "seed": args.seed, "sync_val_loss": sync, "runs": runs,
                               "seconds": time.monotonic() - t0}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -31,8 +31,9 @@ def mates_expected(membership: Any, stage: int, *, bootstrapping: bool) -> Calla
 def build_server(config: Config, host: Any, *, stage: int, seam: Any, module: Any, device: Any,
                  dtype: Any, membership: Any, averager: Any, keeper: Callable[[], Any],
                  addrs_of: Callable[[str], tuple[str, ...]]) -> Any:
-    """The ``StageServer`` of ``stage`` around ``module`` (built by ``seam``); ``keeper()`` is the stage's keeper
-    (built after the server), told when a mate is ahead or the stage drifted. A stage that
+    """The ``StageServer`` of ``stage`` around ``module`` (built by ``seam``); ``keeper()`` is
+    the stage's keeper (built after the server), told when a mate is ahead or the stage
+    drifted. A stage that
     does not fit this machine's limits is refused here (``apply_stage_limits``)."""
     from swarmd.averaging.stage_sync import SyncSettings
     from swarmd.pipeline.server import MAX_BATCH, StageServer

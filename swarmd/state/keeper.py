@@ -6,9 +6,9 @@
   replaced from peers. The checkpoint is read, hashed and checked in a thread. A peer that had
   a checkpoint (it served the stage before), or whose ``mates_expected()`` says the swarm shows
   the stage's state held (or no view came yet), waits (at most ``MATES_WAIT_S``) for its view
-  to name a mate before it decides. Only a peer with neither a checkpoint nor a live peer of its stage starts from the
-  initial weights. Offers are bounded by what the stage's module implies
-  (``state_bytes_bound``), and a downloaded state must be finite.
+  to name a mate before it decides. Only a peer with neither a checkpoint nor a live peer of
+  its stage starts from the initial weights. Offers are bounded by what the stage's module
+  implies (``state_bytes_bound``), and a downloaded state must be finite.
 - **While serving**: a ``StateServer`` hands this stage's state to joiners, captured in the
   compute thread between two steps; a peer that learns a mate is ahead (``behind``) downloads
   the newer state and takes it over between two steps; a peer told that a round's leader held
