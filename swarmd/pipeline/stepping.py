@@ -295,8 +295,10 @@ class Gate:
 
     def _uncap(self) -> None:
         self._forwarded, self._capped = 0, False
-        if self._closed_at is not None:
-            self.closes.append(max(0.0, self._clock() - self._closed_at))
+        if self._closed_at is not None:  # what draining cost: ``stage.step_gate_closed_ms``
+            closed = max(0.0, self._clock() - self._closed_at)
+            self.closes.append(closed)
+            self.counters["step_gate_closed_ms"] += int(1000 * closed)
             self._closed_at = None
         self._open.set()
 
