@@ -5,7 +5,7 @@ so a step that waits out a lost microbatch does not make new ones miss their dea
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import pytest
@@ -167,3 +167,33 @@ def test_the_wait_at_a_draining_gate_stays_within_its_floor_and_cap(closes: list
     assert stepping.GATE_WAIT_S <= wait <= stepping.GATE_WAIT_MAX_S
     longest = max(closes, default=0.0)
     assert wait == stepping.GATE_WAIT_MAX_S or wait >= stepping.CLOSED_FACTOR * longest
+
+
+def test_a_forward_refused_after_the_gate_counts_toward_no_step() -> None:
+    """A forward counted toward the cap and then refused (``busy`` from the compute queue)
+    or lost below will not come back: the cap forgets it and the gate it closed opens, so the
+    step still applies a whole step's worth (else it waited, reopened empty, and overshot: the
+    stage stepped 136 times in 150 trainer steps with 64 microbatches a step)."""
+    worker = _Worker("in flight")
+    gate = Gate(worker, _Compute(), Counter(), stage=0,  # type: ignore[arg-type]
+                drain_steps=True, step_samples=4)
+
+    async def scenario() -> list[bool]:
+        seen = []
+        with gate.admitted(2):
+            pass
+        with pytest.raises(RuntimeError):
+            with gate.admitted(2):  # closes the gate, then is refused
+                raise RuntimeError("busy")
+        seen.append(await gate.wait_open(0.01))   # open again: 2 of 4 still to come
+        gate.uncount(2)                           # the first one's chain failed below
+        with gate.admitted(4):
+            pass
+        seen.append(await gate.wait_open(0.01))   # 4 of 4: closed for the step
+        gate._draining = True                     # a step drains: it opens the gate itself
+        gate.uncount(4)
+        seen.append(await gate.wait_open(0.01))
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False, False]
+    assert gate.closes == deque()  # the cap that did not hold was no close

@@ -191,6 +191,8 @@ class PipelineHandlers:
         except BaseException:
             self.worker.forget(fwd.mb)  # the chain failed below us: nobody will come back
             self._routes.pop(fwd.mb, None)
+            if not fwd.eval:
+                self.gate.uncount(int(fwd.x.shape[0]))  # nor will a step wait for it
             raise
         # the sender's wiring judges this peer by its own queue and compute, not by the rest
         # of the chain the ok waited for, nor by the wait of the ok in our upload cap

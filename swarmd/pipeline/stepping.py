@@ -318,8 +318,23 @@ class Gate:
         self._admitted += 1
         try:
             yield
+        except BaseException:
+            self.uncount(samples)  # refused (busy) or failed: it will not come back here
+            raise
         finally:
             self._admitted -= 1
+
+    def uncount(self, samples: int) -> None:
+        """A forward counted toward the cap will not come back (refused after the gate, or
+        its chain failed): the step must not wait for it, so the cap counts it no more, and a
+        gate it closed opens again (unless a step is draining: that step opens it)."""
+        if not self.step_samples:
+            return
+        self._forwarded = max(0, self._forwarded - samples)
+        if self._capped and self._forwarded < self.step_samples and not self._draining:
+            self._capped = False
+            self._closed_at = None  # a cap that did not hold is no close for a step
+            self._open.set()
 
     def passing(self, handler: Handler) -> Handler:
         """``handler`` (a forward or backward request handler), counted while it runs: a peer
