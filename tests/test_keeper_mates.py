@@ -72,10 +72,10 @@ class _Server:
 
 class _Quiet:
     def start(self) -> None:
-        pass
+        return None
 
     async def replay(self, peers: Any) -> None:
-        pass
+        return None
 
 
 def _keeper(membership: _Membership, *, bootstrapping: bool = True,

@@ -133,7 +133,7 @@ def test_a_forward_waits_at_a_draining_gate_as_long_as_its_recent_closes_lasted(
 
     async def one_step(lasting: float) -> None:
         with gate.admitted(4):  # a step's worth: the gate closes
-            pass
+            assert gate.in_flight == 2  # the one held and this forward
         now[0] += lasting
         worker.held.clear()
         worker.samples_accumulated = 4
@@ -181,14 +181,14 @@ def test_a_forward_refused_after_the_gate_counts_toward_no_step() -> None:
     async def scenario() -> list[bool]:
         seen = []
         with gate.admitted(2):
-            pass
+            assert gate.in_flight == 2  # the one held and this forward
         with pytest.raises(RuntimeError):
             with gate.admitted(2):  # closes the gate, then is refused
                 raise RuntimeError("busy")
         seen.append(await gate.wait_open(0.01))   # open again: 2 of 4 still to come
         gate.uncount(2)                           # the first one's chain failed below
         with gate.admitted(4):
-            pass
+            assert gate.in_flight == 2  # the one held and this forward
         seen.append(await gate.wait_open(0.01))   # 4 of 4: closed for the step
         gate._draining = True                     # a step drains: it opens the gate itself
         gate.uncount(4)
