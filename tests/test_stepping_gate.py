@@ -17,13 +17,26 @@ from swarmd.pipeline.stepping import Gate
 
 
 class _Worker:
+    """``held``: the microbatches saved here, forwarded at ``born`` (a time; those not in it:
+    just now)."""
+
     def __init__(self, held: str = "lost") -> None:
         self.held = {held}  # by default a microbatch whose backward never comes
+        self.born: dict[str, float] = {}
         self.samples_accumulated = 0
+        self.slowest_backward_s = 0.0
 
     @property
     def saved(self) -> int:
         return len(self.held)
+
+    def saved_within(self, now: float, age_s: float) -> int:
+        return sum(1 for mb in self.held if now - self.born.get(mb, now) <= age_s)
+
+    def drop_forwarded_before(self, when: float) -> list[str]:
+        gone = [mb for mb in self.held if self.born.get(mb, when) < when]
+        self.held -= set(gone)
+        return gone
 
     def expire(self, now: float) -> list[str]:
         gone, self.held = list(self.held), set()
@@ -197,3 +210,44 @@ def test_a_forward_refused_after_the_gate_counts_toward_no_step() -> None:
 
     assert asyncio.run(scenario()) == [True, False, False]
     assert gate.closes == deque()  # the cap that did not hold was no close
+
+
+def test_a_microbatch_saved_too_long_holds_neither_a_capped_gate_nor_a_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A microbatch whose chain died after its result reached the trainer never comes back
+    here, yet the cap counted it: once it is saved longer than ``LOST_MIN_S`` (or 3 x the
+    slowest recent forward-to-backward wait) it is taken for lost, the capped gate opens
+    with the samples in hand counted toward the step, and a drain does not wait for such a
+    one (before: the gate stayed closed until it expired, 2 minutes; a drain waited 20 s)."""
+    monkeypatch.setattr(stepping, "DRAIN_S", 60.0)
+    now = [100.0]
+    worker = _Worker("dead")
+    worker.born["dead"] = 100.0
+    counters: Counter[str] = Counter()
+    gate = Gate(worker, _Compute(), counters, stage=0,  # type: ignore[arg-type]
+                clock=lambda: now[0], drain_steps=True, step_samples=4)
+
+    async def scenario() -> list[bool]:
+        seen = []
+        with gate.admitted(4):  # 2 for "dead", 2 for one that came back
+            pass
+        worker.samples_accumulated = 2
+        now[0] = 105.0
+        seen.append(await gate.wait_open(0.05))    # 5 s: it may still come back
+        worker.slowest_backward_s = 4.0            # backwards here took up to 4 s lately
+        now[0] = 111.0
+        seen.append(await gate.wait_open(0.05))    # 11 s < 3 x 4 s: still waited for
+        now[0] = 113.0
+        seen.append(await gate.wait_open(0.05))    # taken for lost: the gate opens
+        seen.append("dead" in worker.held)
+        with gate.admitted(2):                     # 2 in hand + 2: a step's worth again
+            worker.held.add("new")                 # saved here, its backward to come
+        seen.append(await gate.wait_open(0.01))    # closed for the step
+        worker.held, worker.born = {"dead too"}, {"dead too": 90.0}
+        worker.samples_accumulated = 4
+        await asyncio.wait_for(gate.between(lambda: None), 5)  # no wait for the dead one
+        seen.append(await gate.wait_open(0.01))
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False, True, False, False, True]
+    assert counters["dropped_lost"] == 2 and counters["dropped_for_step"] == 0

@@ -53,6 +53,12 @@ GATE_WAIT_MAX_S = 5.0
 #: most likely given up by its trainer, and waiting for it would spend the grace for nothing
 LIVE_FACTOR = 3.0
 LIVE_MIN_S = 5.0
+#: a microbatch saved here longer than ``LIVE_FACTOR`` x the slowest recent forward-to-backward
+#: wait (at least this) is taken for lost by a drain and by the step cap (``Gate``): its chain
+#: died after its result reached the trainer (which restarted it), so its backward never
+#: comes, and waiting for it would hold the step its ``DRAIN_S`` and a capped gate closed
+#: until it expires (``StageWorker.ttl_s``, 2 minutes)
+LOST_MIN_S = 10.0
 
 #: a round's weights digest (``Stepper.round_digest``): pieces hashed per parameter, and bytes each
 DIGEST_PIECES = 16
@@ -231,7 +237,11 @@ class Gate:
     with nothing left in flight here (those microbatches were lost) opens again. Such a gate
     closes once a step, for about a pipeline round trip: a forward waits for it as long as
     the recent closes lasted (``gate_wait_s``), so the trainer is not told ``busy`` (and does
-    not shrink what it keeps in flight) for a wait that is part of every step."""
+    not shrink what it keeps in flight) for a wait that is part of every step.
+
+    Neither a drain nor the cap waits for a microbatch saved longer than ``LOST_MIN_S`` (or
+    ``LIVE_FACTOR`` x the slowest recent forward-to-backward wait here): it is dropped
+    (``dropped_lost``; its backward, should it come, gets ``unknown_microbatch``)."""
 
     def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
                  stage: int, clock: Callable[[], float] = time.monotonic, *,
@@ -273,8 +283,11 @@ class Gate:
         try:
             async with asyncio.timeout(timeout_s):
                 while not self._open.is_set():
-                    if self._stuck():
-                        self._uncap()  # what the cap waited for will never come back
+                    if self._stuck():  # what the cap waited for will never come back
+                        self._drop_lost()
+                        # the samples in hand count toward the step: the gate closes again
+                        # once the rest of a step's worth was forwarded
+                        self._uncap(forwarded=self.worker.samples_accumulated)
                         break
                     try:
                         async with asyncio.timeout(DRAIN_POLL_S * 25):
@@ -286,15 +299,31 @@ class Gate:
             return False
 
     def _stuck(self) -> bool:
-        """Capped, with nothing left here to come back and too few samples for the step: the
-        microbatches the cap waited for were lost, so no step would open the gate."""
+        """Capped, with nothing left here to come back (none saved but the lost) and too few
+        samples for the step: the microbatches the cap waited for were lost, so no step would
+        open the gate."""
         return self._capped and not (
-            self._draining or self.worker.saved or self._admitted or self.compute.queued
+            self._draining or self._admitted or self.compute.queued or self._holds_live()
             # (a backward in the compute thread has left ``saved`` but not yet counted)
             or self.worker.samples_accumulated >= self.step_samples)
 
-    def _uncap(self) -> None:
-        self._forwarded, self._capped = 0, False
+    def _lost_after_s(self) -> float:
+        """A microbatch saved here longer than this is taken for lost (``LOST_MIN_S``)."""
+        return max(LOST_MIN_S, LIVE_FACTOR * self.worker.slowest_backward_s)
+
+    def _holds_live(self) -> bool:
+        """Whether a microbatch saved here may still come back (not taken for lost)."""
+        return self.worker.saved_within(self._clock(), self._lost_after_s()) > 0
+
+    def _drop_lost(self) -> None:
+        lost = self.worker.drop_forwarded_before(self._clock() - self._lost_after_s())
+        if lost:
+            self.counters["dropped_lost"] += len(lost)
+            log.info("stage %d: %d microbatch(es) saved too long taken for lost (their chain "
+                     "failed further on; their trainer restarts them)", self.stage, len(lost))
+
+    def _uncap(self, forwarded: int = 0) -> None:
+        self._forwarded, self._capped = forwarded, False
         if self._closed_at is not None:  # what draining cost: ``stage.step_gate_closed_ms``
             closed = max(0.0, self._clock() - self._closed_at)
             self.closes.append(closed)
@@ -355,9 +384,12 @@ class Gate:
         return self.worker.saved + self._admitted + self._passing
 
     async def drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no microbatch that may still come back is here,
+        then drop those taken for lost."""
         deadline = self._clock() + timeout_s
-        while (self.worker.saved or self._admitted) and self._clock() < deadline:
+        while (self._admitted or self._holds_live()) and self._clock() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+        self._drop_lost()
 
     def _live(self) -> bool:
         """Whether a microbatch that may still finish is here: a request being handled, a

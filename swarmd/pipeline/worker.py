@@ -384,6 +384,14 @@ class StageWorker:
         return sum(1 for v in list(self._saved.values()) if now - (v.expires_at - self.ttl_s)
                    <= age_s)
 
+    def drop_forwarded_before(self, when: float) -> list[str]:
+        """Drop the microbatches whose forward ran before ``when`` (taken for lost: their
+        backward is not coming); returns their ids."""
+        gone = [k for k, v in list(self._saved.items()) if v.expires_at - self.ttl_s < when]
+        for k in gone:
+            self._saved.pop(k, None)
+        return gone
+
     def expire(self, now: float) -> list[str]:
         """Drop microbatches whose backward did not come in time; returns their ids. Safe
         beside a backward in the compute thread (a stop's hand-back runs on the event loop)."""

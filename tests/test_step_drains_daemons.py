@@ -1,0 +1,90 @@
+"""``serving.step_drains = "first"`` through real ``swarmd join`` processes on 127.0.0.1: stage 0
+steps with no late gradient while the trainer keeps more than a step in flight, and a stage-1
+peer killed mid-run does not hold stage 0's gate closed for the microbatches it took along."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import uvloop
+
+from daemon_harness import wait_until
+from swarmd.config import load_config
+from swarmd.local.demo import DEMO_ENV
+from swarmd.training.run import train
+
+pytestmark = pytest.mark.integration
+
+ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
+       "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "step-drains-test",
+       "SWARMD_SERVING_STEP_DRAINS": "first"}
+
+
+def counters(d: Any) -> dict[str, Any]:
+    return d.get("/api/v0/status")["counters"]
+
+
+def test_stage_0_steps_with_no_late_gradient_while_more_than_a_step_is_in_flight(
+        daemons: Any) -> None:
+    d0, d1 = daemons(0, 1)
+    config = load_config(None, {**os.environ, **ENV})
+    per_step = config.training.microbatches
+    steps = 10
+    # twice a step's microbatches in flight: without the drain stage 0 steps while some of
+    # them are between its forward and its backward, and their gradients land a step late
+    result = uvloop.run(asyncio.wait_for(
+        train(config, bootstrap=[d0.addr], steps=steps, fixed_in_flight=2 * per_step,
+              progress=lambda line: None, bar=False), 240))
+    assert result.lost == 0
+    wait_until(lambda: int(counters(d0).get("stage.optimizer_steps", 0)) >= steps, 30,
+               "stage 0's last step")
+    c0 = counters(d0)
+    assert int(c0["stage.optimizer_steps"]) == steps  # a step's worth each, no overshoot
+    assert int(c0.get("stage.late_samples", 0)) == 0
+    assert int(c0["stage.stepped_samples"]) == steps * per_step * config.training.batch_size
+    assert int(c0.get("stage.step_gate_closed_ms", 0)) > 0  # the gate did close for steps
+    assert int(counters(d1).get("stage.step_gate_closed_ms", 0)) == 0  # "first": stage 0 only
+
+
+def test_a_killed_stage_1_peer_does_not_hold_stage_0s_gate_closed(daemons: Any) -> None:
+    """A microbatch whose result reached the trainer and whose stage-1 peer then died never
+    comes back to stage 0, yet it was counted toward stage 0's step: the gate must not wait
+    for it until it expires (2 minutes), nor a step drain for it its 20 s."""
+    d0, d1, d2 = daemons(0, 1, 1)
+    config = load_config(None, {**os.environ, **ENV})
+    wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
+               "both stage-1 peers routable")
+    killed = threading.Event()
+
+    def killer() -> None:  # SIGKILL a stage-1 peer while it holds microbatches
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for victim in (d1, d2):
+                try:
+                    if int(counters(victim).get("stage.forward", 0)) >= 6:
+                        victim.proc.kill()
+                        killed.set()
+                        return
+                except OSError:
+                    continue
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=killer, daemon=True)
+    watcher.start()
+    per_step = config.training.microbatches
+    # bounded well below a saved microbatch's 120 s expiry, which is what stage 0 waited for
+    result = uvloop.run(asyncio.wait_for(
+        train(config, bootstrap=[d0.addr], steps=24, fixed_in_flight=2 * per_step,
+              progress=lambda line: None, bar=False), 100))
+    watcher.join(5)
+    assert killed.is_set()
+    assert result.lost == 0
+    assert result.restarted >= 1  # a backward met the dead peer: the fault was really hit
+    c0 = counters(d0)
+    assert int(c0.get("stage.late_samples", 0)) == 0
+    assert int(c0.get("stage.dropped_lost", 0)) >= 1  # the dead peer's microbatches let go
