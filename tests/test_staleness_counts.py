@@ -56,3 +56,17 @@ def test_the_mean_is_the_samples_weighted_steps_late(plan: list[tuple[int, int]]
     total = sum(r for r, _ in plan)
     assert counters["stepped_samples"] == total
     assert counters["late_samples"] == sum(r * s for r, s in plan)
+
+
+def test_a_backward_after_a_rounds_snapshot_counts_late_though_no_step_came_between() -> None:
+    """A round takes its snapshot, then a backward lands, then the round applies its step:
+    that gradient counts toward the step after, so it is applied one step after the weights
+    its forward ran on: one step late, with no step between its forward and its backward."""
+    worker, stepper, counters = _stage()
+    out = worker.forward("crossing", torch.randn(4, 2, W), now=0.0)
+    vector, samples = stepper.take_gradient()        # the round's snapshot: nothing yet
+    worker.backward("crossing", torch.ones_like(out), now=0.0)
+    stepper.apply_gradient(vector)                   # the round's step
+    assert worker.late_samples == 4
+    stepper.take_gradient()
+    assert counters["late_samples"] == 4 and counters["stepped_samples"] == 4

@@ -88,3 +88,24 @@ def test_a_killed_stage_1_peer_does_not_hold_stage_0s_gate_closed(daemons: Any) 
     c0 = counters(d0)
     assert int(c0.get("stage.late_samples", 0)) == 0
     assert int(c0.get("stage.dropped_lost", 0)) >= 1  # the dead peer's microbatches let go
+
+
+def test_two_stage_0_peers_average_with_no_late_gradient(daemons: Any) -> None:
+    """With several peers a stage steps in rounds: each peer's snapshot is taken once its
+    gate is closed and drained, and the gate opens at the round's step, so no backward lands
+    between a snapshot and its step (that gradient would count toward the step after)."""
+    d0, d0b, d1 = daemons(0, 0, 1)
+    config = load_config(None, {**os.environ, **ENV})
+    wait_until(lambda: d1.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2, 30,
+               "both stage-0 peers routable")
+    per_step = config.training.microbatches
+    steps = 10
+    result = uvloop.run(asyncio.wait_for(
+        train(config, bootstrap=[d0.addr], steps=steps, fixed_in_flight=2 * per_step,
+              progress=lambda line: None, bar=False), 240))
+    assert result.lost == 0
+    trained = (steps * per_step + result.restarted) * config.training.batch_size
+    c = [counters(d) for d in (d0, d0b)]
+    assert all(int(x.get("sync.rounds", 0)) >= 1 for x in c)  # they stepped in rounds
+    assert [int(x.get("stage.late_samples", 0)) for x in c] == [0, 0]
+    assert sum(int(x.get("stage.stepped_samples", 0)) for x in c) <= trained

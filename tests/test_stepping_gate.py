@@ -251,3 +251,39 @@ def test_a_microbatch_saved_too_long_holds_neither_a_capped_gate_nor_a_step(
 
     assert asyncio.run(scenario()) == [False, False, True, False, False, True]
     assert counters["dropped_lost"] == 2 and counters["dropped_for_step"] == 0
+
+
+def test_a_rounds_snapshot_holds_the_draining_gate_closed_until_its_step_or_its_end() -> None:
+    """With ``step_drains`` a round's snapshot waits for the microbatch in flight, and the
+    gate stays closed until the round steps (a backward landing between snapshot and step
+    would count toward the step after); a round that fails, or a snapshot that raises, opens
+    it again."""
+    worker = _Worker("in flight")
+    gate = Gate(worker, _Compute(), Counter(), stage=0,  # type: ignore[arg-type]
+                drain_steps=True, step_samples=4)
+
+    async def scenario() -> list[Any]:
+        seen: list[Any] = []
+        snap = asyncio.ensure_future(gate.hold_for_round(lambda: "snapshot"))
+        await asyncio.sleep(0)                         # it closes the gate
+        seen.append(await gate.wait_open(0.05))        # closed while it drains
+        seen.append(snap.done())                       # waits for the one in flight
+        worker.held.clear()
+        seen.append(await asyncio.wait_for(snap, 5))
+        seen.append(await gate.wait_open(0.05))        # held through the all-reduce
+        await gate.between(lambda: None)               # the round's step opens it
+        seen.append(await gate.wait_open(0.01))
+        gate.round_over()                              # (after the step: nothing to do)
+        seen.append(await gate.wait_open(0.01))
+        await gate.hold_for_round(lambda: None)
+        gate.round_over()                              # failed round: no step, open again
+        seen.append(await gate.wait_open(0.01))
+
+        def broken() -> None:
+            raise RuntimeError("snapshot failed")
+        with pytest.raises(RuntimeError):
+            await gate.hold_for_round(broken)
+        seen.append(await gate.wait_open(0.01))
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False, "snapshot", False, True, True, True, True]

@@ -86,7 +86,8 @@ class StageSync:
     snapshot; ``on_behind(peer, step)`` is told of a mate at a later step; ``samples_now()``
     is what this peer accumulated since its last snapshot. ``digest()`` (optional) is the hex
     digest of the stage's weights now; ``on_diverged(leader, step)`` is told that the leader of
-    a round at ``step`` held other weights than ours (take its state)."""
+    a round at ``step`` held other weights than ours (take its state); ``round_over()`` is
+    called once a round that took a snapshot ended, stepped or not."""
 
     def __init__(self, host: Any, *, swarm: str, stage: int, trigger: RoundTrigger,
                  averager: Averager | None, mates: Callable[[], dict[str, tuple[str, ...]]],
@@ -98,7 +99,8 @@ class StageSync:
                  step_alone: Callable[[], Awaitable[None]] | None = None,
                  settings: SyncSettings = SyncSettings(),
                  digest: Callable[[], Awaitable[str]] | None = None,
-                 on_diverged: Callable[[str, int], None] = lambda peer, step: None) -> None:
+                 on_diverged: Callable[[str, int], None] = lambda peer, step: None,
+                 round_over: Callable[[], None] = lambda: None) -> None:
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -112,6 +114,7 @@ class StageSync:
         self.settings = settings
         self._digest = digest
         self._on_diverged = on_diverged
+        self._round_over = round_over
         self._recent = RecentMates(settings.mate_grace_s)
         self.protocol = Protocols(swarm).round
         self.counters: Counter[str] = Counter()
@@ -279,6 +282,15 @@ class StageSync:
         so they derive the same parts, each sized by its peer's measured bandwidth.
         ``before_apply`` (a digest of the weights) is waited for before they change."""
         vector, samples = await self._snapshot()
+        try:
+            await self._reduce_and_apply(round_id, group, bandwidths, vector, samples,
+                                         before_apply)
+        finally:
+            self._round_over()
+
+    async def _reduce_and_apply(self, round_id: str, group: list[str],
+                                bandwidths: list[float | None], vector: torch.Tensor,
+                                samples: int, before_apply: Awaitable[Any] | None) -> None:
         pending = asyncio.ensure_future(before_apply) if before_apply is not None else None
         if len(group) == 1 or self.averager is None:
             if pending is not None:

@@ -123,7 +123,8 @@ class StageServer:
             mates=port.mates, snapshot=port.snapshot, apply=port.apply,
             give_back=port.give_back, on_behind=on_behind or (lambda peer, step: None),
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
-            digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None))
+            digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None),
+            round_over=self.gate.round_over)
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"],
@@ -221,6 +222,8 @@ class _SyncPort:
         return {p: v[2] for p, v in s.peers_of(s.stage).items() if p != s.host.peer_id}
 
     async def snapshot(self) -> tuple[torch.Tensor, int]:
+        if self._s.gate.drain_steps:  # closed and drained until the round's step (Gate)
+            return await self._s.gate.hold_for_round(self._s._take_gradient)
         return await self._s.compute.run(self._s._take_gradient)
 
     async def apply(self, vector: torch.Tensor) -> None:

@@ -101,7 +101,8 @@ class Stepper:
 
     def _count_lateness(self) -> None:
         """Counters ``late_samples`` / ``stepped_samples``: their ratio is the mean lateness
-        (in optimizer steps, forward to backward here) of the gradients taken so far
+        (in optimizer steps, from the weights a forward ran on here to those its gradient is
+        applied to) of the gradients taken so far
         (``tools/bench_schedules.py`` reports it; docs/pipeline.md, "Latency hiding")."""
         self.counters["late_samples"] += int(self.worker.late_samples)
         self.counters["stepped_samples"] += self.worker.samples_accumulated
@@ -176,6 +177,8 @@ class Stepper:
         for p, g in self._unflatten(vector):
             p.grad = g * samples if p.grad is None else p.grad + g * samples
         self.worker.samples_accumulated += samples
+        # their lateness was counted when taken (``_count_lateness``): none again
+        self.worker.forward_steps += samples * self.worker.steps
 
     def fingerprint(self) -> tuple[str, float]:
         """(blake2b-128 of the parameters' bytes, their L2 norm): equal weights, equal digest."""
@@ -254,6 +257,8 @@ class Gate:
         self._forwarded = 0
         self._capped = False
         self._draining = False
+        #: closed by a round's snapshot (``hold_for_round``) until its step or its end
+        self._round = False
         #: when the gate closed for the current step (cap or drain), and how long the last
         #: such closes lasted (seconds)
         self._closed_at: float | None = None
@@ -426,20 +431,43 @@ class Gate:
             return await self.when_drained(fn, *args)
         return await self.compute.run(fn, *args)
 
+    async def hold_for_round(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """With ``drain_steps``, a round's snapshot: close the gate, wait for the microbatches
+        in flight here, run ``fn`` (take the gradient) and keep the gate closed until the
+        round applies its step (``between``) or ends without one (``round_over``). A
+        backward that landed between the snapshot and the step would count toward the step
+        after it: one step late, what draining is for."""
+        self._close_for_step()
+        self._draining = self._round = True
+        try:
+            return await self._drained_then(fn, *args)
+        except BaseException:
+            self.round_over()
+            raise
+
+    def round_over(self) -> None:
+        """A round ended: open the gate its snapshot held closed, unless its step did."""
+        if self._round:
+            self._draining = self._round = False
+            self._uncap()
+
     async def when_drained(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._open.clear()
         self._draining = True
         try:
-            await self.drain(DRAIN_S)
-            if self.worker.saved:
-                dropped = self.worker.expire(float("inf"))
-                self.counters["dropped_for_step"] += len(dropped)
-                log.warning("stage %d: %d microbatch(es) did not come back within %.0f s; "
-                            "dropped before the step", self.stage, len(dropped), DRAIN_S)
-            return await self.compute.run(fn, *args)
+            return await self._drained_then(fn, *args)
         finally:
-            self._draining = False
+            self._draining = self._round = False
             self._uncap()
+
+    async def _drained_then(self, fn: Callable[..., Any], *args: Any) -> Any:
+        await self.drain(DRAIN_S)
+        if self.worker.saved:
+            dropped = self.worker.expire(float("inf"))
+            self.counters["dropped_for_step"] += len(dropped)
+            log.warning("stage %d: %d microbatch(es) did not come back within %.0f s; "
+                        "dropped before the step", self.stage, len(dropped), DRAIN_S)
+        return await self.compute.run(fn, *args)
 
 
 def gate_wait_s(closes: Iterable[float], *, floor_s: float = GATE_WAIT_S,

@@ -129,8 +129,18 @@ class StageWorker:
         self.slowest_backward_s = 0.0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
-        #: their lateness: the sum over those backwards of (steps late x samples)
-        self.late_samples = 0.0
+        #: the sum over those of (samples x the step their forward ran at): with ``steps``,
+        #: their lateness (``late_samples``)
+        self.forward_steps = 0
+
+    @property
+    def late_samples(self) -> int:
+        """The lateness of the gradients accumulated here, summed over their samples: for
+        each, the optimizer steps between the weights its forward ran on and those the next
+        step starts from (a backward that lands after a round took its snapshot counts
+        toward the step after, so it is late even with no step between forward and
+        backward)."""
+        return self.samples_accumulated * self.steps - self.forward_steps
 
     @property
     def saved(self) -> int:
@@ -340,7 +350,7 @@ class StageWorker:
         self._backward(saved, parts[0] if len(parts) == 1 else torch.cat(parts))
         samples = sum(r.stop - r.start for mb, r in saved.rows.items() if mb in saved.grads)
         self.samples_accumulated += samples
-        self.late_samples += late * samples
+        self.forward_steps += saved.step * samples
         assert saved.inputs.grad is not None
         g = saved.inputs.grad
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
@@ -403,7 +413,7 @@ class StageWorker:
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
-        self.late_samples = 0.0
+        self.forward_steps = 0
 
     def _check(self, x: torch.Tensor, what: str) -> None:
         if not isinstance(x, torch.Tensor):
