@@ -136,6 +136,27 @@ def llama_dir(root: Path) -> Path:
     return directory
 
 
+def add_schedule_options(parser: Any) -> None:
+    """``--step-drains`` and ``--microbatches``: the schedule the benchmark's swarm runs
+    (``serving.step_drains``, ``training.microbatches``; default: the configuration's)."""
+    parser.add_argument("--step-drains", choices=("off", "first", "all"),
+                        help="serving.step_drains of the stage daemons")
+    parser.add_argument("--microbatches", type=int,
+                        help="training.microbatches: microbatches per trainer step")
+
+
+def schedule_overrides(args: Any) -> dict[str, str]:
+    """The ``SWARMD_*`` settings ``add_schedule_options``' flags ask for."""
+    out = {}
+    if args.step_drains:
+        out["SWARMD_SERVING_STEP_DRAINS"] = args.step_drains
+    if args.microbatches is not None:
+        if args.microbatches < 1:
+            raise SystemExit("--microbatches must be at least 1")
+        out["SWARMD_TRAINING_MICROBATCHES"] = str(args.microbatches)
+    return out
+
+
 def bench_env(model: str, root: Path | None = None) -> dict[str, str]:
     from swarmd.local.demo import DEMO_ENV
 

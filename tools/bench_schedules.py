@@ -3,6 +3,7 @@
     python tools/bench_schedules.py --json                 # sync, then pipelined at 16 and 32
     python tools/bench_schedules.py --json --in-flight 8,24 --steps 200
     python tools/bench_schedules.py --json --in-flight 8,16 --repeats 3   # means of 3 each
+    python tools/bench_schedules.py --json --step-drains first --microbatches 64 --in-flight 32
 
 Each run starts a fresh local swarm (2 stages, one ``swarmd join`` per stage on 127.0.0.1,
 the demo model, int8 on the wire, as ``tools/bench_pipeline.py``), trains ``--steps`` steps of
@@ -34,6 +35,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+from bench_pipeline import add_schedule_options, schedule_overrides  # noqa: E402
 
 TARGET = 1.03
 
@@ -91,16 +94,21 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
 
 
 def measure(steps: int, in_flights: list[int], repeats: int = 1,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, overrides: dict[str, str] | None = None) -> dict[str, Any]:
     """Each schedule ``repeats`` times, interleaved (sync, pipelined..., sync, ...), repeat
     ``r`` with ``training.seed`` = ``seed + r``: the final loss depends on the data order by
     several percent (and the synchronous run varies by a little between invocations:
     gradients are summed in arrival order), so the target is on the ratio of the means over
-    the repeats; ``paired_ratios`` are each run's against the sync run of its seed."""
+    the repeats; ``paired_ratios`` are each run's against the sync run of its seed.
+    ``overrides``: configuration for the daemons and the trainers (``SWARMD_*``), both
+    schedules alike."""
     from bench_pipeline import bench_env
 
+    from swarmd.config import load_config
+
     t0 = time.monotonic()
-    env = bench_env("demo")
+    env = {**bench_env("demo"), **(overrides or {})}
+    config = load_config(None, {**os.environ, **env})
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
         # each repeat its own data order and initial weights, the same for every schedule in
@@ -127,7 +135,9 @@ def measure(steps: int, in_flights: list[int], repeats: int = 1,
         "ratio_vs_sync": sum(v) / len(v) / ref,
         "paired_ratios": [r["val_loss_ratio_vs_its_sync"] for r in runs
                           if r["in_flight"] == n]} for n, v in by.items()}
-    return {"runs": runs, "summary": summary, "repeats": repeats, "seed": seed, "targets": {
+    return {"runs": runs, "summary": summary, "repeats": repeats, "seed": seed,
+            "config": {"step_drains": config.serving.step_drains,
+                       "microbatches": config.training.microbatches}, "targets": {
         f"val_loss_within_3pct_in_flight_{n}": summary[f"in_flight_{n}"]["ratio_vs_sync"]
         <= TARGET for n in in_flights}, "seconds": time.monotonic() - t0}
 
@@ -142,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="training.seed of the first repeat (the next ones count up)")
     parser.add_argument("--in-flight", default="16,32",
                         help="comma-separated numbers in flight for the pipelined runs")
+    add_schedule_options(parser)
     args = parser.parse_args(argv)
     in_flights = [int(v) for v in args.in_flight.split(",") if v]
     if args.steps < 2 or args.repeats < 1 or any(n < 1 for n in in_flights):
         parser.error("--steps must be at least 2, --repeats and every --in-flight at least 1")
-    result = measure(args.steps, in_flights, args.repeats, args.seed)
+    result = measure(args.steps, in_flights, args.repeats, args.seed,
+                     overrides=schedule_overrides(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -2,6 +2,7 @@
 unshaped lab in the same run.
 
     sudo .venv/bin/python tools/bench_wan.py --json     (root: the lab needs namespaces)
+    sudo .venv/bin/python tools/bench_wan.py --json --step-drains first --microbatches 64
 
 Profiles (host-to-host one-way delay; every host's link gets half of it, and the rates):
 region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 15 ms,
@@ -53,6 +54,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from tools.wanlab import HostSpec, LabUnavailable, Link, WanLab  # noqa: E402
 from tools.wanlab import daemons, probe  # noqa: E402
+from bench_pipeline import add_schedule_options, schedule_overrides  # noqa: E402
 
 #: name: (host-to-host one-way delay ms, down Mbit/s, up Mbit/s); None: unshaped
 PROFILES: dict[str, tuple[float, float, float] | None] = {
@@ -267,9 +269,18 @@ def measure_allreduce_only(profiles: list[str]) -> dict[str, Any]:
         "seconds": time.monotonic() - t0}
 
 
+#: issue 11: pipeline tokens/s of unshaped, per profile
+PIPELINE_TARGETS = {"far": 0.85, "continent": 0.9}
+
+
 def _targets(results: dict[str, Any]) -> dict[str, bool]:
-    """The lab's own checks (RTT, raw TCP near the link rate) and the transport's target."""
+    """The lab's own checks (RTT, raw TCP near the link rate), the transport's, the
+    all-reduce's and the pipeline's targets (tokens/s of unshaped, nothing lost)."""
     return {
+        **{f"pipeline_ge_{v}x_unshaped_{n}": (results[n].get("pipeline_ratio_vs_unshaped")
+                                              or 0.0) >= v
+           for n, v in PIPELINE_TARGETS.items() if n in results},
+        **{f"pipeline_lost_0_{n}": r["pipeline"]["lost"] == 0 for n, r in results.items()},
         **{f"rtt_within_20pct_{n}": abs(r["rtt_ms"] - 2 * PROFILES[n][0]) <= 0.2 * 2 *
            PROFILES[n][0] + 2.0 for n, r in results.items() if PROFILES[n]},
         **{f"raw_tcp_ge_0.6x_link_{n}": r["raw_tcp_vs_link_rate"] >= 0.6
@@ -283,14 +294,16 @@ def _targets(results: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def measure(quick: bool, profiles: list[str], membership: bool = True) -> dict[str, Any]:
+def measure(quick: bool, profiles: list[str], membership: bool = True,
+            overrides: dict[str, str] | None = None) -> dict[str, Any]:
+    """``overrides``: configuration for the daemons and the trainer (``SWARMD_*``)."""
     from bench_pipeline import bench_env
 
     from swarmd.config import load_config
 
     t0 = time.monotonic()
     load_before = os.getloadavg()
-    env = bench_env("demo")
+    env = {**bench_env("demo"), **(overrides or {})}
     env["SWARMD_SWARM_NAME"] = f"bench-wan-{secrets.token_hex(4)}"
     config = load_config(None, {**os.environ, **env})
     mc = config.model_config()
@@ -329,7 +342,8 @@ def measure(quick: bool, profiles: list[str], membership: bool = True) -> dict[s
         "model": {"width": mc.width, "layers": mc.layers, "seq_len": mc.seq_len,
                   "batch_size": config.training.batch_size,
                   "microbatches": config.training.microbatches, "codec": config.wire.codec,
-                  "tokens_per_step": tokens_per_step, "trainer_steps": steps},
+                  "tokens_per_step": tokens_per_step, "trainer_steps": steps,
+                  "step_drains": config.serving.step_drains},
         "profiles": results,
         "delayer_counters": counters.get("counters"),
         "not_measured": NOT_MEASURED + ([] if membership else [
@@ -352,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the 6-daemon membership convergence (the slowest part)")
     parser.add_argument("--allreduce-only", action="store_true",
                         help="only the 3-peer all-reduce bus bandwidth, per profile")
+    add_schedule_options(parser)
     args = parser.parse_args(argv)
     wanted = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in wanted if p not in PROFILES]
@@ -366,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.allreduce_only:
         result = measure_allreduce_only(wanted)
     else:
-        result = measure(args.quick, profiles, membership=not args.no_membership)
+        result = measure(args.quick, profiles, membership=not args.no_membership,
+                         overrides=schedule_overrides(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
