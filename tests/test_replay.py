@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from swarmd.pipeline.stepping import Stepper
 from swarmd.pipeline.worker import StageWorker
-from swarmd.state.encoding import capture, restore
+from swarmd.state.encoding import capture, decode, encode, restore
 from swarmd.state.messages import ReplayRequest, parse_replay, parse_request
 from swarmd.state.replay import ReplayLog
 from swarmd.state.serve import StateServer
@@ -159,11 +159,9 @@ def test_replaying_the_logged_steps_onto_the_old_state_is_bitwise_the_stepped_pe
         backward(ahead, 100 + i)
         ahead.step_alone()
         ahead_step[0] += 1
-    old = capture(ahead.module, ahead.optimizer, stage=0, step=3, model_hash="h")
-    # a stage state does not carry float32 master weights (bf16/fp16 stages restore them
-    # rounded: swarm_optim.load_state_dict), so such a download is already not bitwise the
-    # mate's; with the masters given over too, the replay itself is exact
-    masters = ahead.optimizer.masters_state()
+    # as a joiner gets it: over the wire (a bf16/fp16 stage's float32 masters included)
+    old = decode(encode(capture(ahead.module, ahead.optimizer, stage=0, step=3,
+                                model_hash="h")))
     for i in range(5):  # k = 5 steps after the state was taken: alone and in rounds
         if i % 2:
             backward(ahead, 200 + i)
@@ -179,8 +177,6 @@ def test_replaying_the_logged_steps_onto_the_old_state_is_bitwise_the_stepped_pe
 
     behind, _ = make_peer(2, opt, dtype)  # other initial weights: all comes from the state
     restore(old, behind.module, behind.optimizer, stage=0, model_hash="h")
-    if masters is not None:
-        behind.optimizer.load_masters(masters)
     behind.forget(3)
     for i, vector in enumerate(vectors):
         behind.apply_gradient(vector.clone(), at=3 + i)

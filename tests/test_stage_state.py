@@ -416,3 +416,67 @@ def test_quarantine_sets_the_file_aside_and_keeps_a_few(tmp_path: Path) -> None:
     again = quarantine(save_checkpoint(tmp_path, sample_state(stage=1)),
                        now=1_700_000_000 + 3600 * (ckpt.KEEP_QUARANTINED + 1))
     assert again.name.endswith("-2"), "a second quarantine in the same second gets a new name"
+
+
+# ---- mixed precision: the float32 master weights travel ---------------------------------
+
+def bf16_stage(seed: int, width: int = 8, steps: int = 2) -> tuple[torch.nn.Module, Any]:
+    from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
+
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4)
+                                 ).to(torch.bfloat16)
+    optimizer = SwarmOptimizer(module.parameters(), OptimSettings(name="adamw", lr=1e-2),
+                               dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        module(torch.randn(5, width, generator=gen).bfloat16()).float().pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module, optimizer
+
+
+def test_a_bf16_stage_state_carries_its_float32_masters_and_the_next_step_matches() -> None:
+    """A bfloat16 stage's parameters are only the rounding of its float32 masters: a joiner
+    that took the parameters alone (before: masters rebuilt from them) stepped from other
+    weights than its mate and drifted apart at once."""
+    ahead, opt_ahead = bf16_stage(0)
+    state = ss.decode(ss.encode(ss.capture(ahead, opt_ahead, stage=0, step=2, model_hash=HASH)))
+    behind, opt_behind = bf16_stage(7, steps=0)
+    ss.restore(state, behind, opt_behind, stage=0, model_hash=HASH)
+    assert all(torch.equal(a, b) for a, b in zip(opt_ahead.master.masters,
+                                                 opt_behind.master.masters))
+    x = torch.linspace(-1, 1, 40).reshape(5, 8).bfloat16()
+    for module, optimizer in ((ahead, opt_ahead), (behind, opt_behind)):
+        module(x).float().pow(2).sum().backward()
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt_ahead.master.masters,
+                                                 opt_behind.master.masters))
+    assert same_tensors(ahead.state_dict(), behind.state_dict())
+
+
+@pytest.mark.parametrize("bad", ["count", "dtype", "shape", "not a list"])
+def test_a_state_with_bad_masters_is_refused_and_changes_nothing(bad: str) -> None:
+    ahead, opt_ahead = bf16_stage(0)
+    state = ss.capture(ahead, opt_ahead, stage=0, step=2, model_hash=HASH)
+    masters = list(state.optimizer["masters"])
+    forged = {"count": masters[:-1], "dtype": [masters[0].double(), *masters[1:]],
+              "shape": [masters[0][:1], *masters[1:]], "not a list": {"0": masters[0]}}[bad]
+    bad_state = StageState(stage=0, step=2, model_hash=HASH, params=state.params,
+                           optimizer={**state.optimizer, "masters": forged})
+    behind, opt_behind = bf16_stage(7, steps=0)
+    before = {k: v.clone() for k, v in behind.state_dict().items()}
+    with pytest.raises(StateMismatch, match="master"):
+        ss.restore(bad_state, behind, opt_behind, stage=0, model_hash=HASH)
+    assert same_tensors(before, behind.state_dict())
+
+
+def test_a_bf16_stages_encoded_state_fits_the_bound_a_joiner_allows() -> None:
+    """A bfloat16 module's optimizer state is float32 (moments and masters): 14 bytes per
+    parameter against the module's 2. The bound counted copies of the module's own bytes
+    (8 per parameter plus slack) and refused such a state from a peer once the stage was a
+    few MB."""
+    module, optimizer = bf16_stage(0, width=2048, steps=1)
+    low, high = ss.state_bytes_bound(module)
+    size = len(ss.encode(ss.capture(module, optimizer, stage=0, step=1, model_hash=HASH)))
+    assert low <= size <= high

@@ -165,6 +165,18 @@ def _check_optimizer(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
                                 f"{len(ids) if isinstance(ids, list) else '?'} parameters, this "
                                 f"optimizer {len(mine['params'])}")
         params.update(zip(ids, mine["params"]))
+    masters = saved.get("masters")  # float32 master weights (``SwarmOptimizer``)
+    if masters is not None:
+        mine = [p for g in optimizer.param_groups for p in g["params"]]
+        if not isinstance(masters, list) or len(masters) != len(mine):
+            raise StateMismatch(f"stage {stage} optimizer state has "
+                                f"{len(masters) if isinstance(masters, list) else 'no list of'} "
+                                f"master weights, this optimizer {len(mine)} parameters")
+        for i, (m, p) in enumerate(zip(masters, mine)):
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 \
+                    or tuple(m.shape) != tuple(p.shape):
+                raise StateMismatch(f"stage {stage} master weight {i} is not float32 of its "
+                                    f"parameter's shape {tuple(p.shape)}")
     for key, entry in entries.items():
         if key not in params or not isinstance(entry, dict):
             raise StateMismatch(f"stage {stage} optimizer state names unknown parameter {key!r}")
@@ -482,7 +494,10 @@ def _is_int(value: object) -> bool:
 
 def state_bytes_bound(module: nn.Module, *, optimizer_copies: int = 3) -> tuple[int, int]:
     """(fewest, most) bytes an encoded state of ``module`` can take: at least its own tensors'
-    bytes, at most those times (1 + ``optimizer_copies``: AdamW and LAMB keep two, slack for
-    one more) plus a full header. No copy is made (only sizes are read)."""
+    bytes, at most those plus ``optimizer_copies`` float32 copies of its parameters (AdamW and
+    LAMB keep two moments, a bfloat16/float16 module's optimizer its float32 master weights:
+    in float32 whatever the module's dtype) plus a full header. No copy is made (only sizes
+    are read)."""
     own = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-    return own, own * (1 + optimizer_copies) + PREFIX.size + MAX_HEADER_BYTES + (1 << 20)
+    float32 = sum(p.numel() * 4 for p in module.parameters())
+    return own, own + float32 * optimizer_copies + PREFIX.size + MAX_HEADER_BYTES + (1 << 20)

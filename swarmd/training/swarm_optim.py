@@ -96,17 +96,44 @@ class SwarmOptimizer:
             p.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        """The inner optimizer's state; with master weights, under ``"masters"`` the float32
+        masters too (the module's parameters are only their rounding: a peer or checkpoint
+        that took the parameters alone would step from other weights than its mates)."""
+        state = self.inner.state_dict()
+        if self.master is not None:
+            state["masters"] = [m.detach() for m in self.master.masters]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The inner optimizer's state; with master weights, the masters are taken from the
-        module's parameters (loaded just before, so rounded to the module's dtype)."""
-        self.inner.load_state_dict(state)
+        """``state_dict()``'s state. With master weights and no ``"masters"`` in it (a state
+        saved before they travelled), the masters are taken from the module's parameters
+        (loaded just before, so rounded to the module's dtype); a state of a float32 module
+        holds none, and any given are ignored there."""
+        masters = state.get("masters")
+        if masters is not None and self.master is not None:
+            self._check_masters(masters)
+        self.inner.load_state_dict({k: v for k, v in state.items() if k != "masters"})
         self.inner.param_groups[0].setdefault("updates", 0)
         if self.master is not None:
             with torch.no_grad():
-                for p, m in zip(self.master.params, self.master.masters):
-                    m.copy_(p.detach().to(torch.float32))
+                for i, (p, m) in enumerate(zip(self.master.params, self.master.masters)):
+                    m.copy_(masters[i] if masters is not None else p.detach().to(torch.float32))
+
+    def _check_masters(self, masters: Any) -> None:
+        """ValueError unless ``masters`` is one float32 tensor per parameter, of its shape."""
+        assert self.master is not None
+        mine = self.master.masters
+        if not isinstance(masters, (list, tuple)) or len(masters) != len(mine):
+            held = len(masters) if isinstance(masters, (list, tuple)) else "no list of"
+            raise ValueError(f"the state holds {held} master tensors, this optimizer "
+                             f"{len(mine)}")
+        for i, (saved, m) in enumerate(zip(masters, mine)):
+            if not isinstance(saved, torch.Tensor) or saved.dtype != torch.float32 \
+                    or tuple(saved.shape) != tuple(m.shape):
+                got = (f"{saved.dtype} {tuple(saved.shape)}" if isinstance(saved, torch.Tensor)
+                       else type(saved).__name__)
+                raise ValueError(f"master tensor {i} is {got} in the state, float32 "
+                                 f"{tuple(m.shape)} here")
 
     def masters_state(self) -> list[torch.Tensor] | None:
         """The float32 masters (None without them): a trainer checkpoint keeps them."""

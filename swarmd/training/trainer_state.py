@@ -33,6 +33,7 @@ class TrainerState:
     model_hash: str
     params: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
+    #: float32 master weights as states before they were part of ``optimizer`` kept them
     masters: list[torch.Tensor] | None = None
     scaler: dict[str, float] | None = None
     data: dict[str, Any] = field(default_factory=dict)
@@ -56,8 +57,7 @@ def capture(trainer: Any, data: dict[str, Any]) -> TrainerState:
     return TrainerState(
         step=trainer.step, model_hash=trainer.model_hash,
         params={k: cpu(v) for k, v in trainer.parts.state_dict().items()},
-        optimizer=_tree(trainer.optimizer.state_dict(), cpu),
-        masters=trainer.optimizer.masters_state(),
+        optimizer=_tree(trainer.optimizer.state_dict(), cpu),  # float32 masters included
         scaler=trainer.scaler.state_dict() if trainer.scaler is not None else None, data=data)
 
 
@@ -70,7 +70,7 @@ def restore(trainer: Any, state: TrainerState) -> None:
     try:
         trainer.parts.load_state_dict(state.params, strict=True)
         trainer.optimizer.load_state_dict(state.optimizer)
-        if state.masters is not None:
+        if state.masters is not None:  # a state saved before the optimizer's held them
             trainer.optimizer.load_masters(state.masters)
         if trainer.scaler is not None and state.scaler is not None:
             trainer.scaler.load_state_dict(state.scaler)
