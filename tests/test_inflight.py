@@ -114,6 +114,23 @@ def test_busy_lowers_the_target_which_grows_back() -> None:
     assert window.target == 32
     window.busy(20)
     assert window.target == 15
-    for i in range(8):
+    for i in range(15):  # one window's worth of completions: one more
         window.completed(float(i), 10.0)
+    assert window.target == 16
+    for i in range(16):
+        window.completed(float(15 + i), 10.0)
     assert window.target == 17
+
+
+def test_busy_lowers_the_target_below_a_steps_microbatches() -> None:
+    """64 microbatches a step against one stage-0 peer that queues 16 and keeps 32 per
+    trainer: with the step as a floor under busy, the trainer kept 64 out and drew 800
+    refusals in 10 steps; now it backs off below the step (the step still takes 64)."""
+    window = InFlight(floor=64, ceiling=256)
+    window.rate, window.round_trip_s = 100.0, 0.5
+    window.busy(40)
+    assert window.target == 30
+    window.busy(2)
+    assert window.target == 1  # never none
+    window.busy(0)
+    assert window.target == 1
