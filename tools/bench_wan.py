@@ -16,7 +16,11 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
   none, 1 MiB float32 messages) s0 -> s1, both ends in their own processes in the lab;
   ``transport_vs_raw_tcp``: the two on the same link in the same run
 - ``pipeline_tokens_per_s``: ``swarmd train`` in ``tr`` through the two stage daemons, the
-  rate over the second half of its steps; ``pipeline_ratio_vs_unshaped``
+  rate over the second half of its steps; ``pipeline_ratio_vs_unshaped``. With
+  ``--repeats N`` the pipeline runs N times per profile, in rounds (unshaped, then each
+  profile, then again): ``pipeline_runs_tokens_per_s``, ``pipeline_ratios`` (each round's
+  run over that round's unshaped one) and ``pipeline_ratio_vs_unshaped`` their median (the
+  machine's load drifts between runs minutes apart; a round's pair drifts less)
 - ``join_to_online_s``: from starting ``swarmd join --stage 1`` in ``nx`` until its status
   says online (state sync from the stage-1 peer included)
 - ``membership_convergence_6_daemons_s``: 6 daemons of a separate swarm on hosts m0..m5, from
@@ -184,6 +188,7 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     t = daemons.train(lab, "tr", root / f"trainer-{name}", bootstrap, steps, tokens_per_step,
                       env, seconds=900)
     out["pipeline_tokens_per_s"] = t.get("steady_tokens_per_s", t["tokens_per_s"])
+    out["pipeline_runs_tokens_per_s"] = [out["pipeline_tokens_per_s"]]
     out["pipeline_whole_run_tokens_per_s"] = t["tokens_per_s"]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
                                              "steady_seconds", "rerouted", "restarted", "lost",
@@ -294,9 +299,43 @@ def _targets(results: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *, root: Path,
+                   bootstrap: str, env: dict[str, str], steps: int, tokens_per_step: int,
+                   rounds: int) -> None:
+    """``rounds`` more rounds of pipeline runs (unshaped first, then each profile), each
+    appended to its profile's ``pipeline_runs_tokens_per_s``; a failed run is reported."""
+    for r in range(1, 1 + rounds):
+        for name in profiles:
+            set_profile(lab, name)
+            out = results[name]
+            try:
+                t = daemons.train(lab, "tr", root / f"trainer-{name}-{r}", bootstrap, steps,
+                                  tokens_per_step, env, seconds=900)
+            except Exception as exc:
+                out["errors"][f"pipeline_round_{r}"] = f"{type(exc).__name__}: {exc}"
+                out["pipeline_runs_tokens_per_s"].append(None)
+                continue
+            rate = t.get("steady_tokens_per_s", t["tokens_per_s"])
+            out["pipeline_runs_tokens_per_s"].append(rate)
+            out["pipeline"]["lost"] += t.get("lost") or 0
+            say(f"{name}: pipeline (round {r + 1}) {rate:,.0f} tokens/s")
+
+
+def pipeline_ratios(results: dict[str, Any]) -> None:
+    """Each profile's ``pipeline_ratios`` (a round's run over the same round's unshaped run)
+    and ``pipeline_ratio_vs_unshaped``, their median."""
+    base = results.get("unshaped", {}).get("pipeline_runs_tokens_per_s") or []
+    for r in results.values():
+        runs = r.get("pipeline_runs_tokens_per_s") or []
+        r["pipeline_ratios"] = [a / b for a, b in zip(runs, base) if a and b]
+        r["pipeline_ratio_vs_unshaped"] = (statistics.median(r["pipeline_ratios"])
+                                           if r["pipeline_ratios"] else None)
+
+
 def measure(quick: bool, profiles: list[str], membership: bool = True,
-            overrides: dict[str, str] | None = None) -> dict[str, Any]:
-    """``overrides``: configuration for the daemons and the trainer (``SWARMD_*``)."""
+            overrides: dict[str, str] | None = None, repeats: int = 1) -> dict[str, Any]:
+    """``overrides``: configuration for the daemons and the trainer (``SWARMD_*``);
+    ``repeats``: pipeline runs per profile (``pipeline_again``)."""
     from bench_pipeline import bench_env
 
     from swarmd.config import load_config
@@ -330,20 +369,20 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
                     lab, name, root=root, server=server, bootstrap=s0.addr, env=env,
                     steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
                     membership=membership)
+            pipeline_again(lab, profiles, results, root=root, bootstrap=s0.addr, env=env,
+                           steps=steps, tokens_per_step=tokens_per_step, rounds=repeats - 1)
             counters = lab.counters()
         finally:
             if server_proc is not None and server_proc.stdin:
                 server_proc.stdin.close()
             daemons.stop_all(started)
-    base = results.get("unshaped", {}).get("pipeline_tokens_per_s")
-    for r in results.values():
-        r["pipeline_ratio_vs_unshaped"] = (r["pipeline_tokens_per_s"] / base) if base else None
+    pipeline_ratios(results)
     return {
         "model": {"width": mc.width, "layers": mc.layers, "seq_len": mc.seq_len,
                   "batch_size": config.training.batch_size,
                   "microbatches": config.training.microbatches, "codec": config.wire.codec,
                   "tokens_per_step": tokens_per_step, "trainer_steps": steps,
-                  "step_drains": config.serving.step_drains},
+                  "step_drains": config.serving.step_drains, "repeats": repeats},
         "profiles": results,
         "delayer_counters": counters.get("counters"),
         "not_measured": NOT_MEASURED + ([] if membership else [
@@ -366,8 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the 6-daemon membership convergence (the slowest part)")
     parser.add_argument("--allreduce-only", action="store_true",
                         help="only the 3-peer all-reduce bus bandwidth, per profile")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pipeline runs per profile, in rounds; ratios are medians of "
+                             "each round's pair")
     add_schedule_options(parser)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     wanted = [p for p in args.profiles.split(",") if p]
     unknown = [p for p in wanted if p not in PROFILES]
     if unknown:
@@ -382,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_allreduce_only(wanted)
     else:
         result = measure(args.quick, profiles, membership=not args.no_membership,
-                         overrides=schedule_overrides(args))
+                         overrides=schedule_overrides(args), repeats=args.repeats)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -1,0 +1,36 @@
+"""tools/bench_wan.py's arithmetic: pipeline ratios paired by round, and the issue's targets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+bench_wan = pytest.importorskip("bench_wan")
+
+
+def test_each_rounds_run_is_compared_with_the_same_rounds_unshaped_run() -> None:
+    results = {"unshaped": {"pipeline_runs_tokens_per_s": [100.0, 200.0, 150.0]},
+               "far": {"pipeline_runs_tokens_per_s": [90.0, 160.0, None]}}
+    bench_wan.pipeline_ratios(results)
+    assert results["far"]["pipeline_ratios"] == [0.9, 0.8]  # a failed run is left out
+    assert results["far"]["pipeline_ratio_vs_unshaped"] == pytest.approx(0.85)
+    assert results["unshaped"]["pipeline_ratio_vs_unshaped"] == 1.0
+
+
+def test_the_pipeline_targets_need_the_ratio_and_nothing_lost() -> None:
+    def profile(ratio: float | None, lost: int) -> dict[str, object]:
+        return {"pipeline_ratio_vs_unshaped": ratio, "pipeline": {"lost": lost},
+                "rtt_ms": 0.0, "raw_tcp_vs_link_rate": None, "transport_vs_raw_tcp": 1.0}
+
+    targets = bench_wan._targets({"unshaped": profile(1.0, 0), "far": profile(0.86, 0),
+                                  "continent": profile(None, 1)})
+    assert targets["pipeline_ge_0.85x_unshaped_far"] is True
+    assert targets["pipeline_ge_0.9x_unshaped_continent"] is False  # not measured: not met
+    assert targets["pipeline_lost_0_continent"] is False
+    assert targets["pipeline_lost_0_far"] is True
