@@ -312,16 +312,17 @@ class Gate:
             # (a backward in the compute thread has left ``saved`` but not yet counted)
             or self.worker.samples_accumulated >= self.step_samples)
 
-    def _lost_after_s(self) -> float:
-        """A microbatch saved here longer than this is taken for lost (``LOST_MIN_S``)."""
-        return max(LOST_MIN_S, LIVE_FACTOR * self.worker.slowest_backward_s)
+    def _alive_for_s(self, floor_s: float) -> float:
+        """How long a microbatch saved here may still expect its backward: ``LIVE_FACTOR`` x
+        the slowest recent forward-to-backward wait, at least ``floor_s``."""
+        return max(floor_s, LIVE_FACTOR * self.worker.slowest_backward_s)
 
     def _holds_live(self) -> bool:
         """Whether a microbatch saved here may still come back (not taken for lost)."""
-        return self.worker.saved_within(self._clock(), self._lost_after_s()) > 0
+        return self.worker.saved_within(self._clock(), self._alive_for_s(LOST_MIN_S)) > 0
 
     def _drop_lost(self) -> None:
-        lost = self.worker.drop_forwarded_before(self._clock() - self._lost_after_s())
+        lost = self.worker.drop_forwarded_before(self._clock() - self._alive_for_s(LOST_MIN_S))
         if lost:
             self.counters["dropped_lost"] += len(lost)
             log.info("stage %d: %d microbatch(es) saved too long taken for lost (their chain "
@@ -401,8 +402,7 @@ class Gate:
         forward admitted, or one saved recently enough for its backward to come."""
         if self._passing or self._admitted:
             return True
-        age = max(LIVE_MIN_S, LIVE_FACTOR * self.worker.slowest_backward_s)
-        return self.worker.saved_within(self._clock(), age) > 0
+        return self.worker.saved_within(self._clock(), self._alive_for_s(LIVE_MIN_S)) > 0
 
     async def retire(self, timeout_s: float = DRAIN_S, *,
                      hurry: asyncio.Event | None = None) -> int:
