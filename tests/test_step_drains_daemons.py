@@ -49,6 +49,10 @@ def test_stage_0_steps_with_no_late_gradient_while_more_than_a_step_is_in_flight
     assert int(c0["stage.stepped_samples"]) == steps * per_step * config.training.batch_size
     assert int(c0.get("stage.step_gate_closed_ms", 0)) > 0  # the gate did close for steps
     assert int(counters(d1).get("stage.step_gate_closed_ms", 0)) == 0  # "first": stage 0 only
+    # what a user sees of it
+    s0, s1 = d0.get("/api/v0/stage"), d1.get("/api/v0/stage")
+    assert s0["step_drains"] is True and s0["lateness_steps"] == 0 and s0["gate_closed_s"] > 0
+    assert s1["step_drains"] is False and s1["lateness_steps"] is not None
 
 
 def test_a_killed_stage_1_peer_does_not_hold_stage_0s_gate_closed(daemons: Any) -> None:

@@ -242,6 +242,14 @@ class StageInfo:
     #: blake2b-128 of the parameters' bytes: equal on peers that hold the same weights
     params_digest: str = ""
     params_norm: float = 0.0
+    #: whether this peer's steps wait for the microbatches in flight here
+    #: (``serving.step_drains``: no gradient applied late, for a pause per step)
+    step_drains: bool = False
+    #: the mean, over the samples stepped with so far, of the optimizer steps between the
+    #: weights a forward ran on here and those its gradient was applied to (None: no step yet)
+    lateness_steps: float | None = None
+    #: seconds this peer's gate stood closed for its steps (what draining cost it)
+    gate_closed_s: float = 0.0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StageInfo:

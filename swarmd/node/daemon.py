@@ -157,7 +157,7 @@ class Daemon:
                          samples=server.worker.samples_accumulated,
                          state_from=keeper.source_of_state if keeper else "initial",
                          syncing=keeper.syncing if keeper else None, params_digest=digest,
-                         params_norm=norm)
+                         params_norm=norm, **server.staleness())
 
     async def peers(self) -> list[ConnectedPeer]:
         connected = await self.host.connected_peers()

@@ -176,6 +176,14 @@ class StageServer:
         senders restart them). Returns how many were handed back (``stepping.Gate``)."""
         return await self.gate.retire(timeout_s, hurry=hurry)
 
+    def staleness(self) -> dict[str, Any]:
+        """What ``GET /api/v0/stage`` shows of the gradients' lateness and of draining."""
+        stepped = self.counters.get("stepped_samples", 0)
+        return {"step_drains": self.gate.drain_steps,
+                "lateness_steps": (round(self.counters.get("late_samples", 0) / stepped, 3)
+                                   if stepped else None),
+                "gate_closed_s": self.counters.get("step_gate_closed_ms", 0) / 1000}
+
     @property
     def in_flight(self) -> int:
         """Microbatches held here, at most (``stepping.Gate.in_flight``)."""
