@@ -29,17 +29,24 @@ def counters(d: Any) -> dict[str, Any]:
     return d.get("/api/v0/status")["counters"]
 
 
+def train_through(d0: Any, steps: int, deadline_s: float) -> tuple[Any, Any]:
+    """(the configuration, ``swarmd.train``'s result): ``steps`` steps through the swarm of
+    ``d0`` with twice a step's microbatches in flight, within ``deadline_s``."""
+    config = load_config(None, {**os.environ, **ENV})
+    return config, uvloop.run(asyncio.wait_for(
+        train(config, bootstrap=[d0.addr], steps=steps,
+              fixed_in_flight=2 * config.training.microbatches,
+              progress=lambda line: None, bar=False), deadline_s))
+
+
 def test_stage_0_steps_with_no_late_gradient_while_more_than_a_step_is_in_flight(
         daemons: Any) -> None:
     d0, d1 = daemons(0, 1)
-    config = load_config(None, {**os.environ, **ENV})
-    per_step = config.training.microbatches
     steps = 10
     # twice a step's microbatches in flight: without the drain stage 0 steps while some of
     # them are between its forward and its backward, and their gradients land a step late
-    result = uvloop.run(asyncio.wait_for(
-        train(config, bootstrap=[d0.addr], steps=steps, fixed_in_flight=2 * per_step,
-              progress=lambda line: None, bar=False), 240))
+    config, result = train_through(d0, steps, 240)
+    per_step = config.training.microbatches
     assert result.lost == 0
     wait_until(lambda: int(counters(d0).get("stage.optimizer_steps", 0)) >= steps, 30,
                "stage 0's last step")
@@ -60,7 +67,6 @@ def test_a_killed_stage_1_peer_does_not_hold_stage_0s_gate_closed(daemons: Any) 
     comes back to stage 0, yet it was counted toward stage 0's step: the gate must not wait
     for it until it expires (2 minutes), nor a step drain for it its 20 s."""
     d0, d1, d2 = daemons(0, 1, 1)
-    config = load_config(None, {**os.environ, **ENV})
     wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
                "both stage-1 peers routable")
     killed = threading.Event()
@@ -80,11 +86,8 @@ def test_a_killed_stage_1_peer_does_not_hold_stage_0s_gate_closed(daemons: Any) 
 
     watcher = threading.Thread(target=killer, daemon=True)
     watcher.start()
-    per_step = config.training.microbatches
     # bounded well below a saved microbatch's 120 s expiry, which is what stage 0 waited for
-    result = uvloop.run(asyncio.wait_for(
-        train(config, bootstrap=[d0.addr], steps=24, fixed_in_flight=2 * per_step,
-              progress=lambda line: None, bar=False), 100))
+    _, result = train_through(d0, 24, 100)
     watcher.join(5)
     assert killed.is_set()
     assert result.lost == 0
@@ -99,16 +102,13 @@ def test_two_stage_0_peers_average_with_no_late_gradient(daemons: Any) -> None:
     gate is closed and drained, and the gate opens at the round's step, so no backward lands
     between a snapshot and its step (that gradient would count toward the step after)."""
     d0, d0b, d1 = daemons(0, 0, 1)
-    config = load_config(None, {**os.environ, **ENV})
     wait_until(lambda: d1.get("/api/v0/swarm")["stages"][0]["routable_peers"] == 2, 30,
                "both stage-0 peers routable")
-    per_step = config.training.microbatches
     steps = 10
-    result = uvloop.run(asyncio.wait_for(
-        train(config, bootstrap=[d0.addr], steps=steps, fixed_in_flight=2 * per_step,
-              progress=lambda line: None, bar=False), 240))
+    config, result = train_through(d0, steps, 240)
     assert result.lost == 0
-    trained = (steps * per_step + result.restarted) * config.training.batch_size
+    trained = (steps * config.training.microbatches + result.restarted) \
+        * config.training.batch_size
     c = [counters(d) for d in (d0, d0b)]
     assert all(int(x.get("sync.rounds", 0)) >= 1 for x in c)  # they stepped in rounds
     assert [int(x.get("stage.late_samples", 0)) for x in c] == [0, 0]
