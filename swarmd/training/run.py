@@ -34,6 +34,10 @@ VIEW_TIMEOUT_S = 120.0
 #: activations on every stage peer it passed, and its weights' stash: bounded by memory and
 #: by the stages' staleness limit, ``swarmd.pipeline.worker.MAX_STALENESS`` steps)
 MAX_IN_FLIGHT = 32
+#: the synchronous schedule's microbatches in flight when ``training.in_flight`` is 0: a stage
+#: peer queues 16 for compute and refuses more with busy, so a step's 64 sent at once drew 120
+#: refusals a step, each pausing the peer, and ran a step a minute on loopback
+SYNC_IN_FLIGHT = 8
 SCHEDULES = ("pipelined", "sync")
 
 
@@ -264,7 +268,7 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
     if left <= 0:
         return
     if plan.schedule == "sync":
-        in_flight = config.training.in_flight or plan.microbatches
+        in_flight = config.training.in_flight or min(plan.microbatches, SYNC_IN_FLIGHT)
         trainer.stats.in_flight_target = in_flight
         for _ in range(left):
             step_batches = [batches.next() for _ in range(plan.microbatches)]
