@@ -20,7 +20,9 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
   ``--repeats N`` the pipeline runs N times per profile, in rounds (unshaped, then each
   profile, then again): ``pipeline_runs_tokens_per_s``, ``pipeline_ratios`` (each round's
   run over that round's unshaped one) and ``pipeline_ratio_vs_unshaped`` their median (the
-  machine's load drifts between runs minutes apart; a round's pair drifts less)
+  machine's load drifts between runs minutes apart; a round's pair drifts less);
+  ``pipeline.stages``: how each stage daemon's counters changed over the run (optimizer steps,
+  ms its gate stood closed for steps, busy refusals, late and stepped samples)
 - ``join_to_online_s``: from starting ``swarmd join --stage 1`` in ``nx`` until its status
   says online (state sync from the stage-1 peer included)
 - ``membership_convergence_6_daemons_s``: 6 daemons of a separate swarm on hosts m0..m5, from
@@ -166,9 +168,35 @@ def membership_convergence(lab: WanLab, root: Path, env: dict[str, str], tag: st
         daemons.stop_all(started)
 
 
+#: stage counters a pipeline run reports (their change over the run), per stage daemon
+STAGE_COUNTERS = ("stage.optimizer_steps", "stage.step_gate_closed_ms", "stage.busy",
+                  "stage.late_samples", "stage.stepped_samples")
+
+
+def stage_counters(stages: list[daemons.LabDaemon]) -> list[dict[str, int]]:
+    out = []
+    for d in stages:
+        c = d.get("/api/v0/status")["counters"]
+        out.append({k: int(c.get(k, 0)) for k in STAGE_COUNTERS})
+    return out
+
+
+def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, bootstrap: str,
+                  steps: int, tokens_per_step: int, env: dict[str, str]) -> dict[str, Any]:
+    """One ``swarmd train`` run (``daemons.train``) and, per stage daemon, how its
+    ``STAGE_COUNTERS`` changed over it (``stages``: what draining cost, busy refusals,
+    lateness)."""
+    before = stage_counters(stages)
+    t = daemons.train(lab, "tr", home, bootstrap, steps, tokens_per_step, env, seconds=900)
+    t["stages"] = [{k: a[k] - b[k] for k in STAGE_COUNTERS}
+                   for a, b in zip(stage_counters(stages), before)]
+    return t
+
+
 def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any],
-                    bootstrap: str, env: dict[str, str], steps: int, tokens_per_step: int,
-                    stream_s: float, membership: bool) -> dict[str, Any]:
+                    stages: list[daemons.LabDaemon], bootstrap: str, env: dict[str, str],
+                    steps: int, tokens_per_step: int, stream_s: float,
+                    membership: bool) -> dict[str, Any]:
     link = set_profile(lab, name)
     say(f"{name}: {link}")
     out: dict[str, Any] = {"profile": PROFILES[name], "link_per_host": {
@@ -185,14 +213,14 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     out["raw_tcp_vs_link_rate"] = None if cap is None else raw["MBps"] / cap
     say(f"{name}: rtt {out['rtt_ms']:.1f} ms, raw tcp {raw['MBps']:.1f} MB/s, transport "
         f"{tr['MBps']:.1f} MB/s")
-    t = daemons.train(lab, "tr", root / f"trainer-{name}", bootstrap, steps, tokens_per_step,
-                      env, seconds=900)
+    t = train_counted(lab, stages, root / f"trainer-{name}", bootstrap, steps,
+                      tokens_per_step, env)
     out["pipeline_tokens_per_s"] = t.get("steady_tokens_per_s", t["tokens_per_s"])
     out["pipeline_runs_tokens_per_s"] = [out["pipeline_tokens_per_s"]]
     out["pipeline_whole_run_tokens_per_s"] = t["tokens_per_s"]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
                                              "steady_seconds", "rerouted", "restarted", "lost",
-                                             "initial_val_loss", "final_val_loss")}
+                                             "initial_val_loss", "final_val_loss", "stages")}
     say(f"{name}: pipeline {out['pipeline_tokens_per_s']:,.0f} tokens/s")
     # the secondary figures: one that fails is reported, the run goes on
     out["errors"] = {}
@@ -300,8 +328,8 @@ def _targets(results: dict[str, Any]) -> dict[str, bool]:
 
 
 def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *, root: Path,
-                   bootstrap: str, env: dict[str, str], steps: int, tokens_per_step: int,
-                   rounds: int) -> None:
+                   stages: list[daemons.LabDaemon], bootstrap: str, env: dict[str, str],
+                   steps: int, tokens_per_step: int, rounds: int) -> None:
     """``rounds`` more rounds of pipeline runs (unshaped first, then each profile), each
     appended to its profile's ``pipeline_runs_tokens_per_s``; a failed run is reported."""
     for r in range(1, 1 + rounds):
@@ -309,8 +337,8 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
             set_profile(lab, name)
             out = results[name]
             try:
-                t = daemons.train(lab, "tr", root / f"trainer-{name}-{r}", bootstrap, steps,
-                                  tokens_per_step, env, seconds=900)
+                t = train_counted(lab, stages, root / f"trainer-{name}-{r}", bootstrap, steps,
+                                  tokens_per_step, env)
             except Exception as exc:
                 out["errors"][f"pipeline_round_{r}"] = f"{type(exc).__name__}: {exc}"
                 out["pipeline_runs_tokens_per_s"].append(None)
@@ -318,6 +346,7 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
             rate = t.get("steady_tokens_per_s", t["tokens_per_s"])
             out["pipeline_runs_tokens_per_s"].append(rate)
             out["pipeline"]["lost"] += t.get("lost") or 0
+            out.setdefault("pipeline_rounds_stages", []).append(t["stages"])
             say(f"{name}: pipeline (round {r + 1}) {rate:,.0f} tokens/s")
 
 
@@ -366,11 +395,13 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
             server_proc, server = start_stream_server(lab)
             for name in profiles:
                 results[name] = measure_profile(
-                    lab, name, root=root, server=server, bootstrap=s0.addr, env=env,
+                    lab, name, root=root, server=server, stages=[s0, s1], bootstrap=s0.addr,
+                    env=env,
                     steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
                     membership=membership)
-            pipeline_again(lab, profiles, results, root=root, bootstrap=s0.addr, env=env,
-                           steps=steps, tokens_per_step=tokens_per_step, rounds=repeats - 1)
+            pipeline_again(lab, profiles, results, root=root, stages=[s0, s1],
+                           bootstrap=s0.addr, env=env, steps=steps,
+                           tokens_per_step=tokens_per_step, rounds=repeats - 1)
             counters = lab.counters()
         finally:
             if server_proc is not None and server_proc.stdin:
