@@ -3,7 +3,8 @@ a second stage-1 peer and the trainer each behind its own NAT gateway (no port f
 
 The NATed daemons find out they are private from dial-backs, reserve a slot on the public peer,
 announce their ``/p2p-circuit`` address, and the swarm trains through them: ``lost`` = 0 and the
-NATed stage-1 peer carries a share of stage 1's microbatches. Skipped, with the reason, where
+NATed stage-1 peer carries a share of stage 1's microbatches (at least an eighth:
+the router prefers peers reached directly, ``RELAYED_SHARE``). Skipped, with the reason, where
 the lab cannot run (not root).
 """
 
@@ -68,7 +69,10 @@ def test_nated_peers_train_through_relays(wanlab: Any, tmp_path: Path) -> None:
         served = {d.host: _status(d)["counters"].get("stage.forward", 0) for d in daemons}
         stage1 = served["pub"] + served["n1"]
         assert served["n0"] > 0 and stage1 > 0, served
-        assert served["n1"] >= stage1 / 3, (served, json.dumps(result))
+        # the router weighs a peer reached only through a relay at RELAYED_SHARE (a quarter) of
+        # its announced throughput until hop times are measured: about a fifth of stage 1 at
+        # first, 0.24 to 0.5 of it measured over 24 steps; an eighth is well clear of "none"
+        assert served["n1"] >= stage1 / 8, (served, json.dumps(result))
     finally:
         if doctor is not None and doctor.poll() is None:
             doctor.kill()
