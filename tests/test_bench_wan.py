@@ -34,3 +34,18 @@ def test_the_pipeline_targets_need_the_ratio_and_nothing_lost() -> None:
     assert targets["pipeline_ge_0.9x_unshaped_continent"] is False  # not measured: not met
     assert targets["pipeline_lost_0_continent"] is False
     assert targets["pipeline_lost_0_far"] is True
+
+
+def test_transport_and_all_reduce_targets_are_the_issues() -> None:
+    def profile(transport: float, bus: float | None) -> dict[str, object]:
+        return {"pipeline_ratio_vs_unshaped": 1.0, "pipeline": {"lost": 0}, "rtt_ms": 0.0,
+                "raw_tcp_vs_link_rate": None, "transport_vs_raw_tcp": transport,
+                "allreduce": {"bus_bandwidth_vs_link_rate": bus}}
+
+    targets = bench_wan._targets({"region": profile(0.95, 0.5), "continent": profile(0.89, 0.71),
+                                  "far": profile(0.9, None)})
+    assert targets["transport_ge_0.9x_raw_tcp_region"] is True
+    assert targets["transport_ge_0.9x_raw_tcp_continent"] is False
+    assert targets["allreduce_bus_ge_0.7x_link_continent"] is True
+    assert targets["allreduce_bus_ge_0.7x_link_far"] is False  # not measured: not met
+    assert not any(k.startswith("allreduce") and k.endswith("region") for k in targets)

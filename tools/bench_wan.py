@@ -304,6 +304,11 @@ def measure_allreduce_only(profiles: list[str]) -> dict[str, Any]:
 
 #: issue 11: pipeline tokens/s of unshaped, per profile
 PIPELINE_TARGETS = {"far": 0.85, "continent": 0.9}
+#: issue 11: one transport stream of raw TCP on the same link, every shaped profile
+TRANSPORT_TARGET = 0.9
+#: issue 11: stage all-reduce bus bandwidth of the link rate, on these profiles (the others are
+#: measured, with no target: on ``region`` the 3 processes' CPU, not the link, sets the pace)
+ALLREDUCE_TARGETS = {"continent": 0.7, "far": 0.7}
 
 
 def _targets(results: dict[str, Any]) -> dict[str, bool]:
@@ -319,11 +324,11 @@ def _targets(results: dict[str, Any]) -> dict[str, bool]:
         **{f"raw_tcp_ge_0.6x_link_{n}": r["raw_tcp_vs_link_rate"] >= 0.6
            for n, r in results.items() if r["raw_tcp_vs_link_rate"] is not None},
         # unshaped, raw TCP runs at memory speed and the transport is CPU-bound: no target
-        **{f"transport_ge_0.85x_raw_tcp_{n}": r["transport_vs_raw_tcp"] >= 0.85
-           for n, r in results.items() if PROFILES[n]},
-        **{f"allreduce_bus_ge_0.7x_link_{n}": r["allreduce"]["bus_bandwidth_vs_link_rate"] >= 0.7
-           for n, r in results.items() if PROFILES[n] and (r.get("allreduce") or {}).get(
-               "bus_bandwidth_vs_link_rate") is not None},
+        **{f"transport_ge_{TRANSPORT_TARGET}x_raw_tcp_{n}":
+           r["transport_vs_raw_tcp"] >= TRANSPORT_TARGET for n, r in results.items() if PROFILES[n]},
+        **{f"allreduce_bus_ge_{v}x_link_{n}": ((results[n].get("allreduce") or {}).get(
+               "bus_bandwidth_vs_link_rate") or 0.0) >= v
+           for n, v in ALLREDUCE_TARGETS.items() if n in results},
     }
 
 
