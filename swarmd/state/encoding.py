@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from swarmd.errors import SwarmdError
+from swarmd.training.precision import masters_mismatch
 
 __all__ = ["StageState", "BadStageState", "NonFiniteState", "StateMismatch", "capture",
            "restore", "encode", "decode", "digest", "check_finite_state", "state_bytes_bound",
@@ -167,16 +168,10 @@ def _check_optimizer(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
         params.update(zip(ids, mine["params"]))
     masters = saved.get("masters")  # float32 master weights (``SwarmOptimizer``)
     if masters is not None:
-        mine = [p for g in optimizer.param_groups for p in g["params"]]
-        if not isinstance(masters, list) or len(masters) != len(mine):
-            raise StateMismatch(f"stage {stage} optimizer state has "
-                                f"{len(masters) if isinstance(masters, list) else 'no list of'} "
-                                f"master weights, this optimizer {len(mine)} parameters")
-        for i, (m, p) in enumerate(zip(masters, mine)):
-            if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 \
-                    or tuple(m.shape) != tuple(p.shape):
-                raise StateMismatch(f"stage {stage} master weight {i} is not float32 of its "
-                                    f"parameter's shape {tuple(p.shape)}")
+        reason = masters_mismatch(masters, [tuple(p.shape) for g in optimizer.param_groups
+                                            for p in g["params"]])
+        if reason is not None:
+            raise StateMismatch(f"stage {stage}: {reason}")
     for key, entry in entries.items():
         if key not in params or not isinstance(entry, dict):
             raise StateMismatch(f"stage {stage} optimizer state names unknown parameter {key!r}")

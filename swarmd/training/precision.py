@@ -14,14 +14,15 @@ unscales its gradients with it (``MasterWeights.step(scale=...)``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from swarmd.training.optim import make_optimizer, set_lr
 
-__all__ = ["LossScaler", "MasterWeights", "StepResult"]
+__all__ = ["LossScaler", "MasterWeights", "StepResult", "masters_mismatch"]
 
 
 class LossScaler:
@@ -68,6 +69,20 @@ class StepResult:
 
     stepped: bool
     grad_norm: float
+
+
+def masters_mismatch(masters: Any, shapes: Sequence[tuple[int, ...]]) -> str | None:
+    """Why ``masters`` (from a saved or downloaded state) are not one float32 tensor per
+    parameter of ``shapes``, in order; None when they are."""
+    if not isinstance(masters, (list, tuple)) or len(masters) != len(shapes):
+        held = len(masters) if isinstance(masters, (list, tuple)) else "no list of"
+        return f"the state holds {held} master tensors, this optimizer {len(shapes)}"
+    for i, (m, shape) in enumerate(zip(masters, shapes)):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 \
+                or tuple(m.shape) != tuple(shape):
+            got = f"{m.dtype} {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
+            return f"master tensor {i} is {got} in the state, float32 {tuple(shape)} here"
+    return None
 
 
 class MasterWeights:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from swarmd.training.optim import lr_at, make_optimizer, set_lr
-from swarmd.training.precision import MasterWeights
+from swarmd.training.precision import MasterWeights, masters_mismatch
 
 __all__ = ["OptimSettings", "SwarmOptimizer"]
 
@@ -122,18 +122,9 @@ class SwarmOptimizer:
     def _check_masters(self, masters: Any) -> None:
         """ValueError unless ``masters`` is one float32 tensor per parameter, of its shape."""
         assert self.master is not None
-        mine = self.master.masters
-        if not isinstance(masters, (list, tuple)) or len(masters) != len(mine):
-            held = len(masters) if isinstance(masters, (list, tuple)) else "no list of"
-            raise ValueError(f"the state holds {held} master tensors, this optimizer "
-                             f"{len(mine)}")
-        for i, (saved, m) in enumerate(zip(masters, mine)):
-            if not isinstance(saved, torch.Tensor) or saved.dtype != torch.float32 \
-                    or tuple(saved.shape) != tuple(m.shape):
-                got = (f"{saved.dtype} {tuple(saved.shape)}" if isinstance(saved, torch.Tensor)
-                       else type(saved).__name__)
-                raise ValueError(f"master tensor {i} is {got} in the state, float32 "
-                                 f"{tuple(m.shape)} here")
+        reason = masters_mismatch(masters, [tuple(m.shape) for m in self.master.masters])
+        if reason is not None:
+            raise ValueError(reason)
 
     def masters_state(self) -> list[torch.Tensor] | None:
         """The float32 masters (None without them): a trainer checkpoint keeps them."""
