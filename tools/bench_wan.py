@@ -190,6 +190,8 @@ def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, boot
     t = daemons.train(lab, "tr", home, bootstrap, steps, tokens_per_step, env, seconds=900)
     t["stages"] = [{k: a[k] - b[k] for k in STAGE_COUNTERS}
                    for a, b in zip(stage_counters(stages), before)]
+    # the rate over the second half of the steps (the whole run's when too short for one)
+    t["rate"] = t.get("steady_tokens_per_s", t["tokens_per_s"])
     return t
 
 
@@ -215,7 +217,7 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
         f"{tr['MBps']:.1f} MB/s")
     t = train_counted(lab, stages, root / f"trainer-{name}", bootstrap, steps,
                       tokens_per_step, env)
-    out["pipeline_tokens_per_s"] = t.get("steady_tokens_per_s", t["tokens_per_s"])
+    out["pipeline_tokens_per_s"] = t["rate"]
     out["pipeline_runs_tokens_per_s"] = [out["pipeline_tokens_per_s"]]
     out["pipeline_whole_run_tokens_per_s"] = t["tokens_per_s"]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
@@ -348,7 +350,7 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
                 out["errors"][f"pipeline_round_{r}"] = f"{type(exc).__name__}: {exc}"
                 out["pipeline_runs_tokens_per_s"].append(None)
                 continue
-            rate = t.get("steady_tokens_per_s", t["tokens_per_s"])
+            rate = t["rate"]
             out["pipeline_runs_tokens_per_s"].append(rate)
             out["pipeline"]["lost"] += t.get("lost") or 0
             out.setdefault("pipeline_rounds_stages", []).append(t["stages"])
@@ -401,8 +403,7 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
             for name in profiles:
                 results[name] = measure_profile(
                     lab, name, root=root, server=server, stages=[s0, s1], bootstrap=s0.addr,
-                    env=env,
-                    steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
+                    env=env, steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
                     membership=membership)
             pipeline_again(lab, profiles, results, root=root, stages=[s0, s1],
                            bootstrap=s0.addr, env=env, steps=steps,
