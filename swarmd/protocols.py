@@ -39,6 +39,10 @@ class Protocols:
     def grad(self) -> str:
         return self._id("grad")
 
+    @property
+    def abandon(self) -> str:
+        return self._id("abandon")
+
     # a stage's step (swarmd.averaging): progress, prepare and start, then the all-reduce
     @property
     def round(self) -> str:
@@ -77,6 +81,6 @@ class Protocols:
         return f"swarmd/{self.swarm}/announce/{VERSION}"
 
     def pipeline(self) -> dict[str, str]:
-        """The four pipeline ids keyed by message kind."""
+        """The pipeline's ids keyed by message kind."""
         return {"forward": self.forward, "backward": self.backward, "result": self.result,
-                "grad": self.grad}
+                "grad": self.grad, "abandon": self.abandon}

@@ -113,8 +113,20 @@ def test_a_daemon_refuses_bad_forwards_and_backwards_and_dials_no_unannounced_tr
             assert await _code(bwd(t, "h/1", good.double()[..., :width - 1])) == "bad_activation"
             assert await _code(bwd(t, "h/2", good)) == "unknown_microbatch"
             assert backwards == []
-            assert await _code(bwd(t, "h/1", good)) == "ok"
+            # only its trainer may give a microbatch up; a malformed abandon is refused
+            def abandon(sender: Host, mb: Any) -> Any:
+                return sender.request(d1.peer_id, proto["abandon"], Message(
+                    kind="abandon", meta={"mb": mb}), timeout=60)
+
+            assert await _code(abandon(x, "h/1")) == "not_on_path"
+            assert await _code(abandon(t, 7)) == "bad_activation"
+            assert await _code(bwd(t, "h/1", good)) == "ok"  # h/1 was kept through all that
             assert backwards == [d1.peer_id]  # it went on to x, the peer the forward came from
+            # given up by its trainer: dropped at once, its backward has nothing to run on
+            assert await _code(fwd("h/6")) == "ok"
+            assert (await abandon(t, "h/6")).meta == {"held": True}
+            assert await _code(bwd(t, "h/6", good)) == "unknown_microbatch"
+            assert (await abandon(t, "h/6")).meta == {"held": False}  # again: nothing to drop
 
     uvloop.run(asyncio.wait_for(scenario(), 120))
     status = d1.get("/api/v0/status")
@@ -123,6 +135,8 @@ def test_a_daemon_refuses_bad_forwards_and_backwards_and_dials_no_unannounced_tr
     assert counters.get("request_errors.not_on_path", 0) >= 2
     assert counters.get("stage.refused.path", 0) >= 2
     assert counters.get("stage.trainer_unannounced", 0) == 1
+    assert counters.get("stage.refused.abandon_sender", 0) == 1
+    assert counters.get("stage.abandoned", 0) == 1
 
 
 # ---- the trainer against a hostile stage peer (in this process, real libp2p) ----------------

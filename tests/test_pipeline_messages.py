@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 from swarmd.pipeline.messages import (
+    Abandon,
     Expect,
     Forward,
     HopReply,
     hop_seconds,
+    parse_abandon,
     parse_backward,
     parse_forward,
     parse_grad,
@@ -137,3 +139,26 @@ def test_any_metadata_gives_a_forward_or_a_typed_error(meta: dict[str, Any]) -> 
     except (BadActivation, WrongStage, ModelMismatch):
         return
     assert isinstance(fwd, Forward) and len(fwd.path) == 1 and fwd.stage == 1
+
+
+def test_an_abandon_names_one_microbatch_and_carries_nothing_else() -> None:
+    sent = Abandon(mb="t/7")
+    got = parse_abandon(Message(**sent.wire()))
+    assert got == sent
+    assert parse_abandon(Message(kind="abandon", meta={"mb": "t/7", "evil": "x" * 100})) == sent
+    for bad in (Message(kind="abandon", meta={}), Message(kind="abandon", meta={"mb": 7}),
+                Message(kind="abandon", meta={"mb": "x" * 1000}),
+                Message(kind="abandon", meta={"mb": "t/7"}, tensors=(torch.zeros(1),)),
+                Message(kind="forward", meta={"mb": "t/7"})):
+        with pytest.raises(BadActivation):
+            parse_abandon(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(meta=st.dictionaries(st.sampled_from(["mb", "other"]), _json, max_size=3))
+def test_any_metadata_gives_an_abandon_or_a_typed_error(meta: dict[str, Any]) -> None:
+    try:
+        got = parse_abandon(Message(kind="abandon", meta=meta))
+    except BadActivation:
+        return
+    assert isinstance(got.mb, str) and got.mb == meta["mb"]

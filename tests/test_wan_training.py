@@ -36,6 +36,8 @@ FAR = Link(delay_ms=25, down_mbit=100, up_mbit=100)  # 50 ms host to host
 STEPS = 40
 #: the fault comes once the trainer has done this many steps
 FAULT_AT_STEP = 5
+#: stage 0's counters of microbatches it let go (shown with the hop counters)
+DROPPED = ("stage.abandoned", "stage.dropped_lost")
 
 
 def _env() -> dict[str, str]:
@@ -78,7 +80,8 @@ def _train_with_fault(wanlab: Any, tmp_path: Path, fault: Callable[[Any, Any], N
         assert result, "the trainer did not report"
         # stage 0's router: what it judged of the stage-1 peers (the trainer sees only stage 0)
         result["stage0"] = {k: v for k, v in s0.get("/api/v0/status")["counters"].items()
-                            if k.startswith("stage.") and ("hop_" in k or "rerouted" in k)}
+                            if k.startswith("stage.") and ("hop_" in k or "rerouted" in k
+                                                           or k in DROPPED)}
         return result
     finally:
         daemons.stop_all(started)

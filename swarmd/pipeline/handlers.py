@@ -1,10 +1,10 @@
-"""A stage peer's pipeline handlers: ``forward`` and ``backward`` over libp2p.
+"""A stage peer's pipeline handlers: ``forward``, ``backward`` and ``abandon`` over libp2p.
 
 Each request is built into its typed message once (``swarmd.pipeline.messages``), then judged
 by the authority rules (docs/pipeline.md): a forward comes from the trainer it names (stage 0)
 or from the peer its path ends with; a backward only from the peer this one sent the forward
-to (the trainer, at the last stage), for a microbatch kept here. Anything else is refused with
-a typed error, counted, and changes nothing.
+to (the trainer, at the last stage), for a microbatch kept here; an abandon only from the
+microbatch's trainer. Anything else is refused with a typed error, counted, and changes nothing.
 
 The output goes on through the ``Router`` (stage k+1) or, from the last stage, to the trainer
 as a ``result``; the trainer is dialed only at addresses from its signed announcement.
@@ -46,6 +46,7 @@ from swarmd.pipeline.messages import (
     Grad,
     HopReply,
     Result,
+    parse_abandon,
     parse_backward,
     parse_forward,
 )
@@ -157,6 +158,28 @@ class PipelineHandlers:
         finally:
             self.budgets.release(ticket)
 
+    async def on_abandon(self, message: Message, peer: str) -> Message:
+        """The trainer of a microbatch kept here gave it up (``messages.Abandon``): drop it,
+        so that a step draining for it (``serving.step_drains``) goes on at once. Answers
+        ``ok`` with ``held``: whether it was kept here (done, expired or never seen: no)."""
+        ticket = self._admit(message, peer)
+        try:
+            mb = self._refused_unless(lambda: parse_abandon(message)).mb
+            route = self._routes.get(mb)
+            if route is None or not self.worker.holds(mb):
+                return Message(kind="ok", meta={"held": False})
+            if peer != route.trainer:
+                self._refuse("abandon_sender")
+                raise NotOnPath("sender", f"only the trainer of {mb!r} may give it up, not {peer}")
+            samples = self.worker.samples_of(mb)
+            self.worker.forget(mb)
+            self._routes.pop(mb, None)
+            self.gate.uncount(samples)  # a step capped at a step's samples waits for it no more
+            self.counters["abandoned"] += 1
+            return Message(kind="ok", meta={"held": True})
+        finally:
+            self.budgets.release(ticket)
+
     # ---- forward ---------------------------------------------------------------------------
     async def _forward(self, message: Message, peer: str) -> Message:
         fwd = self._refused_unless(lambda: parse_forward(message, self.expect))
@@ -186,6 +209,8 @@ class PipelineHandlers:
             self._remember(fwd.mb, _Route(trainer=fwd.trainer, previous=peer))
         service_s = self._clock() - t0
         self.counters["forward"] += 1
+        if not fwd.eval:  # however long the hop takes, it is not lost while it is tried
+            self.gate.passing_on.add(fwd.mb)
         try:
             await self._pass_on(fwd, y)
         except BaseException:
@@ -194,6 +219,8 @@ class PipelineHandlers:
             if not fwd.eval:
                 self.gate.uncount(int(fwd.x.shape[0]))  # nor will a step wait for it
             raise
+        finally:
+            self.gate.passing_on.discard(fwd.mb)
         # the sender's wiring judges this peer by its own queue and compute, not by the rest
         # of the chain the ok waited for, nor by the wait of the ok in our upload cap
         return Message(**HopReply(service_s=service_s, held_s=self._clock() - t0,

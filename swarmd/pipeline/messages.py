@@ -1,11 +1,11 @@
 """The pipeline's messages as typed values, built and checked from the wire in one place. Pure.
 
-``forward``, ``backward``, ``result`` and ``grad`` (and the ``ok`` reply of a forward) are
-frozen, slotted, keyword-only dataclasses. ``parse_*`` builds one from what arrived (anything
-with ``kind``, ``meta`` and ``tensors``, e.g. ``transport.frames.Message``): every field's type,
-size and range is checked, the number of tensors and their shape and dtype against what the
-receiver expects, and unknown keys are dropped (a message is re-built for the next hop, never
-copied). ``wire()`` gives the ``Message`` keyword arguments to send one.
+``forward``, ``backward``, ``result``, ``grad`` and ``abandon`` (and the ``ok`` reply of a
+forward) are frozen, slotted, keyword-only dataclasses. ``parse_*`` builds one from what
+arrived (anything with ``kind``, ``meta`` and ``tensors``, e.g. ``transport.frames.Message``):
+every field's type, size and range is checked, the number of tensors and their shape and
+dtype against what the receiver expects, and unknown keys are dropped (a message is re-built
+for the next hop, never copied). ``wire()`` gives the ``Message`` keyword arguments to send one.
 
 What cannot be judged from one message alone is the caller's: who may send it (the path's
 authority rules, docs/pipeline.md) and whether the microbatch is known here.
@@ -22,8 +22,9 @@ import torch
 
 from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 
-__all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "HopReply", "parse_forward",
-           "parse_backward", "parse_result", "parse_grad", "parse_hop_reply", "hop_seconds"]
+__all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "Abandon", "HopReply",
+           "parse_forward", "parse_backward", "parse_result", "parse_grad", "parse_abandon",
+           "parse_hop_reply", "hop_seconds"]
 
 #: most characters of a microbatch id and of a peer id
 MAX_MB_CHARS = 160
@@ -136,6 +137,19 @@ class Grad:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Abandon:
+    """A trainer gave a microbatch up after a peer of its path kept its forward (the chain
+    broke further on; the trainer restarts it under a new id): what that peer keeps for its
+    backward can go at once, and a step draining for it need not wait until it is taken for
+    lost (``stepping.LOST_MIN_S``)."""
+
+    mb: str
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "abandon", "meta": {"mb": self.mb}}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HopReply:
     """A forward's ``ok``: the peer's own queue and compute (``service_s``), its compute
     alone (``compute_s``, its share of a batch's), how long it held the request, the rest
@@ -227,6 +241,12 @@ def parse_grad(message: Any, *, shape: tuple[int, ...]) -> Grad:
     (g,) = _tensors(message, 1, "grad")
     _shaped(g, shape, "grad")
     return Grad(mb=_mb(meta, "grad"), grad=g, overflow=_flag(meta, "overflow", "grad"))
+
+
+def parse_abandon(message: Any) -> Abandon:
+    meta = _meta(message, "abandon")
+    _tensors(message, 0, "abandon")
+    return Abandon(mb=_mb(meta, "abandon"))
 
 
 def parse_hop_reply(message: Any) -> HopReply:

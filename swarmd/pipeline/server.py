@@ -131,11 +131,13 @@ class StageServer:
                                       self.gate.passing(self.handlers.on_forward))
         self.host.set_request_handler(self.proto["backward"],
                                       self.gate.passing(self.handlers.on_backward))
+        self.host.set_request_handler(self.proto["abandon"], self.handlers.on_abandon)
         self.sync.start()
 
     async def close(self) -> None:
         self.host.remove_handler(self.proto["forward"])
         self.host.remove_handler(self.proto["backward"])
+        self.host.remove_handler(self.proto["abandon"])
         await self.sync.close()
         self.batcher.close()
         self.compute.close()

@@ -244,7 +244,9 @@ class Gate:
 
     Neither a drain nor the cap waits for a microbatch saved longer than ``LOST_MIN_S`` (or
     ``LIVE_FACTOR`` x the slowest recent forward-to-backward wait here): it is dropped
-    (``dropped_lost``; its backward, should it come, gets ``unknown_microbatch``)."""
+    (``dropped_lost``; its backward, should it come, gets ``unknown_microbatch``), unless its
+    output is still being passed on from here (``passing_on``: a hop to a stalled peer
+    that will be rerouted at its deadline)."""
 
     def __init__(self, worker: StageWorker, compute: Compute, counters: Counter[str],
                  stage: int, clock: Callable[[], float] = time.monotonic, *,
@@ -274,6 +276,9 @@ class Gate:
         self._passing = 0
         #: set once the peer leaves the stage: new forwards are refused with busy
         self.retiring = False
+        #: microbatches forwarded here whose output is still being passed on (the next hop,
+        #: the chain after it, or its reroute): never taken for lost, whatever their age
+        self.passing_on: set[str] = set()
 
     def wait_s(self) -> float:
         """How long a new forward waits at the closed gate before it is refused with busy."""
@@ -319,10 +324,12 @@ class Gate:
 
     def _holds_live(self) -> bool:
         """Whether a microbatch saved here may still come back (not taken for lost)."""
-        return self.worker.saved_within(self._clock(), self._alive_for_s(LOST_MIN_S)) > 0
+        return self.worker.saved_within(self._clock(), self._alive_for_s(LOST_MIN_S)) > 0 or any(
+            self.worker.holds(mb) for mb in self.passing_on)
 
     def _drop_lost(self) -> None:
-        lost = self.worker.drop_forwarded_before(self._clock() - self._alive_for_s(LOST_MIN_S))
+        lost = self.worker.drop_forwarded_before(self._clock() - self._alive_for_s(LOST_MIN_S),
+                                                 keep=self.passing_on)
         if lost:
             self.counters["dropped_lost"] += len(lost)
             log.info("stage %d: %d microbatch(es) saved too long taken for lost (their chain "

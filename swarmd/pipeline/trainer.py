@@ -39,7 +39,7 @@ import torch
 from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdError
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
-from swarmd.pipeline.messages import Backward, Forward, parse_grad, parse_result
+from swarmd.pipeline.messages import Abandon, Backward, Forward, parse_grad, parse_result
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
@@ -55,6 +55,8 @@ from transport.frames import Message
 log = logging.getLogger("swarmd.pipeline.trainer")
 
 MAX_RESTARTS = 8
+#: how long telling a peer that a microbatch was given up may take (``Trainer._abandon``)
+ABANDON_TIMEOUT_S = 5.0
 #: how long to wait for a missing stage before a microbatch counts as lost
 MISSING_STAGE_PATIENCE_S = 300.0
 #: once a send's ok came back, how long its answer (already delivered) may take to show up
@@ -305,7 +307,7 @@ class Trainer(TrainerCompute):
 
     async def _evaluate_one(self, x: torch.Tensor, y: torch.Tensor) -> float:
         h = await self._run(self._embed, x, False)
-        out, _, _ = await self._forward(h, eval_only=True)
+        out, _ = await self._forward(h, self._next_mb(), eval_only=True)
         return await self._run(self._eval_loss, out, y)
 
     async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float
@@ -354,38 +356,64 @@ class Trainer(TrainerCompute):
                        ) -> tuple[float, list[torch.Tensor], tuple[str, ...], float]:
         h, versions = await self._run(self._embed_kept, x)  # (B, T, width), keeps its graph
         sent = time.monotonic()
-        out, mb, path = await self._forward(h, eval_only=False)
-        loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
-        if overflow:  # float16: this step is skipped here and by the stages of the path
-            self._overflow, g_out = True, torch.zeros_like(g_out)
-        arrival = self._expect("grad", mb, tuple(h.shape), first={path[0]}, path=path).future
-        backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
-                            trainer=self.host.peer_id, model=self.model_hash, grad=g_out,
-                            scale=self.loss_scale, overflow=overflow)
+        mb, tried, path = self._next_mb(), set[str](), tuple[str, ...]()
         try:
-            g_h = await self._sent_then_arrived(self._held_request(
-                path[-1], "backward", Message(**backward.wire()),
-                g_out.numel() * g_out.element_size()), arrival)
-        finally:
-            self._waiting.pop(("grad", mb), None)
+            out, path = await self._forward(h, mb, eval_only=False, tried=tried)
+            loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
+            if overflow:  # float16: this step is skipped here and by the stages of the path
+                self._overflow, g_out = True, torch.zeros_like(g_out)
+            arrival = self._expect("grad", mb, tuple(h.shape), first={path[0]}, path=path).future
+            backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
+                                trainer=self.host.peer_id, model=self.model_hash, grad=g_out,
+                                scale=self.loss_scale, overflow=overflow)
+            try:
+                g_h = await self._sent_then_arrived(self._held_request(
+                    path[-1], "backward", Message(**backward.wire()),
+                    g_out.numel() * g_out.element_size()), arrival)
+            finally:
+                self._waiting.pop(("grad", mb), None)
+        except Exception:
+            self._abandon(mb, tried | set(path))  # its restart runs under a new id
+            raise
         life = time.monotonic() - sent
         g_emb = await self._run(self._embed_backward, x, h, versions, g_h)
         return loss, self._gradients(g_emb, g_head), path, life
 
+    def _abandon(self, mb: str, peers: set[str]) -> None:
+        """Tell the peers that may keep ``mb``'s forward that it was given up
+        (``messages.Abandon``), so that a stage step draining for it goes on at once: in the
+        background, one try each, bounded by ``ABANDON_TIMEOUT_S``."""
+        message = Message(**Abandon(mb=mb).wire())
+        for peer in peers:
+            sender = asyncio.ensure_future(self._send_abandon(peer, message))
+            self._late.add(sender)
+            sender.add_done_callback(_finish_late(self._late))
+
+    async def _send_abandon(self, peer: str, message: Message) -> None:
+        try:
+            await self.host.request(peer, self.proto["abandon"], message, codec=self.codec,
+                                    timeout=ABANDON_TIMEOUT_S)
+            self.counters["abandon_sent"] += 1
+        except Exception as exc:  # a courtesy: the peer takes it for lost later anyway
+            self.counters["abandon_failed"] += 1
+            log.debug("abandon of %s to %s failed: %s", message.meta["mb"], peer, exc)
+
     # ---- the network -----------------------------------------------------------------------
-    async def _forward(self, h: torch.Tensor, *, eval_only: bool
-                       ) -> tuple[torch.Tensor, str, tuple[str, ...]]:
-        """Send ``h`` into the swarm; returns the last stage's output, the microbatch id and
-        the path it took."""
+    def _next_mb(self) -> str:
         self._counter += 1
-        mb = f"{self.host.peer_id[-10:]}/{self._counter}"
-        expected = self._expect("result", mb, tuple(h.shape))
+        return f"{self.host.peer_id[-10:]}/{self._counter}"
+
+    async def _forward(self, h: torch.Tensor, mb: str, *, eval_only: bool,
+                       tried: set[str] | None = None) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """Send ``h`` into the swarm as microbatch ``mb``; returns the last stage's output and
+        the path it took. ``tried`` gets every stage-0 peer it was sent to."""
+        expected = self._expect("result", mb, tuple(h.shape), first=tried)
         forward = Forward(mb=mb, stage=0, step=self.step, path=(), trainer=self.host.peer_id,
                           model=self.model_hash, x=wire_tensor(h.detach()), eval=eval_only)
         try:
             out = await self._sent_then_arrived(
                 self._send_stage0(Message(**forward.wire()), expected), expected.future)
-            return out, mb, expected.path
+            return out, expected.path
         finally:
             self._waiting.pop(("result", mb), None)
 

@@ -29,6 +29,7 @@ use: wrong shape, dtype or non-finite values raise ``BadActivation`` (the sender
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -169,6 +170,14 @@ class StageWorker:
     def holds(self, mb_id: str) -> bool:
         """Whether a forward of ``mb_id`` is kept here for its backward."""
         return mb_id in self._saved
+
+    def samples_of(self, mb_id: str) -> int:
+        """The samples (rows) of ``mb_id`` kept here; 0 when none is."""
+        saved = self._saved.get(mb_id)
+        if saved is None:
+            return 0
+        rows = saved.rows[mb_id]
+        return rows.stop - rows.start
 
     def forward(self, mb_id: str, x: torch.Tensor, now: float) -> torch.Tensor:
         """Run the stage on ``x`` (B, T, width); keep what backward needs; return the output."""
@@ -394,10 +403,11 @@ class StageWorker:
         return sum(1 for v in list(self._saved.values()) if now - (v.expires_at - self.ttl_s)
                    <= age_s)
 
-    def drop_forwarded_before(self, when: float) -> list[str]:
+    def drop_forwarded_before(self, when: float, keep: Collection[str] = ()) -> list[str]:
         """Drop the microbatches whose forward ran before ``when`` (taken for lost: their
-        backward is not coming); returns their ids."""
-        gone = [k for k, v in list(self._saved.items()) if v.expires_at - self.ttl_s < when]
+        backward is not coming), but those in ``keep``; returns their ids."""
+        gone = [k for k, v in list(self._saved.items())
+                if v.expires_at - self.ttl_s < when and k not in keep]
         for k in gone:
             self._saved.pop(k, None)
         return gone
