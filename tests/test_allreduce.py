@@ -271,11 +271,13 @@ def test_an_owner_dying_mid_round_is_repaired_by_the_survivors() -> None:
         kw = {"chunk": 7_000}
         ta = a.start("die2", group, xs[0], weights[0], **kw)
         victim.start("die2", group, xs[2], weights[2], **kw)
-        # all slices sent so far arrived (b buffers the victim's: it has not started); the
-        # victim waits for b's slices, so it cannot answer a yet
+        # all slices sent so far arrived (b buffers a's and the victim's, 3 each: it has not
+        # started); the victim waits for b's slices, so it cannot answer a yet. (b at 3 was
+        # not enough: under load a's 3 came first, the victim died before its own reached b,
+        # and b's parts lacked it)
         await wait_until(lambda: victim.counter("contributions_received") >= 3
                          and a.counter("contributions_received") >= 3
-                         and b.counter("contributions_received") >= 3, "the first slices")
+                         and b.counter("contributions_received") >= 6, "the first slices")
         t0 = time.monotonic()
         await victim.kill()
         tb = b.start("die2", group, xs[1], weights[1], **kw)
