@@ -135,7 +135,15 @@ def test_round_and_all_reduce_messages_only_from_those_who_may_send_them(daemons
                     **start_base, "round": "1:0:s",
                     "group": sorted([leader.peer_id, victim.peer_id, outsider.peer_id]),
                     "bandwidths": [None] * 3}))
-            # the leader may start a round: then it, but no one else, contributes parts
+            # the leader may start a round: then it, but no one else, contributes parts. It
+            # holds the victim's all-reduce requests unanswered: refused at once (no handler),
+            # they let a loaded victim finish its own part without the leader's before the
+            # NaN part below arrived, which then was never aggregated (nor refused)
+            async def hold(message: Message, peer: str) -> Message:
+                await asyncio.sleep(30)
+                return Message(kind="absent")
+
+            leader.set_request_handler(PROTO.allreduce, hold)
             round_id, group = "1:0:hostile", sorted([leader.peer_id, victim.peer_id])
             codes["leader_start"] = await refused(leader, victim.peer_id, PROTO.round, Message(
                 kind="start", meta={**start_base, "round": round_id, "group": group}))
