@@ -139,8 +139,10 @@ def test_round_and_all_reduce_messages_only_from_those_who_may_send_them(daemons
             # holds the victim's all-reduce requests unanswered: refused at once (no handler),
             # they let a loaded victim finish its own part without the leader's before the
             # NaN part below arrived, which then was never aggregated (nor refused)
+            released = asyncio.Event()
+
             async def hold(message: Message, peer: str) -> Message:
-                await asyncio.sleep(30)
+                await released.wait()
                 return Message(kind="absent")
 
             leader.set_request_handler(PROTO.allreduce, hold)
@@ -164,6 +166,7 @@ def test_round_and_all_reduce_messages_only_from_those_who_may_send_them(daemons
                                                      contribute(1e12, torch.zeros(n)))
             codes["nan_part"] = await refused(leader, victim.peer_id, PROTO.allreduce,
                                               contribute(1.0, torch.full((n,), float("nan"))))
+            released.set()
 
     run(scenario)
     assert codes["outsider_start"] == "bad_round_message"

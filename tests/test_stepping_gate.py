@@ -280,6 +280,7 @@ def test_a_microbatch_whose_output_is_still_being_passed_on_is_never_taken_for_l
         seen = []
         with gate.admitted(2):
             gate.passing_on.add("rerouted")
+            assert gate.in_flight == 2  # the one held and this forward
         now[0] = 100.0 + 3 * stepping.LOST_MIN_S
         seen.append(await gate.wait_open(0.05))    # its hop is still tried: waited for
         seen.append("rerouted" in worker.held)
