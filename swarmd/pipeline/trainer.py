@@ -356,7 +356,9 @@ class Trainer(TrainerCompute):
                        ) -> tuple[float, list[torch.Tensor], tuple[str, ...], float]:
         h, versions = await self._run(self._embed_kept, x)  # (B, T, width), keeps its graph
         sent = time.monotonic()
-        mb, tried, path = self._next_mb(), set[str](), tuple[str, ...]()
+        mb = self._next_mb()
+        tried: set[str] = set()  # the stage-0 peers it was sent to
+        path: tuple[str, ...] = ()
         try:
             out, path = await self._forward(h, mb, eval_only=False, tried=tried)
             loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
