@@ -140,8 +140,7 @@ class PipelineHandlers:
         held = [Held(mb, r.trainer, since[mb]) for mb, r in self._routes.items() if mb in since]
         victim = self.shares.victim(trainer, held, self._clock())
         if victim is not None:
-            self.worker.forget(victim)
-            self._routes.pop(victim, None)
+            self._let_go(victim)
             self.counters["saved_evicted"] += 1
 
     async def on_forward(self, message: Message, peer: str) -> Message:
@@ -171,10 +170,7 @@ class PipelineHandlers:
             if peer != route.trainer:
                 self._refuse("abandon_sender")
                 raise NotOnPath("sender", f"only the trainer of {mb!r} may give it up, not {peer}")
-            samples = self.worker.samples_of(mb)
-            self.worker.forget(mb)
-            self._routes.pop(mb, None)
-            self.gate.uncount(samples)  # a step capped at a step's samples waits for it no more
+            self._let_go(mb, self.worker.samples_of(mb))
             self.counters["abandoned"] += 1
             return Message(kind="ok", meta={"held": True})
         finally:
@@ -214,10 +210,8 @@ class PipelineHandlers:
         try:
             await self._pass_on(fwd, y)
         except BaseException:
-            self.worker.forget(fwd.mb)  # the chain failed below us: nobody will come back
-            self._routes.pop(fwd.mb, None)
-            if not fwd.eval:
-                self.gate.uncount(int(fwd.x.shape[0]))  # nor will a step wait for it
+            # the chain failed below us: nobody will come back
+            self._let_go(fwd.mb, 0 if fwd.eval else int(fwd.x.shape[0]))
             raise
         finally:
             self.gate.passing_on.discard(fwd.mb)
@@ -343,6 +337,15 @@ class PipelineHandlers:
             for old in [m for m in self._routes if not self.worker.holds(m)]:
                 del self._routes[old]
         self._routes[mb] = route
+
+    def _let_go(self, mb: str, samples: int = 0) -> None:
+        """Drop what is kept here for ``mb`` (its backward will never come); its ``samples``
+        counted toward a capped step (``Gate.uncount``) are counted no more, so a step does
+        not wait for them."""
+        self.worker.forget(mb)
+        self._routes.pop(mb, None)
+        if samples:
+            self.gate.uncount(samples)
 
     def forget_all(self) -> None:
         self._routes.clear()
