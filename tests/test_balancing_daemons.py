@@ -104,9 +104,11 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
                    "five routable peers")
         training = _Training(d[3], 2000, env)  # until the move is done
 
+        def migrations(p: DaemonProcess) -> int:
+            return int(p.get("/api/v0/status")["counters"].get("balance.migrations", 0))
+
         def moved() -> list[DaemonProcess]:
-            return [p for p in d[:3]
-                    if p.get("/api/v0/status")["counters"].get("balance.migrations", 0)]
+            return [p for p in d[:3] if migrations(p)]
 
         movers = wait_until(lambda: training.going() and moved(), 150,
                             "a stage-0 peer migrating")
@@ -127,6 +129,13 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
         training.enough.set()
         result = training.finish()
         assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
-        assert len(moved()) == 1  # and nobody moved back or on
+        # nobody moved back or on. A second stage-0 peer may have followed the first to the
+        # stage still served by one: the policy weighs announced throughputs, and identical
+        # peers sharing 2 cores announce from 300 to 1,100 samples/s, so a stage-0 pair can
+        # look 1.5 peers richer than that stage (seen once in CI); the stages stay 2, 2, 1.
+        assert [migrations(p) for p in d if migrations(p) > 1] == []
+        wait_until(lambda: sorted(s["routable_peers"] for s in
+                                  d[0].get("/api/v0/swarm")["stages"]) == [1, 2, 2], 30,
+                   "stages still served by 2, 2 and 1 peers")
     finally:
         stop_all(started)
