@@ -23,6 +23,18 @@ def test_each_rounds_run_is_compared_with_the_same_rounds_unshaped_run() -> None
     assert results["unshaped"]["pipeline_ratio_vs_unshaped"] == 1.0
 
 
+def test_a_round_is_contended_when_others_loaded_either_of_its_runs() -> None:
+    results = {"unshaped": {"pipeline_runs_tokens_per_s": [100.0, 100.0, 100.0, 100.0],
+                            "pipeline_runs_others_cpu_share": [0.0, 0.3, 0.05, 0.0]},
+               "continent": {"pipeline_runs_tokens_per_s": [90.0, 80.0, 90.0, 78.0],
+                             "pipeline_runs_others_cpu_share": [0.02, 0.0, None, 0.25]}}
+    bench_wan.pipeline_ratios(results)
+    assert results["continent"]["pipeline_contended_rounds"] == [1, 3]
+    assert results["unshaped"]["pipeline_contended_rounds"] == [1]
+    # the median still counts every round: the contended ones are named, not dropped
+    assert results["continent"]["pipeline_ratio_vs_unshaped"] == pytest.approx(0.85)
+
+
 def test_the_pipeline_targets_need_the_ratio_and_nothing_lost() -> None:
     def profile(ratio: float | None, lost: int) -> dict[str, object]:
         return {"pipeline_ratio_vs_unshaped": ratio, "pipeline": {"lost": lost},

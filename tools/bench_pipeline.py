@@ -99,7 +99,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+from cpu_use import busy_s, os_threads, proc_cpu_s  # noqa: E402
 
 STAGES = 2
 CODEC = "int8"
@@ -333,39 +336,6 @@ def serve_single(microbatches: int, threads: int) -> None:
         print(json.dumps(reply), flush=True)
 
 
-# ---- CPU accounting: is somebody else using the machine? ---------------------------------
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _busy_s() -> float:
-    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / _TICK
-
-
-def _proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        return (int(rest[11]) + int(rest[12])) / _TICK  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _os_threads(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Threads:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 # ---- the swarm, interleaved with the reference -----------------------------------------------
 
 class _Probe:
@@ -393,7 +363,7 @@ class _Probe:
         self.cpu_marks: list[tuple[float, float, float]] = []
 
     def _cpu(self) -> tuple[float, float, float]:
-        return (time.monotonic(), _busy_s(), sum(_proc_cpu_s(p) for p in self.pids()))
+        return (time.monotonic(), busy_s(), sum(proc_cpu_s(p) for p in self.pids()))
 
     def others_share(self, k: int) -> float:
         """Share of the machine used by other processes during block pair ``k``."""
@@ -420,13 +390,13 @@ class _Probe:
                 1e-9, (t - t0) * cores), "ours_share": (ours - ours0) / max(
                 1e-9, (t - t0) * cores), "others_share": ((busy - busy0) - (ours - ours0))
                 / max(1e-9, (t - t0) * cores)}
-            self.threads = {f"pid{p}": _os_threads(p) for p in self.pids()}
-            self.proc_cpu_s = {name: _proc_cpu_s(pid) - self._proc0.get(name, 0.0)
+            self.threads = {f"pid{p}": os_threads(p) for p in self.pids()}
+            self.proc_cpu_s = {name: proc_cpu_s(pid) - self._proc0.get(name, 0.0)
                                for name, pid in self.named_pids.items()}
             return
         if self._open is None:
             self._cpu0 = self._cpu()
-            self._proc0 = {name: _proc_cpu_s(pid) for name, pid in self.named_pids.items()}
+            self._proc0 = {name: proc_cpu_s(pid) for name, pid in self.named_pids.items()}
         say(f"step {trainer.step}: single-process block of {self.block_steps} steps")
         await loop.run_in_executor(None, self.single.run, self.block_steps)
         c_start = await loop.run_in_executor(None, self.snapshot, trainer)

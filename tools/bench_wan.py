@@ -22,7 +22,12 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
   run over that round's unshaped one) and ``pipeline_ratio_vs_unshaped`` their median (the
   machine's load drifts between runs minutes apart; a round's pair drifts less);
   ``pipeline.stages``: how each stage daemon's counters changed over the run (optimizer steps,
-  ms its gate stood closed for steps, busy refusals, late and stepped samples)
+  ms its gate stood closed for steps, busy refusals, late and stepped samples);
+  ``pipeline.steady_step_seconds``: the median and longest step of the second half (a stall
+  shows as one long step); ``pipeline_runs_others_cpu_share``: per run, the share of the
+  machine that processes outside this benchmark used meanwhile (a test run beside it), and
+  ``pipeline_contended_rounds`` the rounds where that passed ``CONTENDED_SHARE`` (0.1) in the
+  profile's run or the unshaped one: their ratios say little, measure again on a quiet machine
 - ``join_to_online_s``: from starting ``swarmd join --stage 1`` in ``nx`` until its status
   says online (state sync from the stage-1 peer included)
 - ``membership_convergence_6_daemons_s``: 6 daemons of a separate swarm on hosts m0..m5, from
@@ -60,7 +65,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from tools.wanlab import HostSpec, LabUnavailable, Link, WanLab  # noqa: E402
 from tools.wanlab import daemons, probe  # noqa: E402
-from bench_pipeline import add_schedule_options, schedule_overrides  # noqa: E402
+from bench_pipeline import CONTENDED_SHARE, add_schedule_options, schedule_overrides  # noqa: E402
+from cpu_use import OthersShare  # noqa: E402
 
 #: name: (host-to-host one-way delay ms, down Mbit/s, up Mbit/s); None: unshaped
 PROFILES: dict[str, tuple[float, float, float] | None] = {
@@ -185,9 +191,15 @@ def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, boot
                   steps: int, tokens_per_step: int, env: dict[str, str]) -> dict[str, Any]:
     """One ``swarmd train`` run (``daemons.train``) and, per stage daemon, how its
     ``STAGE_COUNTERS`` changed over it (``stages``: what draining cost, busy refusals,
-    lateness)."""
+    lateness); ``cpu``: how much of the machine other processes used meanwhile
+    (``cpu_use.OthersShare``)."""
     before = stage_counters(stages)
+    cpu = OthersShare().start()
     t = daemons.train(lab, "tr", home, bootstrap, steps, tokens_per_step, env, seconds=900)
+    t["cpu"] = cpu.stop()
+    if t["cpu"]["others_share"] > CONTENDED_SHARE:
+        say(f"other processes used {t['cpu']['others_share']:.0%} of the machine during this "
+            f"run: its rate is not comparable with a quiet run's")
     t["stages"] = [{k: a[k] - b[k] for k in STAGE_COUNTERS}
                    for a, b in zip(stage_counters(stages), before)]
     # the rate over the second half of the steps (the whole run's when too short for one)
@@ -220,9 +232,12 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     out["pipeline_tokens_per_s"] = t["rate"]
     out["pipeline_runs_tokens_per_s"] = [out["pipeline_tokens_per_s"]]
     out["pipeline_whole_run_tokens_per_s"] = t["tokens_per_s"]
+    out["pipeline_runs_others_cpu_share"] = [t["cpu"]["others_share"]]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
-                                             "steady_seconds", "rerouted", "restarted", "lost",
-                                             "initial_val_loss", "final_val_loss", "stages")}
+                                             "steady_seconds", "steady_step_seconds",
+                                             "rerouted", "restarted", "lost",
+                                             "initial_val_loss", "final_val_loss", "stages",
+                                             "cpu")}
     say(f"{name}: pipeline {out['pipeline_tokens_per_s']:,.0f} tokens/s")
     # the secondary figures: one that fails is reported, the run goes on
     out["errors"] = {}
@@ -349,9 +364,13 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
             except Exception as exc:
                 out["errors"][f"pipeline_round_{r}"] = f"{type(exc).__name__}: {exc}"
                 out["pipeline_runs_tokens_per_s"].append(None)
+                out["pipeline_runs_others_cpu_share"].append(None)
                 continue
             rate = t["rate"]
             out["pipeline_runs_tokens_per_s"].append(rate)
+            out["pipeline_runs_others_cpu_share"].append(t["cpu"]["others_share"])
+            out.setdefault("pipeline_rounds_step_seconds", []).append(
+                t.get("steady_step_seconds"))
             out["pipeline"]["lost"] += t.get("lost") or 0
             out.setdefault("pipeline_rounds_stages", []).append(t["stages"])
             say(f"{name}: pipeline (round {r + 1}) {rate:,.0f} tokens/s")
@@ -359,13 +378,21 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
 
 def pipeline_ratios(results: dict[str, Any]) -> None:
     """Each profile's ``pipeline_ratios`` (a round's run over the same round's unshaped run)
-    and ``pipeline_ratio_vs_unshaped``, their median."""
-    base = results.get("unshaped", {}).get("pipeline_runs_tokens_per_s") or []
+    and ``pipeline_ratio_vs_unshaped``, their median; ``pipeline_contended_rounds``: the
+    rounds (from 0) in which other processes used more than ``CONTENDED_SHARE`` of the
+    machine during this profile's run or the unshaped one (their ratio says little)."""
+    unshaped = results.get("unshaped", {})
+    base = unshaped.get("pipeline_runs_tokens_per_s") or []
+    base_others = unshaped.get("pipeline_runs_others_cpu_share") or []
     for r in results.values():
         runs = r.get("pipeline_runs_tokens_per_s") or []
         r["pipeline_ratios"] = [a / b for a, b in zip(runs, base) if a and b]
         r["pipeline_ratio_vs_unshaped"] = (statistics.median(r["pipeline_ratios"])
                                            if r["pipeline_ratios"] else None)
+        others = r.get("pipeline_runs_others_cpu_share") or []
+        r["pipeline_contended_rounds"] = [
+            i for i, pair in enumerate(zip(others, base_others))
+            if any(x is not None and x > CONTENDED_SHARE for x in pair)]
 
 
 def measure(quick: bool, profiles: list[str], membership: bool = True,

@@ -115,7 +115,8 @@ def train(lab: Any, host: str, home: Path, bootstrap: str, steps: int, tokens_pe
           program: tuple[str, ...] = SWARMD_TRAIN) -> dict[str, Any]:
     """``swarmd train --json`` in ``host`` (``program``: the Python arguments before its own);
     its JSON result plus ``steady_tokens_per_s``: the rate over the second half of the steps
-    (from its metrics file), past start-up and warm-up."""
+    (from its metrics file), past start-up and warm-up, and ``steady_step_seconds`` (the
+    median and the longest step there: a stall shows as one long step)."""
     home.mkdir(parents=True, exist_ok=True)
     metrics = home / "train-metrics.jsonl"
     if metrics.exists():
@@ -143,4 +144,7 @@ def train(lab: Any, host: str, home: Path, bootstrap: str, steps: int, tokens_pe
         result["steady_seconds"] = b["time"] - a["time"]
         result["steady_tokens_per_s"] = (result["steady_steps"] * tokens_per_step
                                          / max(1e-9, result["steady_seconds"]))
+        gaps = sorted(y["time"] - x["time"] for x, y in zip(lines[len(lines) // 2:],
+                                                            lines[len(lines) // 2 + 1:]))
+        result["steady_step_seconds"] = {"median": gaps[len(gaps) // 2], "max": gaps[-1]}
     return result
