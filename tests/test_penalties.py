@@ -247,6 +247,14 @@ def test_a_daemon_bans_a_peer_that_sends_a_wrong_shaped_backward_and_shows_why(
     from daemon_harness import wait_until
 
     d0, d1 = daemons(0, 1)
+
+    def d1_online() -> bool:  # (still syncing, d1 takes no forward: a ban of the hostile
+        # peer would leave d0 no stage-1 peer, and a forward gets stage_unavailable)
+        row = {r["peer_id"]: r for r in d0.get("/api/v0/peers")}.get(d1.peer_id)
+        return bool(row) and row["stage"] == 1 and row["state"] == "online" and \
+            d0.get("/api/v0/status")["state"] == "online"
+
+    wait_until(d1_online, 60, "d0 to see the honest stage-1 peer d1 online")
     config = load_config(None, {**os.environ, **ENV})
     width, model = config.model_config().width, config.model_hash()
     proto = Protocols(config.swarm.name)
