@@ -33,6 +33,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 #: allowed values of ``training.lr_schedule``
 LR_SCHEDULES = ("constant", "cosine")
+#: ``training.schedule`` values (``swarmd.training.run``)
+SCHEDULES = ("sync", "pipelined")
 #: ``model.factory``: "package.module:callable" (kept equal to swarmd.models.registry.FACTORY_RE)
 _FACTORY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -159,6 +161,14 @@ class TrainingConfig(_Section):
     in_flight: int = _opt(
         0, "Microbatches a trainer keeps in the pipeline at once (0: training.microbatches).",
         "an integer from 0 to 4096", _int_range(0, 4096),
+    )
+    schedule: str = _opt(
+        "sync", "How a trainer's steps follow each other: sync (a step's microbatches "
+        "travel through the pipeline together, then every part of the model steps once on "
+        "exactly their gradient, as one process would: docs/pipeline.md, \"Exact steps\") or "
+        "pipelined (the next step's microbatches start before the last ones came back: "
+        "latency hidden, gradients up to a few steps late).",
+        "one of " + ", ".join(f'"{s}"' for s in SCHEDULES), _one_of(SCHEDULES),
     )
     lr: float = _opt(
         3e-3, "Learning rate.", "a number greater than 0", _positive,
