@@ -198,9 +198,17 @@ class TrainingConfig(_Section):
         "an integer from 1 to 2**31", _int_range(1, 1 << 31),
     )
     grad_clip: float = _opt(
-        1.0, "Largest gradient norm of each stage's (and the trainer's) parameters; larger "
-        "gradients are scaled down to it (0: no clipping).", "a number, 0 or more",
+        1.0, "Largest gradient norm; larger gradients are scaled down to it (0: no clipping). "
+        "Whose norm: training.grad_clip_scope.", "a number, 0 or more",
         _non_negative,
+    )
+    grad_clip_scope: str = _opt(
+        "model", "Whose gradient norm training.grad_clip bounds: model (the whole model's, "
+        "every stage's and the trainer's parts together, as torch.nn.utils.clip_grad_norm_ over "
+        "one model: each stage reports its part's norm to the trainer every step, with the "
+        "synchronous schedule and one trainer; otherwise each part clips its own) or part "
+        "(each stage and the trainer clip their own part).",
+        '"model" or "part"', _one_of(("model", "part")),
     )
     weight_decay: float = _opt(
         0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",

@@ -209,7 +209,9 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                               codec=codec_spec(config), lr=config.training.lr,
                               seed=config.training.seed,
                               optim=OptimSettings.from_config(config.training),
-                              peers_of=m.peers_of, device=device, dtype=dtype)
+                              peers_of=m.peers_of, device=device, dtype=dtype,
+                              clip_whole_model=config.training.grad_clip_scope == "model")
+            trainer.others = lambda: len(m.trainers())
             trainer.start()
             try:
                 yield trainer, m
@@ -268,6 +270,7 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
     left = plan.steps - trainer.step
     if left <= 0:
         return
+    trainer.exact = plan.schedule == "sync"  # exact steps (swarmd.pipeline.exact)
     if plan.schedule == "sync":
         in_flight = config.training.in_flight or min(plan.microbatches, SYNC_IN_FLIGHT)
         trainer.stats.in_flight_target = in_flight
