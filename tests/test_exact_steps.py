@@ -103,6 +103,10 @@ def test_a_stage_stepping_on_other_samples_than_the_trainer_s_step_is_counted() 
     board.own(0, 1.0)
     board.post(0, 0, 1.0, stage_step=0, samples=16)
     assert board.answer(0) == 1.0 and board.samples_mismatch == 1
+    board.open(1, samples=32)  # a round's member does not say its samples: nothing counted
+    board.own(1, 1.0)
+    board.post(1, 0, 1.0, stage_step=1, samples=0)
+    assert board.answer(1) == 1.0 and board.samples_mismatch == 1
 
 
 def test_the_board_remembers_a_bounded_number_of_steps() -> None:

@@ -185,7 +185,7 @@ class StepBoard:
             entry.answered = True
             for stage, (_, stage_step, samples) in entry.stages.items():
                 self._applied_at[stage] = stage_step
-                if samples != entry.samples:
+                if samples and samples != entry.samples:  # 0: not said (a round's member)
                     self.samples_mismatch += 1
         return entry.coefficient
 
