@@ -97,6 +97,20 @@ def test_reports_that_disagree_keep_the_first_and_a_late_step_expires() -> None:
     assert board.answered(4) and board.answer(4) is None and board.expected() is None
 
 
+def test_a_stage_whose_round_failed_ends_the_wait_for_its_step() -> None:
+    board = StepBoard(num_stages=2, clip=1.0)
+    board.open(2, samples=8)
+    board.own(2, 1.0)
+    board.post(2, 0, 1.0, stage_step=2, samples=8)
+    assert board.fail(2) == Posted.FAILED  # stage 1's round failed: it takes no step now
+    assert board.answered(2) and board.answer(2) is None and board.expected() is None
+    assert board.fail(2) == Posted.NOT_OPEN
+    report = StepReport(step=2, stage=1, stage_step=2, sqnorm=0.0, samples=0, failed=True)
+    assert parse_step_report(Message(**report.wire()), num_stages=2).failed
+    with pytest.raises(BadActivation):
+        parse_step_report(_report(failed="yes"), num_stages=2)
+
+
 def test_a_stage_stepping_on_other_samples_than_the_trainer_s_step_is_counted() -> None:
     board = StepBoard(num_stages=1, clip=0.0)
     board.open(0, samples=32)

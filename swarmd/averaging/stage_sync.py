@@ -84,7 +84,8 @@ class StageSync:
     live peers; ``snapshot()`` takes (mean gradient, samples) and clears the accumulation;
     ``apply(vector, source)`` sets the gradient and steps (``source``: the one trainer step
     the step's samples came from, None when not one; ``sources()`` lists those of this
-    peer's samples, which its progress reports carry to the leader); ``give_back(vector, samples)`` undoes a
+    peer's samples, which its progress reports carry to the leader; ``failed(source)`` is told
+    that a round of that one trainer step failed, so the stage takes no step for it now); ``give_back(vector, samples)`` undoes a
     snapshot; ``on_behind(peer, step)`` is told of a mate at a later step; ``samples_now()``
     is what this peer accumulated since its last snapshot. ``digest()`` (optional) is the hex
     digest of the stage's weights now; ``on_diverged(leader, step)`` is told that the leader of
@@ -103,7 +104,8 @@ class StageSync:
                  digest: Callable[[], Awaitable[str]] | None = None,
                  on_diverged: Callable[[str, int], None] = lambda peer, step: None,
                  round_over: Callable[[], None] = lambda: None,
-                 sources: Callable[[], list[Source]] = lambda: []) -> None:
+                 sources: Callable[[], list[Source]] = lambda: [],
+                 failed: Callable[[Source], Awaitable[None]] | None = None) -> None:
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -119,6 +121,7 @@ class StageSync:
         self._on_diverged = on_diverged
         self._round_over = round_over
         self._sources = sources
+        self._failed = failed
         #: the trainer steps each mate said its samples came from, at the step it reported
         self._mate_sources: dict[str, tuple[int, tuple[Source, ...]]] = {}
         self._recent = RecentMates(settings.mate_grace_s)
@@ -337,6 +340,8 @@ class StageSync:
             self.counters["rounds_failed"] += 1
             await self._give_back(vector, samples)
             self.trigger.samples = self._samples_now()
+            if source is not None and self._failed is not None:
+                await self._failed(source)  # its trainer need not wait for this step
             return
         if pending is not None:  # the weights before the step, digested beside the round
             await asyncio.wait({pending})

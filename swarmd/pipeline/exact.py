@@ -97,6 +97,8 @@ class Posted:
     DISAGREES = "disagrees"
     #: a step this trainer is not waiting for (not open, or answered already)
     NOT_OPEN = "not_open"
+    #: a stage said it takes no step for it: the step is answered None
+    FAILED = "failed"
 
 
 @dataclass(slots=True)
@@ -163,6 +165,15 @@ class StepBoard:
             return Posted.DISAGREES
         entry.stages[stage] = (sqnorm, stage_step, samples)
         return Posted.TAKEN
+
+    def fail(self, step: int) -> str:
+        """A stage takes no step for ``step`` now (its round failed): the step can never be
+        complete, so it is answered None at once (``expire``)."""
+        entry = self._steps.get(step)
+        if entry is not None and entry.answered:
+            return Posted.NOT_OPEN
+        self.expire(step)
+        return Posted.FAILED
 
     def own(self, step: int, sqnorm: float) -> None:
         self._steps.setdefault(step, _Step(samples=-1)).own = sqnorm

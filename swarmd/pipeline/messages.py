@@ -167,11 +167,16 @@ class StepReport:
     stage_step: int
     sqnorm: float
     samples: int
+    #: the stage takes no step for it now (its round failed): the trainer need not wait
+    failed: bool = False
 
     def wire(self) -> dict[str, Any]:
-        return {"kind": "step_report", "meta": {
-            "step": self.step, "stage": self.stage, "stage_step": self.stage_step,
-            "sqnorm": self.sqnorm, "samples": self.samples}}
+        meta: dict[str, Any] = {"step": self.step, "stage": self.stage,
+                                "stage_step": self.stage_step, "sqnorm": self.sqnorm,
+                                "samples": self.samples}
+        if self.failed:
+            meta["failed"] = True
+        return {"kind": "step_report", "meta": meta}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,7 +309,8 @@ def parse_step_report(message: Any, *, num_stages: int) -> StepReport:
                       stage=_int(meta, "stage", 0, num_stages, "step_report"),
                       stage_step=_int(meta, "stage_step", 0, MAX_STEP, "step_report"),
                       sqnorm=float(sqnorm),
-                      samples=_int(meta, "samples", 0, MAX_STEP, "step_report"))
+                      samples=_int(meta, "samples", 0, MAX_STEP, "step_report"),
+                      failed=_flag(meta, "failed", "step_report"))
 
 
 def parse_step_answer(message: Any) -> StepAnswer:

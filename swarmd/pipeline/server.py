@@ -55,6 +55,8 @@ log = logging.getLogger("swarmd.stage")
 #: how long a stage peer waits for the trainer's answer to its step report: the trainer
 #: answers once every part reported, or at its own deadline (``Trainer.REPORTS_MAX_S``)
 REPORT_WAIT_S = 75.0
+#: how long telling the trainer that a step failed here may take (answered at once)
+FAILED_REPORT_S = 5.0
 
 __all__ = ["StageServer", "MAX_QUEUE", "MAX_BATCH", "HOP_TIMEOUT_S", "DRAIN_S",
            "hop_seconds", "protocols"]
@@ -137,7 +139,8 @@ class StageServer:
             give_back=port.give_back, on_behind=on_behind or (lambda peer, step: None),
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
             digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None),
-            round_over=self.gate.round_over, sources=self.handlers.sources.peek)
+            round_over=self.gate.round_over, sources=self.handlers.sources.peek,
+            failed=self.step_failed)
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"],
@@ -243,8 +246,13 @@ class StageServer:
             return False
         return True
 
+    async def step_failed(self, source: tuple[str, int]) -> None:
+        """Tell the trainer of ``source`` that this stage takes no step for it now (its round
+        failed), so that it does not wait for the report."""
+        await self.report_step(source, 0.0, 0, failed=True)
+
     async def report_step(self, source: tuple[str, int] | None, sqnorm: float,
-                          samples: int) -> float | None:
+                          samples: int, *, failed: bool = False) -> float | None:
         """Report the step about to be applied to the trainer whose step it is (``source``)
         and return the whole model's clipping coefficient it answers; None (each part clips
         its own) when there is no such trainer, it answers None, or it cannot be asked."""
@@ -252,17 +260,20 @@ class StageServer:
             return None
         trainer, step = source
         report = StepReport(step=step, stage=self.stage, stage_step=self.sync.step,
-                            sqnorm=sqnorm if math.isfinite(sqnorm) else 0.0, samples=samples)
-        if not math.isfinite(sqnorm):  # an overflowed step: skipped anyway
-            return None
+                            sqnorm=sqnorm if math.isfinite(sqnorm) else 0.0, samples=samples,
+                            failed=failed or not math.isfinite(sqnorm))  # overflow: skipped
         try:
             reply = await self.handlers.ask_trainer(trainer, "step_report",
-                                                    Message(**report.wire()), REPORT_WAIT_S)
+                                                    Message(**report.wire()),
+                                                    FAILED_REPORT_S if failed else REPORT_WAIT_S)
             coefficient = parse_step_answer(reply).coefficient
         except (SwarmdError, TransportError, TimeoutError) as exc:
             self.counters["step_report_failed"] += 1
             log.info("stage %d: reporting step %d to trainer %s failed (%s): clipping this "
                      "stage's gradient on its own", self.stage, self.sync.step, trainer, exc)
+            return None
+        if report.failed:
+            self.counters["step_reports_failed"] += 1
             return None
         self.counters["step_reports" if coefficient is not None else "step_reports_expired"] += 1
         return coefficient

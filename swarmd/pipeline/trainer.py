@@ -314,13 +314,13 @@ class Trainer(TrainerCompute):
         wait_s = REPORTS_AFTER_MISS_S if self._reports_missed else REPORTS_MAX_S
         try:
             async with asyncio.timeout(wait_s):
-                while not self.board.complete(step):
+                while not self.board.complete(step) and not self.board.answered(step):
                     await self._report_came.wait()
                     self._report_came.clear()
         except TimeoutError:
             pass
         coefficient = self.board.answer(step)
-        if not self.board.answered(step):
+        if not self.board.answered(step) or coefficient is None:
             self.board.expire(step)
             self.counters["reports_missed"] += 1
             if not self._reports_missed:
@@ -353,12 +353,12 @@ class Trainer(TrainerCompute):
                 self.step - self.board.keep < report.step <= self.step):
             self.counters["reports_not_exact"] += 1
             return Message(**StepAnswer(coefficient=None).wire())
-        posted = self.board.post(report.step, report.stage, report.sqnorm, report.stage_step,
-                                 report.samples)
+        posted = (self.board.fail(report.step) if report.failed else self.board.post(
+            report.step, report.stage, report.sqnorm, report.stage_step, report.samples))
         self.counters[f"reports_{posted}"] += 1
+        self._report_came.set()
         if posted == Posted.NOT_OPEN or self.board.answered(report.step):
             return Message(**StepAnswer(coefficient=self.board.answer(report.step)).wire())
-        self._report_came.set()
         answer = self._answers.get(report.step)
         if answer is None:
             answer = self._answers[report.step] = asyncio.get_running_loop().create_future()
