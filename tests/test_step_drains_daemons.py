@@ -31,10 +31,12 @@ def counters(d: Any) -> dict[str, Any]:
 
 def train_through(d0: Any, steps: int, deadline_s: float) -> tuple[Any, Any]:
     """(the configuration, ``swarmd.train``'s result): ``steps`` steps through the swarm of
-    ``d0`` with twice a step's microbatches in flight, within ``deadline_s``."""
+    ``d0`` with the pipelined schedule (``step_drains`` is for it: the default, exact steps,
+    keeps nothing in flight across a step) and twice a step's microbatches in flight, within
+    ``deadline_s``."""
     config = load_config(None, {**os.environ, **ENV})
     return config, uvloop.run(asyncio.wait_for(
-        train(config, bootstrap=[d0.addr], steps=steps,
+        train(config, bootstrap=[d0.addr], steps=steps, schedule="pipelined",
               fixed_in_flight=2 * config.training.microbatches,
               progress=lambda line: None, bar=False), deadline_s))
 
