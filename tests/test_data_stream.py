@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmd.errors import DataError
-from swarmd.training import stream
+from swarmd.data import records as stream  # PIECE_BYTES lives with the readers
 from swarmd.training.stream import (DataPosition, TokenStream, load_position, read_records,
                                     save_position)
 from swarmd.training.tokens import ByteTokenizer

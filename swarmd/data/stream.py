@@ -2,12 +2,10 @@
 
 Documents are read one at a time (a corpus larger than memory works), tokenized, each followed
 by the tokenizer's end-of-text token, and packed into sequences of ``seq_len + 1`` tokens
-(inputs are the first ``seq_len``, targets the last ``seq_len``).
-
-* a text file is one document, read in pieces of about :data:`PIECE_BYTES` cut after a newline;
-* a ``.jsonl`` file holds one document per line, the ``data.text_field`` of a JSON object;
-* a ``.parquet`` file holds one document per row of the ``data.text_field`` column (needs
-  pyarrow: ``pip install swarmd[data]``).
+(inputs are the first ``seq_len``, targets the last ``seq_len``). What a file holds (text,
+JSONL, Parquet) is read by :mod:`swarmd.data.records`. ``swarmd train`` reads through
+:mod:`swarmd.data` (a shuffled token cache); this in-order stream is what its streamed
+fallback (``data.mode = "stream"``) shuffles.
 
 Trainer ``shard`` of ``num_shards`` keeps the documents whose (file index + document index) is
 ``shard`` modulo ``num_shards``, so trainers draw different documents. :class:`DataPosition` says
@@ -19,29 +17,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from swarmd.data.records import Record, data_files, read_records
 from swarmd.errors import DataError
 
-if TYPE_CHECKING:
-    from swarmd.training.tokens import Tokenizer
-
 __all__ = ["DataPosition", "Record", "TokenStream", "data_files", "read_records",
-           "save_position", "load_position", "PIECE_BYTES"]
+           "save_position", "load_position"]
 
 log = logging.getLogger(__name__)
-
-#: a text file is read in pieces of about this many bytes, cut after a newline
-PIECE_BYTES = 1 << 20
-_JSONL = (".jsonl", ".ndjson")
-_PARQUET = (".parquet",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,151 +80,32 @@ def load_position(path: Path) -> DataPosition:
                         f"data over") from None
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One piece of text: record ``index`` of its file, part of document ``doc``; ``ends_doc``
-    when the document ends with it (then an end-of-text token follows)."""
-
-    index: int
-    doc: int
-    text: str | bytes
-    ends_doc: bool
-
-
-def data_files(path: Path | str) -> list[Path]:
-    """The files of ``path``: itself, or the regular files of a tree in sorted order (symlinks
-    not followed)."""
-    root = Path(path)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise DataError(f"{path}: data path not found; set data.path to a text, JSONL or "
-                        f"Parquet file or a directory of them")
-    files = list(_walk(root))
-    if not files:
-        raise DataError(f"{path}: no files in this directory; put text, JSONL or Parquet files "
-                        f"in it")
-    return files
-
-
-def _walk(root: Path) -> Iterator[Path]:
-    """Regular files under ``root``, entries in sorted order (a directory's files where its
-    name sorts), symlinks neither followed nor yielded."""
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except OSError as exc:
-        raise DataError(f"{root}: cannot list the data directory ({exc.strerror})") from None
-    for entry in entries:
-        if entry.is_symlink():
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            yield from _walk(Path(entry.path))
-        elif entry.is_file(follow_symlinks=False):
-            yield Path(entry.path)
-
-
-def read_records(file: Path, *, text_field: str = "text", start: int = 0) -> Iterator[Record]:
-    """The records of ``file`` from record ``start`` on (see the module's doc)."""
-    if file.suffix.lower() in _JSONL:
-        return _jsonl_records(file, text_field, start)
-    if file.suffix.lower() in _PARQUET:
-        return _parquet_records(file, text_field, start)
-    return _text_records(file, start)
-
-
-def _text_records(file: Path, start: int) -> Iterator[Record]:
-    try:
-        with open(file, "rb") as f:
-            head = f.read(8192)
-            if b"\0" in head:
-                log.debug("skipping binary file %s", file)
-                return
-            f.seek(0)
-            index, carry = 0, b""
-            while True:
-                block = f.read(PIECE_BYTES)
-                if not block:  # the document's last piece (perhaps empty), then end-of-text
-                    if index >= start:
-                        yield Record(index, 0, carry, ends_doc=True)
-                    return
-                data = carry + block
-                cut = data.rfind(b"\n") + 1
-                if not cut:  # no newline yet: read on, up to a few pieces
-                    if len(data) < 4 * PIECE_BYTES:
-                        carry = data
-                        continue
-                    cut = len(data)
-                piece, carry = data[:cut], data[cut:]
-                if index >= start:
-                    yield Record(index, 0, piece, ends_doc=False)
-                index += 1
-    except OSError as exc:
-        raise DataError(f"{file}: cannot read the data file ({exc.strerror})") from None
-
-
-def _jsonl_records(file: Path, text_field: str, start: int) -> Iterator[Record]:
-    try:
-        with open(file, "rb") as f:
-            for index, line in enumerate(f):
-                if index < start or not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError as exc:
-                    raise DataError(f"{file}:{index + 1}: not a JSON line ({exc}); each line of a "
-                                    f"JSONL file must be a JSON object") from None
-                text = row.get(text_field) if isinstance(row, dict) else None
-                if not isinstance(text, str):
-                    fields = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise DataError(f'{file}:{index + 1}: no text field "{text_field}" (found '
-                                    f"{fields}); set data.text_field to the field holding the "
-                                    f"text")
-                yield Record(index, index, text, ends_doc=True)
-    except OSError as exc:
-        raise DataError(f"{file}: cannot read the data file ({exc.strerror})") from None
-
-
-def _parquet_records(file: Path, text_field: str, start: int) -> Iterator[Record]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{file}: reading Parquet needs pyarrow, which is not installed; "
-                        f"install it with `pip install swarmd[data]`, or use text or JSONL "
-                        f"files") from None
-    try:
-        parquet = pq.ParquetFile(file)
-    except Exception as exc:  # pyarrow raises its own ArrowInvalid, OSError, ...
-        raise DataError(f"{file}: not a readable Parquet file ({exc})") from None
-    columns = parquet.schema_arrow.names
-    if text_field not in columns:
-        raise DataError(f'{file}: no column "{text_field}" (columns: {columns}); set '
-                        f"data.text_field to the column holding the text")
-    index = 0
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-        if index + batch.num_rows <= start:
-            index += batch.num_rows
-            continue
-        for text in batch.column(0).to_pylist():
-            if index >= start and isinstance(text, str) and text:
-                yield Record(index, index, text, ends_doc=True)
-            index += 1
-
-
 class TokenStream:
-    """Sequences of ``seq_len + 1`` tokens from the documents of ``path`` owned by ``shard``."""
+    """Sequences of ``seq_len + 1`` tokens from the documents of ``path`` owned by ``shard``.
 
-    def __init__(self, path: Path | str, tokenizer: Tokenizer, *, seq_len: int,
+    ``files`` replaces the listing of ``path`` (the default corpus: the standard library's
+    ``*.py`` files). ``keep(file, record)`` replaces the shard's rule for which records are
+    read (``file`` indexes ``files``); ``file_order(epoch)`` gives the order the files are read
+    in that epoch (a permutation of their indices; ``DataPosition.file`` counts along it)."""
+
+    def __init__(self, path: Path | str, tokenizer: Any, *, seq_len: int,
                  text_field: str = "text", shard: int = 0, num_shards: int = 1,
-                 position: DataPosition = DataPosition()) -> None:
+                 position: DataPosition = DataPosition(),
+                 files: Sequence[Path] | None = None,
+                 keep: Callable[[int, Record], bool] | None = None,
+                 file_order: Callable[[int], Sequence[int]] | None = None) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range: expected 0 to {num_shards - 1}")
-        self.files = data_files(path)
+        self.files = list(files) if files is not None else data_files(path)
         self.path, self.tokenizer, self.seq_len = Path(path), tokenizer, seq_len
         self.text_field, self.shard, self.num_shards = text_field, shard, num_shards
+        self._keep, self._order = keep, file_order
         #: where the next sequence starts: save it to resume after a restart
         self.position = position
 
     def _owned(self, file: int, record: Record) -> bool:
+        if self._keep is not None:
+            return self._keep(file, record)
         return (file + record.doc) % self.num_shards == self.shard
 
     def _records(self, start: DataPosition) -> Iterator[tuple[DataPosition, Record]]:
@@ -242,12 +113,15 @@ class TokenStream:
         epoch, first_file, first_record = start.epoch, start.file, start.record
         while True:
             found = False
-            for f in range(first_file, len(self.files)):
+            order = (list(self._order(epoch)) if self._order is not None
+                     else range(len(self.files)))
+            for at in range(first_file, len(self.files)):
+                f = order[at]
                 for record in read_records(self.files[f], text_field=self.text_field,
-                                           start=first_record if f == first_file else 0):
+                                           start=first_record if at == first_file else 0):
                     if self._owned(f, record):
                         found = True
-                        yield DataPosition(epoch=epoch, file=f, record=record.index), record
+                        yield DataPosition(epoch=epoch, file=at, record=record.index), record
                 first_record = 0
             if not found and first_file == 0 and start.record == 0:
                 raise DataError(f"{self.path}: no text for trainer shard {self.shard} of "
