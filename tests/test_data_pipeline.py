@@ -326,3 +326,18 @@ def test_an_unwritable_cache_dir_says_what_to_do(tmp_path) -> None:
     cache.chmod(0o500)
     with pytest.raises(DataError, match="set data.cache_dir to a writable directory"):
         open_numbers(number_corpus(tmp_path / "c"), cache)
+
+
+def test_a_saved_dataset_without_the_datasets_library_says_how_to_install_it(
+        tmp_path, monkeypatch) -> None:
+    import sys
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    (saved / "dataset_info.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    with pytest.raises(DataError, match=r"saved: reading it needs the Hugging Face datasets "
+                                        r"library, which is not installed; install it with "
+                                        r"`pip install swarmd\[datasets\]`"):
+        open_numbers(saved, tmp_path / "cache")
