@@ -3,8 +3,8 @@
 Like nanoGPT's prepare step: every document is tokenized and followed by end-of-text, and
 the tokens are written to one file, read back with ``numpy.memmap`` (nothing is loaded into
 memory; every trainer on a machine shares the page cache). The file, ``<cache>/<name>.tokens``
-(``data.cache_dir``; the name is the corpus directory's and a hash of its full path, reader
-and tokenizer name), is:
+(``data.cache_dir``; the name is the corpus directory's and a hash of its full path, reader,
+tokenizer name, ``data.text_field`` and ``data.max_bytes``), is:
 
 =========  =========================================================================
 offset     content
@@ -95,7 +95,8 @@ def fingerprint_of(corpus: Corpus, tokenizer: Any) -> Fingerprint:
 
 def cache_path(cache_dir: Path, corpus: Corpus, tokenizer: Any) -> Path:
     """Where the token file of ``corpus`` and ``tokenizer`` is kept."""
-    ident = f"{corpus.root.resolve()}\0{corpus.reader}\0{tokenizer.name}"
+    ident = (f"{corpus.root.resolve()}\0{corpus.reader}\0{tokenizer.name}\0"
+             f"{corpus.text_field}\0{corpus.max_bytes}")
     digest = hashlib.blake2b(ident.encode(), digest_size=6).hexdigest()
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", corpus.root.name or "corpus")[:40]
     return cache_dir / f"{stem}-{digest}.tokens"
