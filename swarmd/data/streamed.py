@@ -107,10 +107,11 @@ class StreamedData(TrainData):
         return self._orders[epoch]
 
     def _stream(self, position: dict[str, int], keep: Callable[[int, Record], bool],
-                ordered: bool) -> Any:
+                ordered: bool, shard: Shard = Shard()) -> Any:
         c = self.corpus_files
         return TokenStream(c.root, self.tokenizer, seq_len=self.settings.seq_len,
                            text_field=c.text_field, files=c.files, keep=keep,
+                           shard=shard.index, num_shards=shard.count,
                            file_order=self._file_order if ordered else None,
                            position=DataPosition.from_dict(position))
 
@@ -145,7 +146,7 @@ class StreamedData(TrainData):
             return not is_held_out(unit_hash(key, 0)) and \
                 shard_of_doc(key, shard.count) == shard.index
 
-        blocks = _Blocks(lambda start: self._stream(start, keep, ordered=True),
+        blocks = _Blocks(lambda start: self._stream(start, keep, ordered=True, shard=shard),
                          self.settings.shuffle_buffer)
         batch, seed = self.settings.batch, self.settings.seed
 
