@@ -41,7 +41,7 @@ def test_defaults():
     config = load_config(None, {}, {})
     assert config == Config()
     assert (config.model.factory, config.model.hf) == ("", "")
-    assert (config.data.tokenizer, config.data.text_field) == ("bytes", "text")
+    assert (config.data.tokenizer, config.data.text_field) == ("auto", "text")
     assert (config.training.lr_schedule, config.training.warmup_steps) == ("constant", 50)
     assert (config.training.grad_clip, config.training.weight_decay) == (1.0, 0.0)
     assert config.swarm.name == "swarmd-default"

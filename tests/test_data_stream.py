@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmd.errors import DataError
-from swarmd.training import stream
+from swarmd.data import records as stream  # PIECE_BYTES lives with the readers
 from swarmd.training.stream import (DataPosition, TokenStream, load_position, read_records,
                                     save_position)
 from swarmd.training.tokens import ByteTokenizer
@@ -161,3 +161,65 @@ def test_a_shard_without_documents_is_refused(tmp_path) -> None:
         take(TokenStream(tmp_path, ByteTokenizer(), seq_len=4, shard=1, num_shards=2), 1)
     with pytest.raises(DataError, match="data path not found"):
         TokenStream(tmp_path / "absent", ByteTokenizer(), seq_len=4)
+
+
+# ------------------------------------------------- the streamed fallback (data.mode = stream)
+
+def _streamed(root, **settings):  # type: ignore[no-untyped-def]
+    from data_helpers import open_numbers
+
+    defaults = {"mode": "stream", "shuffle_buffer": 7, "val_batches": 2, "batch": 2,
+                "seq_len": 8}
+    return open_numbers(root, root.parent / "cache", **{**defaults, **settings})
+
+
+@pytest.fixture(scope="module")
+def numbers(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from data_helpers import number_corpus
+
+    return number_corpus(tmp_path_factory.mktemp("numbers") / "c", docs=1500, words=8)
+
+
+def test_streamed_data_holds_out_documents_and_shards_by_document(numbers) -> None:
+    from data_helpers import ids
+
+    trainers = [_streamed(numbers, shard=f"{i}/2") for i in range(2)]
+    held = {t for b in trainers[0].val for t in ids(b)}
+    assert held and held == {t for b in trainers[1].val for t in ids(b)}
+    seen = [set().union(*(ids(t.next()) for _ in range(700))) for t in trainers]
+    assert min(t.epoch for t in trainers) >= 1  # past a whole pass
+    assert not seen[0] & seen[1]  # different documents
+    assert not (seen[0] | seen[1]) & held  # never a held-out one
+    assert not list((numbers.parent / "cache").glob("*.tokens"))  # nothing cached
+    for t in trainers:
+        t.close()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.integers(0, 40))
+def test_streamed_data_resumes_with_exactly_the_next_batch(numbers, first: int) -> None:
+    from data_helpers import windows
+
+    ongoing = _streamed(numbers, seed=3)
+    for _ in range(first):
+        ongoing.next()
+    saved = json.loads(json.dumps(ongoing.state()))
+    assert saved["kind"] == "stream-blocks"
+    expected = [windows(ongoing.next()) for _ in range(6)]
+    restarted = _streamed(numbers, seed=3)
+    restarted.restore(saved)
+    assert [windows(restarted.next()) for _ in range(6)] == expected
+    ongoing.close(), restarted.close()
+
+
+def test_streamed_data_is_shuffled_and_too_few_held_out_documents_stop(numbers, tmp_path) -> None:
+    from data_helpers import number_corpus, windows
+
+    data = _streamed(numbers)
+    starts = [w[0] for _ in range(30) for w in windows(data.next()) if w[0]]
+    assert starts != sorted(starts)
+    data.close()
+    small = number_corpus(tmp_path / "small", docs=50, words=8)
+    with pytest.raises(DataError, match=r'one document in 200 is held out, and those hold \d+ '
+                                        r'of the 100 windows.*data.mode = "cached"'):
+        _streamed(small, val_batches=50)

@@ -52,6 +52,10 @@ CORES = frozenset({
     "transport.liveness_policy",
     "swarmd.node.caps",
     "swarmd.node.shutdown",
+    "swarmd.data.order",
+    "swarmd.data.heldout",
+    "swarmd.data.fingerprint",
+    "swarmd.data.windows",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

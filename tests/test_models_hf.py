@@ -228,3 +228,23 @@ def test_tokenizer_in_the_model_directory_must_fit_its_vocabulary(tmp_path) -> N
     with pytest.raises(ModelError, match=rf"tokenizer.json: the tokenizer's vocabulary of 2[0-9][0-9] "
                                          rf"tokens does not fit the model's {VOCAB}"):
         check_fits(load_tokenizer(str(tmp_path)), seam.vocab_size, model="the model")
+
+
+def test_model_hf_takes_its_directorys_tokenizer_unless_data_tokenizer_says_otherwise(
+        tmp_path) -> None:
+    from swarmd.config import load_config
+    from swarmd.training.tokens import BPETokenizer, ByteTokenizer, train_bpe
+
+    model = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(
+        llama_config(vocab_size=300)).config.save_pretrained(model)
+    plain = load_config(None, {"SWARMD_MODEL_HF": str(model)}, {})
+    assert isinstance(plain.model_seam()[1], ByteTokenizer)  # no tokenizer.json: bytes
+    path = train_bpe(["some text to learn from, " * 50, "more words here"], 280, model)
+    config = load_config(None, {"SWARMD_MODEL_HF": str(model), "SWARMD_SWARM_NAME": "hf-tok"},
+                         {})
+    seam, tok = config.model_seam()  # what `swarmd train` and `swarmd join` use
+    assert isinstance(tok, BPETokenizer) and tok.path == path
+    forced = load_config(None, {"SWARMD_MODEL_HF": str(model), "SWARMD_DATA_TOKENIZER": "bytes",
+                                "SWARMD_SWARM_NAME": "hf-bytes"}, {})
+    assert isinstance(forced.model_seam()[1], ByteTokenizer)

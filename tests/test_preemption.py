@@ -71,7 +71,7 @@ class _Preempter:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = _last_metrics(self.metrics)
-            if line is not None and line["step"] >= self.after_steps:
+            if line is not None and "loss" in line and line["step"] >= self.after_steps:
                 self.restarted_before = line["restarted"]
                 _until_holding(self.victim)  # so that it has something to finish
                 t0 = time.monotonic()  # a deadline of the feature, not a benchmark

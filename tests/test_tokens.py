@@ -69,3 +69,21 @@ def test_bad_tokenizer_files(tmp_path) -> None:
     with pytest.raises(DataError, match=r"t.json: no end-of-text token; expected one of "
                                         r"<\|endoftext\|>"):
         load_tokenizer(str(tmp_path / "t.json"))
+
+
+def test_auto_is_the_model_directorys_tokenizer_json_else_bytes(tmp_path) -> None:
+    from swarmd.training.tokens import tokenizer_spec
+
+    assert tokenizer_spec("auto", "") == "bytes"
+    assert tokenizer_spec("auto", str(tmp_path)) == "bytes"  # no tokenizer.json there
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert tokenizer_spec("auto", str(tmp_path)) == str(tmp_path / "tokenizer.json")
+    assert tokenizer_spec("bytes", str(tmp_path)) == "bytes"
+    assert tokenizer_spec("/x/tokenizer.json", str(tmp_path)) == "/x/tokenizer.json"
+
+
+def test_encode_batch_is_encode_of_each(tmp_path) -> None:
+    texts: list[str | bytes] = ["héllo", b"bytes too", ""]
+    for tok in (load_tokenizer("bytes"), load_tokenizer(str(train_bpe([TEXT], 300, tmp_path)))):
+        assert [list(map(int, ids)) for ids in tok.encode_batch(texts)] == [
+            tok.encode(t) for t in texts]

@@ -97,6 +97,7 @@ def preset(name: str, root: Path, steps: int | None, seed: int,
     env.update({"SWARMD_SWARM_STAGES": str(STAGES), "SWARMD_TRAINING_SEED": str(seed),
                 "SWARMD_TRAINING_LR_SCHEDULE": "cosine",
                 "SWARMD_TRAINING_DECAY_STEPS": str(steps),
+                "SWARMD_TRAINING_EVAL_EVERY": str(min(every, steps)),
                 "SWARMD_SWARM_NAME": f"bench-quality-{secrets.token_hex(4)}", **overrides})
     return Preset(name, env, steps, min(every, steps))
 
@@ -108,13 +109,17 @@ def load(env: dict[str, str]) -> Any:
 
 
 def batches_of(config: Any, tokenizer: Any) -> Any:
-    """The trainer's batches for ``config`` (the same object ``swarmd train`` makes)."""
-    from swarmd.training import run
+    """The trainer's batches for ``config``, as ``swarmd train`` makes them for a trainer
+    alone in its swarm (shard 0 of 1): the same held-out batches, the same order. Close it
+    (a context manager: batches are made ahead on a thread)."""
     from swarmd.training.batches import make_batches
 
     seq_len = min(config.model.seq_len, config.model_seam()[0].max_seq_len)
-    return make_batches(config, tokenizer, data_path=None, batch=config.training.batch_size,
-                        seq_len=seq_len, val_batches=run.VAL_BATCHES)
+    data = make_batches(config, tokenizer, data_path=None, batch=config.training.batch_size,
+                        seq_len=seq_len, val_batches=config.training.val_batches,
+                        say=lambda line: say(f"data: {line}"))
+    data.place("bench-quality-reference", [])
+    return data
 
 
 # ---- the reference: one process ----------------------------------------------------------
@@ -145,7 +150,14 @@ def reference(p: Preset) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(
         s, t.lr, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
         decay_steps=t.decay_steps) / t.lr)
-    batches = batches_of(config, tokenizer)
+    with batches_of(config, tokenizer) as batches:
+        return _reference_loop(p, t, model, params, opt, sched, batches)
+
+
+def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, sched: Any,
+                    batches: Any) -> dict[str, Any]:
+    import torch
+
     curve = [(0, evaluate(model, batches.val))]
     losses = []
     t0 = time.monotonic()
@@ -157,7 +169,7 @@ def reference(p: Preset) -> dict[str, Any]:
             _, loss = model(x, y)
             (loss * x.shape[0]).backward()  # sums over samples, as the swarm's gradients
             samples += x.shape[0]
-            total += float(loss) * x.shape[0]
+            total += loss.item() * x.shape[0]
         for q in params:
             if q.grad is not None:
                 q.grad /= samples
@@ -183,15 +195,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
 
-def data_rate(p: Preset, n: int = 200) -> dict[str, float]:
-    """Batches the data pipeline prepares per second, drawn here one after another."""
+def data_rate(p: Preset, n: int = 500) -> dict[str, float]:
+    """Batches the data pipeline prepares per second (``TrainData.measure_rate``)."""
     config = load(p.env)
     _, tokenizer = config.model_seam()
-    batches = batches_of(config, tokenizer)
-    t0 = time.monotonic()
-    for _ in range(n):
-        batches.next()
-    return {"batches_per_s": n / max(1e-9, time.monotonic() - t0)}
+    with batches_of(config, tokenizer) as batches:
+        rate = batches.measure_rate(n)
+    return {"batches_per_s": rate.batches_per_s}
 
 
 # ---- the swarm ---------------------------------------------------------------------------
@@ -215,7 +225,8 @@ def swarm_weights_loss(p: Preset, stage_homes: list[Path], trainer_home: Path) -
     if saved is None:
         raise RuntimeError(f"the trainer left no state in {trainer_home}")
     model.parts.load_state_dict(saved.params)
-    return evaluate(model, batches_of(config, tokenizer).val)
+    with batches_of(config, tokenizer) as batches:
+        return evaluate(model, batches.val)
 
 
 def _metrics(home: Path) -> list[dict[str, Any]]:

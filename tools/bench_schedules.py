@@ -71,6 +71,7 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
                                       progress=lambda s: say(f"{schedule} {in_flight}: {s}")))
             lines = [json.loads(x) for x in (home / "train-metrics.jsonl").read_text()
                      .splitlines() if x.strip()]
+            lines = [x for x in lines if "loss" in x]  # steps (evaluations: "val_loss")
             counters = {name: d.get("/api/v0/status")["counters"]
                         for name, d in (("stage0", first), ("stage1", second))}
             stale = {name: int(c.get("stage.dropped_stale", 0)) for name, c in counters.items()}

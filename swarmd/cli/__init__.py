@@ -53,9 +53,10 @@ COMMANDS: list[Command] = [
     Command("train", "train the model through a running swarm",
             _train_arguments, cmd_train, text_train,
             description="Join the swarm at --bootstrap as a trainer and train the model through "
-                        "its stages: byte-level data from --data (default: the Python standard "
-                        "library's sources), a held-out validation split, progress with loss, "
-                        "tokens/s and route statistics, metrics appended to "
+                        "its stages: data from --data (default: the Python standard library's "
+                        "sources), tokenized once, held out by document, shuffled and sharded "
+                        "between trainers (docs/data.md); progress with loss, tokens/s and "
+                        "route statistics, metrics and validation losses appended to "
                         "<home>/train-metrics.jsonl."),
     Command("demo", "start a local swarm, train it, and show the result",
             _demo_arguments, cmd_demo, text_demo,

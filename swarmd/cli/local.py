@@ -135,8 +135,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a peer of the swarm, .../p2p/<id>, repeatable (overrides "
                              "network.bootstrap)")
     parser.add_argument("--data", metavar="PATH", type=Path,
-                        help="a text file or a directory tree (default: data.path, else the "
-                             "Python standard library's sources)")
+                        help="text, JSONL or Parquet files or a directory tree of them, or "
+                             "a datasets save_to_disk directory (default: data.path, else "
+                             "the Python standard library's sources; docs/data.md)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument("--listen", metavar="MULTIADDR", action="append",
                         help="where stage peers reach this trainer (default: 127.0.0.1, any "

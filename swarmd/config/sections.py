@@ -31,6 +31,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 #: allowed values of ``model.dtype`` (the names of ``swarmd.training.model.DTYPES``, kept torch-free here)
 DTYPES = ("float32", "bfloat16", "float16")
 
+#: allowed values of ``data.reader`` and ``data.mode`` (kept equal to swarmd.data's READERS, MODES)
+DATA_READERS = ("auto", "swarmd", "datasets")
+DATA_MODES = ("cached", "stream")
 #: allowed values of ``training.lr_schedule``
 LR_SCHEDULES = ("constant", "cosine")
 #: ``training.schedule`` values (``swarmd.training.run``)
@@ -59,6 +62,15 @@ def _factory(value: str) -> None:
 def _non_negative(value: float) -> None:
     if not value >= 0:
         raise _Invalid("must be 0 or more")
+
+
+def _shard(value: str) -> None:
+    from swarmd.data.order import parse_shard  # pure
+
+    try:
+        parse_shard(value)
+    except ValueError:
+        raise _Invalid(None) from None
 
 
 def _non_empty(value: str) -> None:
@@ -214,29 +226,73 @@ class TrainingConfig(_Section):
         0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",
         "a number, 0 or more", _non_negative,
     )
+    val_batches: int = _opt(
+        32, "Validation batches (of training.batch_size windows, from documents held out of "
+        "training) each evaluation averages the loss over.",
+        "an integer from 1 to 65536", _int_range(1, 65536),
+    )
+    eval_every: int = _opt(
+        100, "Evaluate the validation loss every this many steps (0: only at the start and the "
+        "end); each evaluation goes to train-metrics.jsonl and the progress.",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
 
 
 @dataclass(frozen=True)
 class DataConfig(_Section):
     SECTION: ClassVar[str] = "data"
-    DOC: ClassVar[str] = "What the trainer trains on: text, as bytes or tokens."
+    DOC: ClassVar[str] = ("What the trainer trains on: text, as bytes or tokens, held out by "
+                          "document, shuffled and sharded (docs/data.md).")
 
     path: str = _opt(
-        "", "Text file or directory of text files (read in sorted order, binary files skipped); "
-        "empty: the Python standard library's sources.",
+        "", "Text, JSONL or Parquet file, a directory tree of them (binary files skipped), or a "
+        "directory saved by Hugging Face datasets' save_to_disk; empty: the Python standard "
+        "library's sources.",
         'a path, or "" for the standard library sources',
     )
     max_bytes: int = _opt(
-        32 << 20, "Most bytes of the corpus read (32 MiB).", "a positive integer", _int_range(1),
+        32 << 20, "Most bytes of text read from the corpus (32 MiB); the rest is left out.",
+        "a positive integer", _int_range(1),
     )
     tokenizer: str = _opt(
-        "bytes", "How text becomes tokens: bytes (one token per byte), or the path of a "
+        "auto", "How text becomes tokens: auto (the tokenizer.json of the model.hf directory "
+        "when it has one, else bytes), bytes (one token per byte), or the path of a "
         "tokenizer.json (see `swarmd tokenizer train`) whose vocabulary fits the model's.",
-        '"bytes" or the path of a tokenizer.json', _non_empty,
+        '"auto", "bytes" or the path of a tokenizer.json', _non_empty,
     )
     text_field: str = _opt(
-        "text", "Field holding a document's text in JSONL lines and the column in Parquet files.",
+        "text", "Field holding a document's text in JSONL lines and the column in Parquet files "
+        "and datasets.",
         "a non-empty field name", _non_empty,
+    )
+    reader: str = _opt(
+        "auto", "Who reads data.path: auto (swarmd's readers; a save_to_disk directory through "
+        "datasets), swarmd, or datasets (local JSON and Parquet files through load_dataset, "
+        "streamed; needs `pip install swarmd[datasets]`).",
+        "one of " + ", ".join(f'"{r}"' for r in DATA_READERS), _one_of(DATA_READERS),
+    )
+    mode: str = _opt(
+        "cached", "cached: tokenize the corpus once into a token file (data.cache_dir) and read "
+        "it in a seeded random order; stream: for corpora too large for that, read and "
+        "tokenize as training goes, files in a seeded order, windows shuffled in blocks of "
+        "data.shuffle_buffer.",
+        "one of " + ", ".join(f'"{m}"' for m in DATA_MODES), _one_of(DATA_MODES),
+    )
+    cache_dir: str = _opt(
+        "", "Directory of the token files (one per corpus and tokenizer, rebuilt when either "
+        "changes); empty: $XDG_CACHE_HOME/swarmd/tokens, else ~/.cache/swarmd/tokens.",
+        'a directory path, or ""',
+    )
+    shard: str = _opt(
+        "auto", "Which part of the training windows this trainer reads, so that trainers never "
+        "read the same window: \"i/n\" (trainer i of n), or auto (its place among the "
+        "trainers in view when it starts, kept in its state; give each trainer its own i/n "
+        "where trainers start together or come and go).",
+        '"auto" or "i/n" such as "0/2"', _shard,
+    )
+    shuffle_buffer: int = _opt(
+        4096, "Windows shuffled together in data.mode = stream.",
+        "an integer from 1 to 1048576", _int_range(1, 1 << 20),
     )
 
 

@@ -21,6 +21,9 @@ DEMO_ENV = {
     "SWARMD_MODEL_WIDTH": "128", "SWARMD_MODEL_LAYERS": "4", "SWARMD_MODEL_HEADS": "4",
     "SWARMD_MODEL_SEQ_LEN": "64", "SWARMD_TRAINING_BATCH_SIZE": "8",
     "SWARMD_TRAINING_LR": "0.003", "SWARMD_DATA_MAX_BYTES": "8388608",
+    # 8 held-out batches of 8 x 65 tokens: each evaluation (start, every 100 steps, end) is
+    # sequential forwards through the swarm, about 0.1 s each on two shared cores
+    "SWARMD_TRAINING_VAL_BATCHES": "8",
     # every process of the demo shares this machine's cores: one torch thread each
     "SWARMD_MODEL_THREADS": "1",
 }

@@ -84,9 +84,9 @@ def make_seam(config: ModelConfig, *, factory: str = "", hf: str = "") -> ModelS
 def seam_from_config(config: Config) -> tuple[ModelSeam, Tokenizer]:
     """The model and the tokenizer a node of ``config`` uses: the built-in GPT's vocabulary is
     the tokenizer's; a Hugging Face or user's model must fit the tokenizer (ModelError)."""
-    from swarmd.training.tokens import check_fits, load_tokenizer
+    from swarmd.training.tokens import check_fits, load_tokenizer, tokenizer_spec
 
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_spec(config.data.tokenizer, config.model.hf))
     shape = dataclasses.replace(config.model_config(), vocab=tokenizer.vocab_size)
     seam = make_seam(shape, factory=config.model.factory, hf=config.model.hf)
     check_fits(tokenizer, seam.vocab_size, model=config.model.hf or seam.factory)

@@ -4,6 +4,9 @@
 Python standard library's own sources, so a swarm can train on any machine with nothing to
 download. Batches are windows of ``seq_len + 1`` bytes: inputs are the first ``seq_len``,
 targets the last ``seq_len`` (the next byte of each position).
+
+The tools' benchmarks and simulators use this in-memory byte corpus; ``swarmd train`` reads
+through :mod:`swarmd.data` (a cached token file, held out by document, shuffled, sharded).
 """
 
 from __future__ import annotations

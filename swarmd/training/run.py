@@ -2,9 +2,11 @@
 
 The trainer is a libp2p peer with its home's identity, announced in membership without a stage
 (so it is never routed to); its state is checkpointed in the home and resumed on restart. It waits until every stage has a live
-peer, says which stage is missing while one is, then trains: fixed held-out batches measure
-validation loss before and after; each step sends ``microbatches`` microbatches through the
-swarm; one JSON line per step is appended to ``<home>/train-metrics.jsonl``.
+peer, says which stage is missing while one is, then trains: fixed held-out batches
+(``training.val_batches``, ``swarmd.data``) measure validation loss before, every
+``training.eval_every`` steps and after; each step sends ``microbatches`` microbatches through
+the swarm, drawn from this trainer's data shard (``data.shard``); one JSON line per step, and
+one per evaluation (``"val_loss"``), is appended to ``<home>/train-metrics.jsonl``.
 
 The steps are pipelined (``Trainer.train``, docs/pipeline.md "Latency hiding"): the trainer
 keeps as many microbatches in flight as the measured round trip and throughput call for
@@ -27,8 +29,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 from swarmd.errors import ModelMismatch, StageUnavailable
 
-#: fixed validation batches (same for every evaluation of a run)
-VAL_BATCHES = 4
 VIEW_TIMEOUT_S = 120.0
 #: at most this many microbatches in flight when ``training.in_flight`` is 0 (each holds its
 #: activations on every stage peer it passed, and its weights' stash: bounded by memory and
@@ -93,16 +93,20 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
                  batch=config.training.batch_size, seq=seq_len, home=home,
                  every=config.checkpoint.every_steps, schedule=schedule,
-                 fixed_in_flight=fixed_in_flight,
+                 fixed_in_flight=fixed_in_flight, eval_every=config.training.eval_every,
                  metrics_file=home / "train-metrics.jsonl" if home is not None else None)
-    batches = make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
-                           seq_len=seq_len, val_batches=VAL_BATCHES)
-    with _home_lock(home) if home is not None else contextlib.nullcontext():
+    batches = await asyncio.to_thread(  # reads and may tokenize the corpus: not on the loop
+        lambda: make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
+                             seq_len=seq_len, val_batches=config.training.val_batches,
+                             say=progress))
+    with _home_lock(home) if home is not None else contextlib.nullcontext(), batches:
         async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
                 trainer_sync(trainer.host, trainer, m, config) as parts:
             resumed = _resume(trainer, batches, home, progress)
             await _wait_for_stages(m, config.swarm.stages, progress,
                                    _mismatch_explainer(trainer.host, m, config))
+            batches.place(trainer.host.peer_id, m.trainers())  # data.shard, prefetch starts
+            progress(batches.describe())
             if await parts.join() == "trainers":
                 progress("took the embedding and head of the trainers training now")
             result = await _run_steps(trainer, batches, config, plan, _Progress(
@@ -123,6 +127,8 @@ class _Plan:
     every: int = 0
     schedule: str = "pipelined"
     fixed_in_flight: int | None = None
+    #: evaluate every this many steps (0: only before and after)
+    eval_every: int = 0
 
 
 @contextlib.contextmanager
@@ -222,9 +228,9 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
 async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown: _Progress,
                      until: Callable[[], bool] | None, resumed: int = 0) -> TrainResult:
     """Validation before, the steps (one metrics line each, the state saved every
-    ``plan.every`` steps and at the end), validation after."""
-    initial = await trainer.evaluate(batches.val)
-    shown.say(f"initial validation loss {initial:.4f}")
+    ``plan.every`` steps and at the end, validation every ``plan.eval_every``), validation
+    after."""
+    initial = await _evaluate(trainer, batches, plan, shown.say, "initial")
     t0 = time.monotonic()
     saved = trainer.step
 
@@ -236,9 +242,12 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
             "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
             "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
             "in_flight": s.in_flight, "in_flight_target": s.in_flight_target,
-            "round_trip_ms": s.round_trip_ms,
+            "round_trip_ms": s.round_trip_ms, "data_shard": str(batches.shard),
+            "data_epoch": batches.epoch,
             "time": time.time()})  # a record's timestamp for people, not a timer
         shown.stepped(step - resumed, loss, rate, s)
+        if plan.eval_every and step % plan.eval_every == 0 and step < plan.steps:
+            await _evaluate(trainer, batches, plan, shown.say, f"step {step}")
         if plan.every and step % plan.every == 0:
             await _save(trainer, batches, plan.home)
             saved = step
@@ -250,8 +259,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
     finally:
         if trainer.step != saved:  # the steps done are kept, whatever ended the run
             await _save(trainer, batches, plan.home)
-    final = await trainer.evaluate(batches.val)
-    shown.say(f"final validation loss {final:.4f}")
+    final = await _evaluate(trainer, batches, plan, shown.say, "final")
     s = trainer.stats
     seconds = time.monotonic() - t0
     return TrainResult(steps=trainer.step, initial_val_loss=initial, final_val_loss=final,
@@ -285,6 +293,18 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
                       fixed=plan.fixed_in_flight is not None)
     await trainer.train(batches.next, steps=left, microbatches=plan.microbatches,
                         window=window, on_step=stepped)
+
+
+async def _evaluate(trainer: Any, batches: Any, plan: _Plan, say: Callable[[str], None],
+                    when: str) -> float:
+    """The validation loss on the held-out batches, said and written as a metrics line
+    (``"val_loss"`` and the step; step lines have ``"loss"`` instead)."""
+    loss = await trainer.evaluate(batches.val)
+    _write_metrics(plan.metrics_file, {"step": trainer.step, "val_loss": loss,
+                                       "data_shard": str(batches.shard),
+                                       "data_epoch": batches.epoch, "time": time.time()})
+    say(f"{when} validation loss {loss:.4f}")
+    return loss
 
 
 def _write_metrics(path: Path | None, line: dict[str, Any]) -> None:

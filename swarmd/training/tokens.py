@@ -1,5 +1,7 @@
 """Tokens: bytes as they are, or a BPE tokenizer (the tokenizers library's tokenizer.json).
 
+``data.tokenizer = "auto"`` (the default): the ``tokenizer.json`` of the ``model.hf``
+directory when it has one, else bytes (:func:`tokenizer_spec`).
 ``data.tokenizer = "bytes"``: one token per byte (vocabulary 256), end-of-text the NUL byte,
 which text files do not hold. A path: a ``tokenizer.json`` (or a directory holding one), whose
 end-of-text token is the first of :data:`EOT_NAMES` it knows. :func:`train_bpe` trains one
@@ -13,13 +15,13 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from swarmd.errors import DataError, ModelError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "load_tokenizer", "check_fits",
-           "train_bpe", "EOT_NAMES", "EOT"]
+__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "load_tokenizer", "tokenizer_spec",
+           "check_fits", "train_bpe", "EOT_NAMES", "EOT", "AUTO"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 EOT = "<|endoftext|>"
 #: end-of-text tokens looked for in a tokenizer.json, in order
 EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+#: ``data.tokenizer``'s default: the model directory's tokenizer.json, else bytes
+AUTO = "auto"
 #: smallest vocabulary `train_bpe` accepts: the 256 byte-level symbols and end-of-text
 MIN_VOCAB = 257
 
@@ -41,6 +45,10 @@ class Tokenizer:
     def encode(self, text: str | bytes) -> list[int]:
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str | bytes]) -> list[Sequence[int]]:
+        """``encode`` of each text (a tokenizer may do them together, faster)."""
+        return [self.encode(t) for t in texts]
+
     def identity(self) -> str:
         """A digest of what maps text to ids: trainers of one swarm should agree on it."""
         return self.name
@@ -53,6 +61,12 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str | bytes) -> list[int]:
         return list(text.encode() if isinstance(text, str) else text)
+
+    def encode_batch(self, texts: list[str | bytes]) -> list[Sequence[int]]:
+        import numpy as np
+
+        return [np.frombuffer(t.encode() if isinstance(t, str) else t, dtype=np.uint8)
+                for t in texts]
 
 
 class BPETokenizer(Tokenizer):
@@ -81,8 +95,23 @@ class BPETokenizer(Tokenizer):
             text = text.decode("utf-8", errors="replace")
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str | bytes]) -> list[Sequence[int]]:
+        strings = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
+                   for t in texts]
+        return [e.ids for e in self._tok.encode_batch(strings, add_special_tokens=False)]
+
     def identity(self) -> str:
         return f"bpe:{self._digest}"
+
+
+def tokenizer_spec(data_tokenizer: str, model_hf: str) -> str:
+    """What ``data.tokenizer`` names: ``"auto"`` is the tokenizer.json of the ``model.hf``
+    directory when it has one, else ``"bytes"``; anything else is itself."""
+    if data_tokenizer != AUTO:
+        return data_tokenizer
+    if model_hf and (Path(model_hf) / "tokenizer.json").is_file():
+        return str(Path(model_hf) / "tokenizer.json")
+    return "bytes"
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -179,7 +179,9 @@ def read_metrics(home: Path) -> list[dict[str, Any]]:
     if path.exists():
         for line in path.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 continue
+            if "loss" in row:  # a step's line (an evaluation's has "val_loss")
+                rows.append(row)
     return rows

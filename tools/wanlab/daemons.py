@@ -138,6 +138,7 @@ def train(lab: Any, host: str, home: Path, bootstrap: str, steps: int, tokens_pe
                            f"{(home / 'train.stderr').read_text()[-3000:]}")
     result = json.loads(out.strip().splitlines()[-1])
     lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    lines = [x for x in lines if "loss" in x]  # the steps' lines (evaluations: "val_loss")
     if len(lines) >= 4:
         a, b = lines[len(lines) // 2], lines[-1]
         result["steady_steps"] = b["step"] - a["step"]

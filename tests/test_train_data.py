@@ -1,0 +1,70 @@
+"""`swarmd train`'s side of the data (swarmd.training.run): the held-out loss evaluated at the
+start, every training.eval_every steps and at the end, each evaluation a metrics line and a
+progress line; the data shard in every step's metrics line; batches drawn from the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from data_helpers import number_corpus, open_numbers
+from swarmd.training import run
+
+
+class _Trainer:
+    """Only what _run_steps uses; every batch it is given is remembered."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.seen: list[Any] = []
+        self.evaluated: list[int] = []
+        self.stats = SimpleNamespace(tokens=0, rerouted=0, restarted=0, lost=0, in_flight=0,
+                                     in_flight_target=0, round_trip_ms=None,
+                                     peers_used=lambda: [1])
+        self.optimizer = SimpleNamespace(skipped=0)
+
+    async def evaluate(self, batches: list[Any]) -> float:
+        self.evaluated.append(self.step)
+        return 10.0 - self.step
+
+    async def train_step(self, batches: list[Any], concurrency: int) -> float:
+        self.seen += batches
+        self.step += 1
+        return 1.0
+
+
+def test_evaluations_at_the_start_every_eval_every_steps_and_at_the_end(tmp_path) -> None:
+    data = open_numbers(number_corpus(tmp_path / "c"), tmp_path / "cache", shard="1/2")
+    trainer, said = _Trainer(), []
+    metrics = tmp_path / "train-metrics.jsonl"
+    plan = run._Plan(steps=7, microbatches=2, batch=2, seq=8, metrics_file=metrics,
+                     schedule="sync", eval_every=3)
+    config = SimpleNamespace(training=SimpleNamespace(in_flight=0))
+    result = asyncio.run(run._run_steps(trainer, data, config, plan,
+                                        run._Progress(7, said.append, False), None))
+    assert trainer.evaluated == [0, 3, 6, 7]
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    evals = [x for x in lines if "val_loss" in x]
+    steps = [x for x in lines if "loss" in x]
+    assert [(x["step"], x["val_loss"]) for x in evals] == [(0, 10.0), (3, 7.0), (6, 4.0), (7, 3.0)]
+    assert [x["step"] for x in steps] == list(range(1, 8))
+    assert all(x["data_shard"] == "1/2" and x["data_epoch"] == 0 for x in lines)
+    assert [s for s in said if "validation loss" in s] == [
+        "initial validation loss 10.0000", "step 3 validation loss 7.0000",
+        "step 6 validation loss 4.0000", "final validation loss 3.0000"]
+    assert (result.initial_val_loss, result.final_val_loss) == (10.0, 3.0)
+    assert len(trainer.seen) == 14 and data.state()["index"] == 14 * 2  # windows drawn
+    data.close()
+
+
+def test_eval_every_0_evaluates_only_at_the_start_and_the_end(tmp_path) -> None:
+    data = open_numbers(number_corpus(tmp_path / "c"), tmp_path / "cache")
+    trainer = _Trainer()
+    plan = run._Plan(steps=5, microbatches=1, batch=2, seq=8, metrics_file=None,
+                     schedule="sync", eval_every=0)
+    asyncio.run(run._run_steps(trainer, data, SimpleNamespace(training=SimpleNamespace(
+        in_flight=0)), plan, run._Progress(5, lambda _: None, False), None))
+    assert trainer.evaluated == [0, 5]
+    data.close()
