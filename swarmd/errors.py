@@ -167,3 +167,26 @@ class BadRoundMessage(BadPeerMessage):
     of peers that are not the stage's, a claimed sample count beyond what a peer can do)."""
 
     code = "bad_round_message"
+
+
+class ExportTargetError(SwarmdError):
+    """``swarmd export --out DIR`` cannot be written: DIR is not empty, is a file, or its
+    parent is not writable. Nothing was downloaded; choose another directory."""
+
+    code = "export_target"
+    exit_status = 2
+
+
+class InconsistentCut(SwarmdError):
+    """The stages of an export were not all at one step before its deadline; names the stage
+    that lags. Export again (once training paused), wait longer, or accept a mixed cut."""
+
+    code = "inconsistent_cut"
+
+
+class PartUnverified(SwarmdError):
+    """Every peer of a stage (or every trainer) sent weights that do not match the round
+    digest it reports for them, or that do not fit the model: the peers are at fault. Names
+    the part and the peers."""
+
+    code = "part_unverified"

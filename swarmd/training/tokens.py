@@ -41,6 +41,10 @@ class Tokenizer:
     def encode(self, text: str | bytes) -> list[int]:
         raise NotImplementedError
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids back to text (``swarmd sample``); bytes that are not UTF-8 are replaced."""
+        raise NotImplementedError
+
     def identity(self) -> str:
         """A digest of what maps text to ids: trainers of one swarm should agree on it."""
         return self.name
@@ -53,6 +57,9 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str | bytes) -> list[int]:
         return list(text.encode() if isinstance(text, str) else text)
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class BPETokenizer(Tokenizer):
@@ -80,6 +87,9 @@ class BPETokenizer(Tokenizer):
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
     def identity(self) -> str:
         return f"bpe:{self._digest}"
