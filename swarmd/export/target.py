@@ -45,8 +45,9 @@ def check_target(out: Path, *, replace: bool = False) -> None:
                                     f"files)")
     parent = out.absolute().parent
     if not parent.is_dir():
-        raise ExportTargetError(f"--out {out}: its parent {parent} does not exist; create it "
-                                f"first")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ExportTargetError(f"--out {out}: its parent {parent} {what}; choose a directory "
+                                f"under an existing one")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportTargetError(f"--out {out}: cannot write in {parent} (permission denied); "
                                 f"choose a directory you can write to")
