@@ -238,3 +238,27 @@ def test_a_stage_that_catches_up_is_waited_for(tmp_path: Path) -> None:
             return done.result()
 
     assert run(scenario).step == 5
+
+
+def test_with_no_trainer_training_the_parts_saved_in_its_home_are_taken(tmp_path: Path) -> None:
+    from swarmd.export.trainer_parts import SavedParts
+    from swarmd.training import trainer_state
+
+    saved = Part(TRAINERS_STAGE, 9, seed=4)
+    home = tmp_path / "trainer"
+    trainer_state.save(home, trainer_state.TrainerState(
+        step=9, model_hash=CONFIG.model_hash(), params=saved.module.state_dict(),
+        optimizer=saved.optimizer.state_dict()))
+
+    async def scenario() -> Any:
+        async with swarm([Part(0, 5), Part(1, 5)]) as (client, view, _):
+            with pytest.raises(StageUnavailable, match="no trainer is training now"):
+                await export(client, view, tmp_path / "none")
+            return await export_model(client, view, CONFIG, tmp_path / "out", settings=FAST,
+                                      parts=RemoteTrainers(view.trainers, wait_s=0.2,
+                                                           fallback=SavedParts(home)))
+
+    result = run(scenario)
+    assert result.parts[-1].part == "trainers" and result.parts[-1].step == 9
+    assert result.parts[-1].source == str(trainer_state.state_path(home))
+    assert not (tmp_path / "none").exists()

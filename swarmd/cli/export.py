@@ -24,7 +24,8 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="type of the weights written (default float32)")
     parser.add_argument("--trainer-home", metavar="DIR", type=Path,
                         help="take the embedding and head from the state a trainer saved in "
-                             "this home (default: from a trainer training now)")
+                             "this home (default: from a trainer training now, else from "
+                             "--home's when it is a trainer's)")
     parser.add_argument("--timeout", metavar="S", type=float, default=120.0,
                         help="how long to wait for every stage at one step (default 120)")
     parser.add_argument("--any-step", action="store_true",
@@ -53,7 +54,7 @@ def cmd_export(args: argparse.Namespace) -> Any:
     with _Bars() as bars:
         return uvloop.run(export_from_swarm(
             config, bootstrap=bootstrap, out=args.out, dtype=args.dtype,
-            trainer_home=args.trainer_home, settings=settings,
+            trainer_home=args.trainer_home, saved_home=_trainer_home(args), settings=settings,
             max_shard_size=_shard_size(args.max_shard_size), progress=bars.update,
             say=lambda line: print(line, file=sys.stderr)))
 
@@ -72,6 +73,16 @@ def _daemon_addrs(args: argparse.Namespace) -> list[str]:
         return list(DaemonClient.for_home(home).id_info().addrs)
     except SwarmdError:
         return []
+
+
+def _trainer_home(args: argparse.Namespace) -> Path | None:
+    """``--home``, when it is a trainer's (its saved state is the parts' last resort)."""
+    from swarmd.training.trainer_state import state_path
+
+    if args.home is None and "SWARMD_HOME" not in os.environ:
+        return None
+    home = home_from_args(args)
+    return home if state_path(home).is_file() else None
 
 
 def _shard_size(text: str) -> int | str:

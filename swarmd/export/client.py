@@ -28,12 +28,15 @@ DIAL_TIMEOUT_S = 10.0
 
 async def export_from_swarm(config: Any, *, bootstrap: Sequence[str], out: Path,
                             dtype: str = "float32", trainer_home: Path | None = None,
+                            saved_home: Path | None = None,
                             settings: CollectSettings = CollectSettings(),
                             max_shard_size: int | str = "50GB",
                             listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                             progress: Progress | None = None,
                             say: Callable[[str], None] = lambda line: None) -> ExportResult:
-    """Join the swarm at ``bootstrap`` as a client and export its model into ``out``."""
+    """Join the swarm at ``bootstrap`` as a client and export its model into ``out``. The
+    trainers' parts come from ``trainer_home``'s saved state when given, else from a trainer
+    training now, else from ``saved_home``'s saved state (when given)."""
     from swarmd.export.parts import export_kind
     from swarmd.export.trainer_parts import RemoteTrainers, SavedParts
     from swarmd.membership.service import LocalState, MembershipService
@@ -56,8 +59,9 @@ async def export_from_swarm(config: Any, *, bootstrap: Sequence[str], out: Path,
                 raise StageUnavailable(f"no view of the swarm from {', '.join(bootstrap)} "
                                        f"within {VIEW_TIMEOUT_S:.0f} s: is it a peer of swarm "
                                        f"{config.swarm.name!r}?") from None
-            parts: PartsSource = (SavedParts(trainer_home) if trainer_home is not None
-                                  else RemoteTrainers(m.trainers))
+            parts: PartsSource = (
+                SavedParts(trainer_home) if trainer_home is not None else RemoteTrainers(
+                    m.trainers, fallback=SavedParts(saved_home) if saved_home else None))
             try:
                 return await export_model(host, m, config, out, parts=parts, dtype=dtype,
                                           settings=settings, max_shard_size=max_shard_size,

@@ -1,6 +1,7 @@
 """Where an export takes the trainers' embedding and head from.
 
-* :class:`RemoteTrainers`: a trainer training now, over the state protocol (the trainers are
+* :class:`RemoteTrainers`: a trainer training now (else, when given, the state saved in a
+  trainer's home), over the state protocol (the trainers are
   a stage of their own, ``TRAINERS_STAGE``, ``swarmd.training.trainer_sync``): downloaded,
   then checked against the round digest the trainer reports for that round. A trainer that
   stepped on during the download is asked again (``ATTEMPTS`` times; the last copy is then
@@ -42,13 +43,22 @@ class RemoteTrainers:
     """The parts of a trainer in the view (``trainers()``: {peer: addrs})."""
 
     def __init__(self, trainers: Callable[[], Mapping[str, tuple[str, ...]]], *,
-                 wait_s: float = TRAINER_WAIT_S, poll_s: float = 0.25) -> None:
+                 wait_s: float = TRAINER_WAIT_S, poll_s: float = 0.25,
+                 fallback: SavedParts | None = None) -> None:
         self.trainers = trainers
         self.wait_s = wait_s
         self.poll_s = poll_s
+        #: where the parts come from when no trainer trains now (a trainer's home)
+        self.fallback = fallback
 
     async def take(self, ctx: Context, cut_step: int | None) -> tuple[NamedPart, PartReport]:
-        found = await self._wait_for_trainers()
+        try:
+            found = await self._wait_for_trainers()
+        except StageUnavailable:
+            if self.fallback is None:
+                raise
+            log.info("no trainer trains now: the parts saved in %s", self.fallback.home)
+            return await self.fallback.take(ctx, cut_step)
         faults: dict[str, str] = {}
         for peer, addrs in found:
             try:
