@@ -74,10 +74,9 @@ def test_a_trained_swarm_exports_a_model_transformers_loads(
         for key, value in env.items():
             monkey.setenv(key, value)
         try:
-            exported = tmp_path / "export"
-            status = main(["export", "--home", str(tmp_path / "exporter"), "--bootstrap",
-                           first.addr, "--out", str(exported), "--trainer-home", str(trainer),
-                           "--json"])
+            exported = tmp_path / "export"  # the swarm reached through a daemon's home
+            status = main(["export", "--home", str(first.home), "--out", str(exported),
+                           "--trainer-home", str(trainer), "--json"])
             printed = capsys.readouterr()
             assert status == 0, printed.err[-3000:]
             report = json.loads(printed.out.strip().splitlines()[-1])

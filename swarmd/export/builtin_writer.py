@@ -38,9 +38,9 @@ def write_builtin(directory: Path, seam: object, tensors: Mapping[str, torch.Ten
 
     directory = Path(directory)
     config = seam.config  # type: ignore[attr-defined]  # swarmd.training.model.ModelConfig
+    # every name of the whole model: the trainer's parts and all blocks as one stage
     expected = set(checkpoint_names(seam.build_trainer()).values())  # type: ignore[attr-defined]
-    expected |= {name for i in range(1) for name in checkpoint_names(
-        seam.build_stage(0, 1)).values()}  # type: ignore[attr-defined]
+    expected |= set(checkpoint_names(seam.build_stage(0, 1)).values())  # type: ignore[attr-defined]
     if set(tensors) != expected:
         raise InternalError(f"the parts' names do not cover the built-in GPT: missing "
                             f"{sorted(expected - set(tensors))[:5]}, unexpected "

@@ -28,7 +28,8 @@ import torch
 from swarmd.pipeline.batching import Compute
 from swarmd.pipeline.worker import StageWorker
 from swarmd.state.replay import ReplayLog
-from swarmd.state.round_digest import DIGEST_PIECE_BYTES, DIGEST_PIECES, round_digest_of  # noqa: F401
+from swarmd.state.round_digest import (DIGEST_PIECE_BYTES, DIGEST_PIECES,  # noqa: F401
+                                       round_digest_of)
 from swarmd.training.model import tensor_bytes, to_device
 
 log = logging.getLogger("swarmd.stage")
