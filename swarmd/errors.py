@@ -185,8 +185,9 @@ class InconsistentCut(SwarmdError):
 
 
 class PartUnverified(SwarmdError):
-    """Every peer of a stage (or every trainer) sent weights that do not match the round
-    digest it reports for them, or that do not fit the model: the peers are at fault. Names
-    the part and the peers."""
+    """No peer of a stage (or no trainer) gave weights that pass an export's checks: the
+    transfer's chunk checksums and digest, the round digest the part's peers report for that
+    step, the model's names and shapes. Those peers are at fault; names the part, each peer
+    and why."""
 
     code = "part_unverified"
