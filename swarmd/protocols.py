@@ -43,6 +43,11 @@ class Protocols:
     def abandon(self) -> str:
         return self._id("abandon")
 
+    @property
+    def step_report(self) -> str:
+        """A stage's report of its step to the trainer (``swarmd.pipeline.exact``)."""
+        return self._id("step")
+
     # a stage's step (swarmd.averaging): progress, prepare and start, then the all-reduce
     @property
     def round(self) -> str:
@@ -83,4 +88,4 @@ class Protocols:
     def pipeline(self) -> dict[str, str]:
         """The pipeline's ids keyed by message kind."""
         return {"forward": self.forward, "backward": self.backward, "result": self.result,
-                "grad": self.grad, "abandon": self.abandon}
+                "grad": self.grad, "abandon": self.abandon, "step_report": self.step_report}

@@ -85,10 +85,16 @@ def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(four: Any) 
     result = _train(d0, 12)
     assert result.lost == 0 and result.final_val_loss < result.initial_val_loss
     info = _agree(stage1, "the three stage-1 peers at one step with equal weights")
-    assert info["step"] >= 6  # about one trainer step of samples per stage step
+    # exact steps (swarmd.pipeline.exact): one stage step per trainer step, each reported to
+    # the trainer and answered with the whole model's clipping coefficient
+    assert info["step"] == 12, info["step"]
+    assert _stage(d0)["step"] == 12
     rounds = [d.get("/api/v0/status")["counters"] for d in stage1]
     assert sum(c.get("sync.rounds", 0) for c in rounds) >= 6 * 3  # averaged, not alone
     assert all(c.get("sync.rounds_failed", 0) == 0 for c in rounds)
+    assert sum(c.get("stage.step_reports", 0) for c in rounds) >= 12, rounds
+    assert all(c.get("stage.step_reports_expired", 0) == 0
+               and c.get("stage.step_report_failed", 0) == 0 for c in rounds), rounds
 
 
 def test_a_peer_killed_mid_training_leaves_the_others_equal(four: Any) -> None:

@@ -170,7 +170,7 @@ class Stage:
         async def snapshot() -> tuple[torch.Tensor, int]:
             return torch.zeros(4), 1
 
-        async def apply(vector: torch.Tensor) -> None:
+        async def apply(vector: torch.Tensor, source: object = None) -> None:
             self.applied += 1
 
         async def give_back(*a: Any) -> None:

@@ -70,21 +70,50 @@ def _bandwidth(value: object) -> float | None:
 
 # ---- the round protocol ---------------------------------------------------------------------
 
+#: a (trainer, trainer step) pair that samples came from (``swarmd.pipeline.exact``)
+Source = tuple[str, int]
+#: most sources a progress report lists (one more than a peer keeps: "several")
+MAX_SOURCES = 9
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Progress:
-    """A mate's report to the leader: it holds ``samples`` at ``step``."""
+    """A mate's report to the leader: it holds ``samples`` at ``step``, from the trainer
+    steps ``sources`` (``swarmd.pipeline.exact``)."""
 
     stage: int
     step: int
     samples: int
+    sources: tuple[Source, ...] = ()
 
     def __post_init__(self) -> None:
         _check_stage_step(self.stage, self.step)
         if not _is_int(self.samples) or not 0 <= self.samples <= MAX_STEP:
             raise BadRoundMessage("bad_samples", f"samples {self.samples!r}")
+        if not isinstance(self.sources, tuple) or len(self.sources) > MAX_SOURCES or not all(
+                _is_source(s) for s in self.sources):
+            raise BadRoundMessage("bad_sources", f"at most {MAX_SOURCES} [trainer, step] pairs")
 
     def to_meta(self) -> dict[str, Any]:
-        return {"stage": self.stage, "step": self.step, "samples": self.samples}
+        meta: dict[str, Any] = {"stage": self.stage, "step": self.step, "samples": self.samples}
+        if self.sources:
+            meta["sources"] = [list(s) for s in self.sources]
+        return meta
+
+
+def _is_source(value: object) -> bool:
+    """A (trainer peer id, trainer step) pair; ("", -1) stands for "more than were kept"."""
+    return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
+            and len(value[0]) <= MAX_PEER_ID_CHARS and _is_int(value[1])
+            and -1 <= value[1] <= MAX_STEP)
+
+
+def _sources(raw: object, reason: str) -> tuple[Source, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_SOURCES:
+        raise BadRoundMessage(reason, f"at most {MAX_SOURCES} [trainer, step] pairs")
+    return tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in raw)  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,9 +162,15 @@ class Start:
     group: tuple[str, ...]
     bandwidths: tuple[float | None, ...]
     digest: str | None = None
+    #: the one trainer step all the round's samples came from, None when not one: then the
+    #: members report their step to that trainer (``swarmd.pipeline.exact``)
+    source: Source | None = None
 
     def __post_init__(self) -> None:
         _check_stage_step(self.stage, self.step)
+        if self.source is not None and not (_is_source(self.source) and self.source[0]
+                                            and self.source[1] >= 0):
+            raise BadRoundMessage("bad_sources", "a start's source is one [trainer, step]")
         if not isinstance(self.round_id, str) or not 0 < len(self.round_id) <= MAX_ROUND_ID_CHARS:
             raise BadRoundMessage("bad_round_id", repr(self.round_id)[:80])
         group = self.group
@@ -157,6 +192,8 @@ class Start:
                                 "bandwidths": list(self.bandwidths)}
         if self.digest is not None:
             meta["digest"] = self.digest
+        if self.source is not None:
+            meta["source"] = list(self.source)
         return meta
 
 
@@ -185,15 +222,20 @@ def parse_round(kind: str, meta: Mapping[str, Any], tensors: Sequence[Any] = ()
         raise BadRoundMessage("bad_meta", "meta must be a map")
     stage, step = meta.get("stage"), meta.get("step")
     if kind == "progress":
-        return Progress(stage=stage, step=step, samples=meta.get("samples"))  # type: ignore[arg-type]
+        return Progress(stage=stage, step=step, samples=meta.get("samples"),  # type: ignore[arg-type]
+                        sources=_sources(meta.get("sources"), "bad_sources"))
     if kind == "prepare":
         return Prepare(stage=stage, step=step)  # type: ignore[arg-type]
     if kind == "start":
         group = _list(meta.get("group"), "bad_group")
         bandwidths = tuple(_bandwidth(b) for b in _list(meta.get("bandwidths"),
                                                        "bad_bandwidths"))
+        source = meta.get("source")
+        if isinstance(source, list):
+            source = tuple(source)
         return Start(stage=stage, step=step, round_id=meta.get("round"),  # type: ignore[arg-type]
-                     group=group, bandwidths=bandwidths, digest=meta.get("digest"))
+                     group=group, bandwidths=bandwidths, digest=meta.get("digest"),
+                     source=source)
     raise BadRoundMessage("unknown_kind", repr(kind)[:64])
 
 

@@ -45,10 +45,10 @@ import torch
 
 from swarmd.averaging.allreduce import AllReduceFailed, Averager
 from swarmd.averaging.authority import ADOPT, MATE_GRACE_S, RecentMates, same_step_verdict
-from swarmd.averaging.messages import (Prepare, PrepareReply, Progress, Start,
+from swarmd.averaging.messages import (Prepare, PrepareReply, Progress, Source, Start,
                                        parse_prepare_reply, parse_round)
 from swarmd.errors import BadPeerMessage, BadRoundMessage, SwarmdError
-from swarmd.averaging.trigger import RoundTrigger
+from swarmd.averaging.trigger import RoundTrigger, exact_source
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from swarmd.protocols import Protocols
@@ -82,7 +82,10 @@ class SyncSettings:
 class StageSync:
     """Owned by the stage server. ``mates()`` returns {peer_id: addrs} of the stage's other
     live peers; ``snapshot()`` takes (mean gradient, samples) and clears the accumulation;
-    ``apply(vector)`` sets the gradient and steps; ``give_back(vector, samples)`` undoes a
+    ``apply(vector, source)`` sets the gradient and steps (``source``: the one trainer step
+    the step's samples came from, None when not one; ``sources()`` lists those of this
+    peer's samples, which its progress reports carry to the leader; ``failed(source)`` is told
+    that a round of that one trainer step failed, so the stage takes no step for it now); ``give_back(vector, samples)`` undoes a
     snapshot; ``on_behind(peer, step)`` is told of a mate at a later step; ``samples_now()``
     is what this peer accumulated since its last snapshot. ``digest()`` (optional) is the hex
     digest of the stage's weights now; ``on_diverged(leader, step)`` is told that the leader of
@@ -92,7 +95,7 @@ class StageSync:
     def __init__(self, host: Any, *, swarm: str, stage: int, trigger: RoundTrigger,
                  averager: Averager | None, mates: Callable[[], dict[str, tuple[str, ...]]],
                  snapshot: Callable[[], Awaitable[tuple[torch.Tensor, int]]],
-                 apply: Callable[[torch.Tensor], Awaitable[None]],
+                 apply: Callable[[torch.Tensor, Source | None], Awaitable[None]],
                  give_back: Callable[[torch.Tensor, int], Awaitable[None]],
                  on_behind: Callable[[str, int], None], samples_now: Callable[[], int],
                  on_stepped: Callable[[], None] = lambda: None,
@@ -100,7 +103,9 @@ class StageSync:
                  settings: SyncSettings = SyncSettings(),
                  digest: Callable[[], Awaitable[str]] | None = None,
                  on_diverged: Callable[[str, int], None] = lambda peer, step: None,
-                 round_over: Callable[[], None] = lambda: None) -> None:
+                 round_over: Callable[[], None] = lambda: None,
+                 sources: Callable[[], list[Source]] = lambda: [],
+                 failed: Callable[[Source], Awaitable[None]] | None = None) -> None:
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -115,6 +120,10 @@ class StageSync:
         self._digest = digest
         self._on_diverged = on_diverged
         self._round_over = round_over
+        self._sources = sources
+        self._failed = failed
+        #: the trainer steps each mate said its samples came from, at the step it reported
+        self._mate_sources: dict[str, tuple[int, tuple[Source, ...]]] = {}
         self._recent = RecentMates(settings.mate_grace_s)
         self.protocol = Protocols(swarm).round
         self.counters: Counter[str] = Counter()
@@ -187,7 +196,9 @@ class StageSync:
         # the live mates and those a lagging view dropped but that spoke to us just now
         mates = self._recent.alive(live, now)
         # what is held of mates within the grace is kept: their suspicions still count
-        self.trigger.forget(self._recent.known(live, now))
+        known = self._recent.known(live, now)
+        self.trigger.forget(known)
+        self._mate_sources = {p: v for p, v in self._mate_sources.items() if p in known}
         if not mates:
             if self.trigger.samples >= self.trigger.target:
                 self._round = self._spawn(self._local_step())
@@ -206,8 +217,9 @@ class StageSync:
         self._stepped()
 
     async def _snapshot_and_apply(self) -> None:
+        source = exact_source(self._sources())
         vector, _ = await self._snapshot()
-        await self._apply(vector)
+        await self._apply(vector, source)
 
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
@@ -229,16 +241,27 @@ class StageSync:
                 self._on_behind(peer, their.step)
                 return  # we are behind: no round until we caught up
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
+        source = self._round_source(group, step)
         if len(group) > 1:
             # everyone told must run the very group it was told: a member that refuses now is
             # missing from the round, whose parts are repaired around it (swarmd.averaging.allreduce)
             start = Start(stage=self.stage, step=step, round_id=round_id, group=tuple(group),
-                          bandwidths=tuple(bandwidths), digest=digest)
+                          bandwidths=tuple(bandwidths), digest=digest, source=source)
             started = await asyncio.gather(*(self._ask(p, mates[p], "start", start.to_meta())
                                              for p in group[1:]))
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
-        await self._average(round_id, group, bandwidths)
+        await self._average(round_id, group, bandwidths, source=source)
+
+    def _round_source(self, group: list[str], step: int) -> Source | None:
+        """The one trainer step every sample of the round came from (ours and those the
+        members reported at this step), None when not one."""
+        pairs = list(self._sources())
+        for peer in group[1:]:
+            reported = self._mate_sources.get(peer)
+            if reported is not None and reported[0] == step:
+                pairs += reported[1]
+        return exact_source(pairs)
 
     async def _our_digest(self) -> str | None:
         """The digest of our weights now, None when unknown (none given, or it failed)."""
@@ -259,7 +282,7 @@ class StageSync:
         digesting = asyncio.ensure_future(self._our_digest()) if start.digest else None
         try:
             await self._average(start.round_id, list(start.group), list(start.bandwidths),
-                                before_apply=digesting)
+                                before_apply=digesting, source=start.source)
         finally:
             if digesting is not None and not digesting.done():  # the round failed early
                 digesting.cancel()
@@ -277,25 +300,28 @@ class StageSync:
 
     async def _average(self, round_id: str, group: list[str],
                        bandwidths: list[float | None],
-                       before_apply: Awaitable[Any] | None = None) -> None:
+                       before_apply: Awaitable[Any] | None = None,
+                       source: Source | None = None) -> None:
         """One round: every member passes the same group and bandwidths (the leader's lists),
         so they derive the same parts, each sized by its peer's measured bandwidth.
-        ``before_apply`` (a digest of the weights) is waited for before they change."""
+        ``before_apply`` (a digest of the weights) is waited for before they change;
+        ``source``, the leader's, goes with the averaged gradient to ``apply``."""
         vector, samples = await self._snapshot()
         try:
             await self._reduce_and_apply(round_id, group, bandwidths, vector, samples,
-                                         before_apply)
+                                         before_apply, source)
         finally:
             self._round_over()
 
     async def _reduce_and_apply(self, round_id: str, group: list[str],
                                 bandwidths: list[float | None], vector: torch.Tensor,
-                                samples: int, before_apply: Awaitable[Any] | None) -> None:
+                                samples: int, before_apply: Awaitable[Any] | None,
+                                source: Source | None = None) -> None:
         pending = asyncio.ensure_future(before_apply) if before_apply is not None else None
         if len(group) == 1 or self.averager is None:
             if pending is not None:
                 await asyncio.wait({pending})
-            await self._apply(vector)
+            await self._apply(vector, source)
             self.counters["local_steps"] += 1
             self._stepped()
             return
@@ -314,10 +340,12 @@ class StageSync:
             self.counters["rounds_failed"] += 1
             await self._give_back(vector, samples)
             self.trigger.samples = self._samples_now()
+            if source is not None and self._failed is not None:
+                await self._failed(source)  # its trainer need not wait for this step
             return
         if pending is not None:  # the weights before the step, digested beside the round
             await asyncio.wait({pending})
-        await self._apply(result.vector)
+        await self._apply(result.vector, source)
         if result.seconds > 0:
             rate = (result.bytes_sent + result.bytes_received) / result.seconds
             self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate
@@ -343,9 +371,12 @@ class StageSync:
     # ---- messages ----------------------------------------------------------------------------
     async def _report(self, leader: str, addrs: tuple[str, ...]) -> None:
         sent = None
-        while sent != (self.trigger.step, min(self.trigger.samples, self.max_samples)):
-            sent = (self.trigger.step, min(self.trigger.samples, self.max_samples))
-            report = Progress(stage=self.stage, step=sent[0], samples=sent[1])
+        while sent != (self.trigger.step, min(self.trigger.samples, self.max_samples),
+                       tuple(self._sources())):
+            sent = (self.trigger.step, min(self.trigger.samples, self.max_samples),
+                    tuple(self._sources()))
+            report = Progress(stage=self.stage, step=sent[0], samples=sent[1],
+                              sources=sent[2])
             reply = await self._ask(leader, addrs, "progress", report.to_meta())
             if reply is None:
                 self._consider()  # the leader was suspected: maybe we lead now
@@ -406,6 +437,7 @@ class StageSync:
             await self._check_start(request, peer, mates)
         if isinstance(request, Progress):
             self.trigger.report(peer, request.step, request.samples)
+            self._mate_sources[peer] = (request.step, request.sources)
             self._consider()
             return Message(kind="ok")
         if isinstance(request, Prepare):

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+__all__ = ["RoundTrigger", "exact_source", "SUSPECT_S"]
+
 #: how long a peer that failed us is passed over as leader
 SUSPECT_S = 10.0
 
@@ -81,3 +83,15 @@ class RoundTrigger:
         keep = set(present)
         self.reports = {p: r for p, r in self.reports.items() if p in keep}
         self.suspects = {p: t for p, t in self.suspects.items() if p in keep}
+
+
+def exact_source(sources: Iterable[tuple[str, int]]) -> tuple[str, int] | None:
+    """The one (trainer, trainer step) a step's samples all came from; None when there are
+    none or several: that step is not one trainer step, so it is not reported to a trainer
+    and each part clips its own gradient (``swarmd.pipeline.exact``). ``("", -1)`` stands for
+    "more sources than were kept"."""
+    distinct = set(sources)
+    if len(distinct) != 1:
+        return None
+    (only,) = distinct
+    return only if only[0] and only[1] >= 0 else None

@@ -33,6 +33,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 #: allowed values of ``training.lr_schedule``
 LR_SCHEDULES = ("constant", "cosine")
+#: ``training.schedule`` values (``swarmd.training.run``)
+SCHEDULES = ("sync", "pipelined")
 #: ``model.factory``: "package.module:callable" (kept equal to swarmd.models.registry.FACTORY_RE)
 _FACTORY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -160,6 +162,14 @@ class TrainingConfig(_Section):
         0, "Microbatches a trainer keeps in the pipeline at once (0: training.microbatches).",
         "an integer from 0 to 4096", _int_range(0, 4096),
     )
+    schedule: str = _opt(
+        "sync", "How a trainer's steps follow each other: sync (a step's microbatches "
+        "travel through the pipeline together, then every part of the model steps once on "
+        "exactly their gradient, as one process would: docs/pipeline.md, \"Exact steps\") or "
+        "pipelined (the next step's microbatches start before the last ones came back: "
+        "latency hidden, gradients up to a few steps late).",
+        "one of " + ", ".join(f'"{s}"' for s in SCHEDULES), _one_of(SCHEDULES),
+    )
     lr: float = _opt(
         3e-3, "Learning rate.", "a number greater than 0", _positive,
     )
@@ -188,9 +198,17 @@ class TrainingConfig(_Section):
         "an integer from 1 to 2**31", _int_range(1, 1 << 31),
     )
     grad_clip: float = _opt(
-        1.0, "Largest gradient norm of each stage's (and the trainer's) parameters; larger "
-        "gradients are scaled down to it (0: no clipping).", "a number, 0 or more",
+        1.0, "Largest gradient norm; larger gradients are scaled down to it (0: no clipping). "
+        "Whose norm: training.grad_clip_scope.", "a number, 0 or more",
         _non_negative,
+    )
+    grad_clip_scope: str = _opt(
+        "model", "Whose gradient norm training.grad_clip bounds: model (the whole model's, "
+        "every stage's and the trainer's parts together, as torch.nn.utils.clip_grad_norm_ over "
+        "one model: each stage reports its part's norm to the trainer every step, with the "
+        "synchronous schedule and one trainer; otherwise each part clips its own) or part "
+        "(each stage and the trainer clip their own part).",
+        '"model" or "part"', _one_of(("model", "part")),
     )
     weight_decay: float = _opt(
         0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",

@@ -25,7 +25,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 
@@ -40,6 +40,7 @@ from swarmd.errors import (
 )
 from swarmd.pipeline.batching import Batcher, Compute, Throughput
 from swarmd.pipeline.budgets import PeerBudgets, Ticket, message_bytes
+from swarmd.pipeline.exact import Sources
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.messages import (
     Expect,
@@ -74,6 +75,8 @@ class _Route:
     previous: str
     #: the peers the forward was sent on to (the last stage: the trainer)
     next: set[str] = field(default_factory=set)
+    #: the trainer's step the microbatch belongs to (``Forward.step``)
+    step: int = 0
 
 
 class PipelineHandlers:
@@ -85,7 +88,11 @@ class PipelineHandlers:
                  addrs_of: Callable[[str], tuple[str, ...]],
                  progressed: Callable[[int], None], counters: Counter[str],
                  optimizer: Any = None, budgets: PeerBudgets | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 reached: Callable[[int, float], Awaitable[bool]] | None = None) -> None:
+        """``reached(step, timeout_s)`` waits (at most ``timeout_s``) until the stage has taken
+        its optimizer step ``step - 1``: a forward that names the stage step it must run on
+        (``Forward.at``) waits for it (``swarmd.pipeline.exact``)."""
         self.host = host
         self.me: str = host.peer_id
         self.proto = proto
@@ -110,6 +117,9 @@ class PipelineHandlers:
         self.held = HeldTimes()
         self.links = links_for(host)
         self.last = expect.stage == expect.num_stages - 1
+        self.reached = reached
+        #: the trainer steps of the samples accumulated since the last optimizer step
+        self.sources = Sources()
 
     # ---- budgets ---------------------------------------------------------------------------
     def _admit(self, message: Message, peer: str) -> Ticket:
@@ -192,6 +202,8 @@ class PipelineHandlers:
                 raise StageBusy(f"stage {self.expect.stage} is taking an optimizer step: "
                                 f"another peer, or this one again shortly")
             self.worker.expire(self._clock())
+        if fwd.at is not None:
+            await self._wait_for_step(fwd.at[self.expect.stage])
         if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
             raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")
         t0 = self._clock()
@@ -202,7 +214,7 @@ class PipelineHandlers:
             with self.gate.admitted(int(fwd.x.shape[0])):
                 y, compute_s = await self.batcher.forward(fwd.mb, fwd.x)
             self.throughput.measured(int(fwd.x.shape[0]), compute_s)  # compute alone
-            self._remember(fwd.mb, _Route(trainer=fwd.trainer, previous=peer))
+            self._remember(fwd.mb, _Route(trainer=fwd.trainer, previous=peer, step=fwd.step))
         service_s = self._clock() - t0
         self.counters["forward"] += 1
         if not fwd.eval:  # however long the hop takes, it is not lost while it is tried
@@ -233,6 +245,19 @@ class PipelineHandlers:
         await self.router.send(Message(**fwd.next_hop(self.me, y).wire()),
                                timeout=HOP_TIMEOUT_S,
                                on_attempt=route.next.add if route is not None else None)
+
+    async def _wait_for_step(self, step: int) -> None:
+        """A forward that must run on the weights of stage step ``step``: wait until this
+        stage took the step before it (its round may still be averaging, or the trainer's
+        answer to its report overtook by the forward), as long as a closed gate is waited for;
+        then ``busy`` (a peer left behind: the trainer tries another). A peer already past
+        that step runs it (counted: ``ahead_of_forward``)."""
+        if self.reached is None:
+            return
+        if not await self.reached(step, self.gate.wait_s()):
+            self.counters["busy_behind_step"] += 1
+            raise StageBusy(f"stage {self.expect.stage} has not reached step {step} yet: "
+                            f"another peer, or this one again shortly")
 
     # ---- backward --------------------------------------------------------------------------
     async def _backward(self, message: Message, peer: str) -> Message:
@@ -272,6 +297,7 @@ class PipelineHandlers:
         self._routes.pop(bwd.mb, None)
         self.shares.answered(route.trainer, self._clock())
         self.counters["backward"] += 1
+        self.sources.add(route.trainer, route.step)
         self.progressed(self.worker.samples_accumulated)
         if stage == 0:
             await self.to_trainer(route.trainer, "grad", Message(
@@ -292,9 +318,9 @@ class PipelineHandlers:
         return reply
 
     # ---- the trainer -----------------------------------------------------------------------
-    async def to_trainer(self, trainer: str, kind: str, message: Message) -> None:
-        """Send to ``trainer``, dialed only at the addresses of its signed announcement (an
-        existing connection does too); one not announced yet is waited for briefly."""
+    async def _trainer_addrs(self, trainer: str) -> tuple[str, ...]:
+        """The addresses of ``trainer``'s signed announcement (none needed while connected);
+        one not announced yet is waited for briefly."""
         deadline = self._clock() + TRAINER_WAIT_S
         addrs = self.addrs_of(trainer)
         while not addrs and trainer not in await self.host.connected_peers():
@@ -304,6 +330,20 @@ class PipelineHandlers:
                                          f"within {TRAINER_WAIT_S:.0f} s")
             await asyncio.sleep(TRAINER_POLL_S)
             addrs = self.addrs_of(trainer)
+        return addrs
+
+    async def ask_trainer(self, trainer: str, kind: str, message: Message,
+                          timeout_s: float) -> Message:
+        """A request to ``trainer`` (dialed as ``to_trainer`` does) within ``timeout_s``."""
+        addrs = await self._trainer_addrs(trainer)
+        await self.host.connect(trainer, addrs)
+        return await self.host.request(trainer, self.proto[kind], message, codec=self.codec,
+                                       timeout=timeout_s)
+
+    async def to_trainer(self, trainer: str, kind: str, message: Message) -> None:
+        """Send to ``trainer``, dialed only at the addresses of its signed announcement (an
+        existing connection does too); one not announced yet is waited for briefly."""
+        addrs = await self._trainer_addrs(trainer)
         try:
             await self.host.connect(trainer, addrs)
             await self._held_request(trainer, kind, message, message_bytes(message))

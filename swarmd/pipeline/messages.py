@@ -23,8 +23,9 @@ import torch
 from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 
 __all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "Abandon", "HopReply",
-           "parse_forward", "parse_backward", "parse_result", "parse_grad", "parse_abandon",
-           "parse_hop_reply", "hop_seconds"]
+           "StepReport", "StepAnswer", "parse_forward", "parse_backward", "parse_result",
+           "parse_grad", "parse_abandon", "parse_hop_reply", "parse_step_report",
+           "parse_step_answer", "hop_seconds"]
 
 #: most characters of a microbatch id and of a peer id
 MAX_MB_CHARS = 160
@@ -60,12 +61,15 @@ class Forward:
     x: torch.Tensor
     #: validation: forward only, nothing kept, no backward follows
     eval: bool = False
+    #: the stage step each stage must run it on (``swarmd.pipeline.exact``), one per stage;
+    #: None: whatever step the stage is at
+    at: tuple[int, ...] | None = None
 
     def next_hop(self, me: str, y: torch.Tensor) -> Forward:
         """The forward this peer sends on: its output, one stage further, itself on the path."""
         return Forward(mb=self.mb, stage=self.stage + 1, step=self.step,
                        path=(*self.path, me), trainer=self.trainer, model=self.model, x=y,
-                       eval=self.eval)
+                       eval=self.eval, at=self.at)
 
     def wire(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"mb": self.mb, "stage": self.stage, "step": self.step,
@@ -73,6 +77,8 @@ class Forward:
                                 "model": self.model}
         if self.eval:
             meta["eval"] = True
+        if self.at is not None:
+            meta["at"] = list(self.at)
         return {"kind": "forward", "meta": meta, "tensors": (self.x,)}
 
 
@@ -150,6 +156,42 @@ class Abandon:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    """A stage peer to the trainer whose step its next step's samples all came from
+    (``swarmd.pipeline.exact``): the squared norm of that step's mean gradient at ``stage``
+    (after its round's averaging, loss scale removed), the stage step it applies it at and
+    the samples it holds. Answered with the whole model's clipping coefficient."""
+
+    step: int
+    stage: int
+    stage_step: int
+    sqnorm: float
+    samples: int
+    #: the stage takes no step for it now (its round failed): the trainer need not wait
+    failed: bool = False
+
+    def wire(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"step": self.step, "stage": self.stage,
+                                "stage_step": self.stage_step, "sqnorm": self.sqnorm,
+                                "samples": self.samples}
+        if self.failed:
+            meta["failed"] = True
+        return {"kind": "step_report", "meta": meta}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepAnswer:
+    """The trainer's answer to a ``step_report``: the coefficient every part of the model
+    scales that step's gradient by, None when the step's reports did not all arrive in time
+    (each part clips its own)."""
+
+    coefficient: float | None
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "ok", "meta": {"coefficient": self.coefficient}}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HopReply:
     """A forward's ``ok``: the peer's own queue and compute (``service_s``), its compute
     alone (``compute_s``, its share of a batch's), how long it held the request, the rest
@@ -202,12 +244,17 @@ def parse_forward(message: Any, expect: Expect) -> Forward:
     evaluate = meta.get("eval", False)
     if not isinstance(evaluate, bool):
         raise BadActivation("malformed", "forward meta 'eval' must be a boolean")
+    at = meta.get("at")
+    if at is not None and not (isinstance(at, (list, tuple)) and len(at) == expect.num_stages
+                               and all(type(n) is int and 0 <= n < MAX_STEP for n in at)):
+        raise BadActivation("malformed", f"forward meta 'at' must list {expect.num_stages} "
+                                         f"stage steps")
     (x,) = _tensors(message, 1, "forward")
     activation(x, expect.width, expect.max_tokens, "activations")
     return Forward(mb=_mb(meta, "forward"), stage=stage,
                    step=_int(meta, "step", 0, MAX_STEP, "forward"), path=path,
                    trainer=_text(meta, "trainer", MAX_PEER_CHARS, "forward"), model=model,
-                   x=x, eval=evaluate)
+                   x=x, eval=evaluate, at=None if at is None else tuple(at))
 
 
 def parse_backward(message: Any, expect: Expect) -> Backward:
@@ -247,6 +294,39 @@ def parse_abandon(message: Any) -> Abandon:
     meta = _meta(message, "abandon")
     _tensors(message, 0, "abandon")
     return Abandon(mb=_mb(meta, "abandon"))
+
+
+def parse_step_report(message: Any, *, num_stages: int) -> StepReport:
+    """A stage's report (``StepReport``): a stage of this model, a finite squared norm."""
+    meta = _meta(message, "step_report")
+    _tensors(message, 0, "step_report")
+    sqnorm = meta.get("sqnorm")
+    if isinstance(sqnorm, bool) or not isinstance(sqnorm, (int, float)) or not (
+            math.isfinite(sqnorm) and sqnorm >= 0):
+        raise BadActivation("not_finite", "step_report meta 'sqnorm' must be a finite number "
+                                          ">= 0")
+    return StepReport(step=_int(meta, "step", 0, MAX_STEP, "step_report"),
+                      stage=_int(meta, "stage", 0, num_stages, "step_report"),
+                      stage_step=_int(meta, "stage_step", 0, MAX_STEP, "step_report"),
+                      sqnorm=float(sqnorm),
+                      samples=_int(meta, "samples", 0, MAX_STEP, "step_report"),
+                      failed=_flag(meta, "failed", "step_report"))
+
+
+def parse_step_answer(message: Any) -> StepAnswer:
+    """The trainer's answer: a coefficient in (0, 1], or None."""
+    if getattr(message, "kind", None) != "ok":
+        raise BadActivation("reply", f"a step_report is answered with ok, not "
+                                     f"{getattr(message, 'kind', None)!r}")
+    meta = getattr(message, "meta", None)
+    value = meta.get("coefficient") if isinstance(meta, Mapping) else None
+    if value is None:
+        return StepAnswer(coefficient=None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 < value <= 1):
+        raise BadActivation("malformed", "a step answer's coefficient must be a number in "
+                                         "(0, 1] or null")
+    return StepAnswer(coefficient=float(value))
 
 
 def parse_hop_reply(message: Any) -> HopReply:

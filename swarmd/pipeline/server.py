@@ -23,6 +23,8 @@ part                                    its job
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import random
 from collections import Counter
 from typing import Any, Callable
@@ -31,10 +33,11 @@ import torch
 
 from swarmd.averaging.allreduce import Averager
 from swarmd.averaging.stage_sync import StageSync, SyncSettings
-from swarmd.averaging.trigger import RoundTrigger
+from swarmd.averaging.trigger import RoundTrigger, exact_source
 from swarmd.pipeline.batching import MAX_BATCH, MAX_QUEUE, Batcher, Compute, Throughput
 from swarmd.pipeline.handlers import PipelineHandlers
-from swarmd.pipeline.messages import Expect, hop_seconds
+from swarmd.errors import SwarmdError
+from swarmd.pipeline.messages import Expect, StepReport, hop_seconds, parse_step_answer
 from swarmd.pipeline.held import HOP_TIMEOUT_S
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.stepping import DRAIN_S, Gate, Stepper
@@ -44,6 +47,16 @@ from swarmd.protocols import Protocols
 from swarmd.state.replay import ReplayLog
 from swarmd.models.seam import ModelSeam
 from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
+from transport.errors import TransportError
+from transport.frames import Message
+
+log = logging.getLogger("swarmd.stage")
+
+#: how long a stage peer waits for the trainer's answer to its step report: the trainer
+#: answers once every part reported, or at its own deadline (``Trainer.REPORTS_MAX_S``)
+REPORT_WAIT_S = 75.0
+#: how long telling the trainer that a step failed here may take (answered at once)
+FAILED_REPORT_S = 5.0
 
 __all__ = ["StageServer", "MAX_QUEUE", "MAX_BATCH", "HOP_TIMEOUT_S", "DRAIN_S",
            "hop_seconds", "protocols"]
@@ -114,7 +127,9 @@ class StageServer:
             progressed=lambda samples: self.sync.progressed(samples),
             expect=Expect(stage=stage, num_stages=num_stages, model=model_hash,
                           width=seam.width, max_tokens=max_tokens),
-            optimizer=self.optimizer)
+            optimizer=self.optimizer, reached=self.reached)
+        #: set (and replaced) whenever the stage's step changes: ``reached`` waits on it
+        self._step_changed = asyncio.Event()
         self._step_listeners: list[Callable[[], None]] = []
         port = _SyncPort(self)
         self.sync = StageSync(
@@ -124,7 +139,8 @@ class StageServer:
             give_back=port.give_back, on_behind=on_behind or (lambda peer, step: None),
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
             digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None),
-            round_over=self.gate.round_over)
+            round_over=self.gate.round_over, sources=self.handlers.sources.peek,
+            failed=self.step_failed)
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"],
@@ -211,6 +227,56 @@ class StageServer:
     def took_state(self, step: int) -> None:
         """The weights and optimizer were replaced by a state at ``step``."""
         self.sync.took_state(step, self.worker.samples_accumulated)
+        self._step_moved()
+
+    def _step_moved(self) -> None:
+        self._step_changed.set()
+        self._step_changed = asyncio.Event()
+
+    async def reached(self, step: int, timeout_s: float) -> bool:
+        """Whether the stage's step is ``step`` or more within ``timeout_s`` (a forward that
+        must run on that step's weights waits: ``swarmd.pipeline.exact``)."""
+        if self.sync.step > step:
+            self.counters["ahead_of_forward"] += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.sync.step < step:
+                    await self._step_changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def step_failed(self, source: tuple[str, int]) -> None:
+        """Tell the trainer of ``source`` that this stage takes no step for it now (its round
+        failed), so that it does not wait for the report."""
+        await self.report_step(source, 0.0, 0, failed=True)
+
+    async def report_step(self, source: tuple[str, int] | None, sqnorm: float,
+                          samples: int, *, failed: bool = False) -> float | None:
+        """Report the step about to be applied to the trainer whose step it is (``source``)
+        and return the whole model's clipping coefficient it answers; None (each part clips
+        its own) when there is no such trainer, it answers None, or it cannot be asked."""
+        if source is None:
+            return None
+        trainer, step = source
+        report = StepReport(step=step, stage=self.stage, stage_step=self.sync.step,
+                            sqnorm=sqnorm if math.isfinite(sqnorm) else 0.0, samples=samples,
+                            failed=failed or not math.isfinite(sqnorm))  # overflow: skipped
+        try:
+            reply = await self.handlers.ask_trainer(trainer, "step_report",
+                                                    Message(**report.wire()),
+                                                    FAILED_REPORT_S if failed else REPORT_WAIT_S)
+            coefficient = parse_step_answer(reply).coefficient
+        except (SwarmdError, TransportError, TimeoutError) as exc:
+            self.counters["step_report_failed"] += 1
+            log.info("stage %d: reporting step %d to trainer %s failed (%s): clipping this "
+                     "stage's gradient on its own", self.stage, self.sync.step, trainer, exc)
+            return None
+        if report.failed:
+            self.counters["step_reports_failed"] += 1
+            return None
+        self.counters["step_reports" if coefficient is not None else "step_reports_expired"] += 1
+        return coefficient
 
     # ---- the step, in the compute thread (tests may wrap these on the instance) -------------
     def _take_gradient(self) -> tuple[torch.Tensor, int]:
@@ -226,6 +292,8 @@ class _SyncPort:
 
     def __init__(self, server: StageServer) -> None:
         self._s = server
+        #: the sources of the gradient the last snapshot took (back with it if its round fails)
+        self._sources: list[tuple[str, int]] = []
 
     def mates(self) -> dict[str, tuple[str, ...]]:
         s = self._s
@@ -233,15 +301,30 @@ class _SyncPort:
 
     async def snapshot(self) -> tuple[torch.Tensor, int]:
         if self._s.gate.drain_steps:  # closed and drained until the round's step (Gate)
-            return await self._s.gate.hold_for_round(self._s._take_gradient)
-        return await self._s.compute.run(self._s._take_gradient)
+            taken = await self._s.gate.hold_for_round(self._s._take_gradient)
+        else:
+            taken = await self._s.compute.run(self._s._take_gradient)
+        self._sources = self._s.handlers.sources.take()
+        return taken
 
-    async def apply(self, vector: torch.Tensor) -> None:
+    async def apply(self, vector: torch.Tensor, source: tuple[str, int] | None) -> None:
+        """Step with the round's mean gradient, scaled by the whole model's clipping
+        coefficient when the step is one trainer step (``swarmd.pipeline.exact``)."""
+        s = self._s
+        if source is not None:
+            scale = getattr(s.optimizer, "scale", 1.0)
+            sqnorm = float(await s.compute.run(_sqnorm, vector)) / (scale * scale)
+            coefficient = await s.report_step(source, sqnorm, 0)
+            if coefficient is not None and coefficient < 1.0:
+                vector = vector * coefficient
         # no drain: microbatches in flight finish on their stashed weights (worker.py)
-        await self._s.gate.between(self._s._apply_gradient, vector)
+        await s.gate.between(s._apply_gradient, vector)
 
     async def give_back(self, vector: torch.Tensor, samples: int) -> None:
         await self._s.compute.run(self._s.stepper.give_back, vector, samples)
+        for trainer, step in self._sources:  # the round failed: their sources are back too
+            if trainer:
+                self._s.handlers.sources.add(trainer, step)
 
     def samples_now(self) -> int:
         return self._s.worker.samples_accumulated
@@ -251,9 +334,20 @@ class _SyncPort:
         return await self._s.compute.run(self._s.stepper.round_digest)
 
     async def step_alone(self) -> None:
-        await self._s.gate.between(self._s.stepper.step_alone)
+        s = self._s
+        source = exact_source(s.handlers.sources.take())
+        coefficient = None
+        if source is not None:
+            sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
+            coefficient = await s.report_step(source, sqnorm, samples)
+        await s.gate.between(s.stepper.step_alone, coefficient)
 
     def stepped(self) -> None:
+        self._s._step_moved()
         for listener in list(self._s._step_listeners):
             listener()
+
+
+def _sqnorm(vector: torch.Tensor) -> float:
+    return float(vector.double().pow(2).sum())
 

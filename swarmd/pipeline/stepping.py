@@ -133,13 +133,24 @@ class Stepper:
             p.grad = g
         self._stepped(at)
 
-    def step_alone(self) -> None:
-        """A peer alone in its stage: its own mean gradient, without flattening it."""
+    def mean_sqnorm(self) -> tuple[float, int]:
+        """The squared norm of this peer's mean gradient (loss scale removed: what the
+        optimizer would clip), and its samples; nothing changes."""
+        samples = self.worker.samples_accumulated
+        total = sum(float(p.grad.detach().float().pow(2).sum()) for p in self._params
+                    if p.grad is not None)
+        scale = getattr(self.optimizer, "scale", 1.0) * max(1, samples)
+        return total / (scale * scale), samples
+
+    def step_alone(self, coefficient: float | None = None) -> None:
+        """A peer alone in its stage: its own mean gradient, without flattening it, scaled by
+        the whole model's clipping ``coefficient`` when given (``swarmd.pipeline.exact``)."""
         samples, at = self.worker.samples_accumulated, self._step()
         self._count_lateness()
+        factor = (coefficient if coefficient is not None else 1.0) / max(1, samples)
         for p in self._params:
-            if p.grad is not None and samples:
-                p.grad /= samples
+            if p.grad is not None and factor != 1.0:
+                p.grad *= factor
         if self.replay.enabled:
             self._log_alone(at)
         self.worker.before_step()

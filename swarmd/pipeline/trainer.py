@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -37,9 +38,11 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdError
+from swarmd.pipeline.exact import Posted, StepBoard
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
-from swarmd.pipeline.messages import Abandon, Backward, Forward, parse_grad, parse_result
+from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, parse_grad,
+                                      parse_result, parse_step_report)
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
@@ -64,6 +67,12 @@ ARRIVAL_GRACE_S = 5.0
 MISSING_POLL_S = 1.0
 #: what a failed microbatch may raise; anything else is a bug and ends the run
 RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
+#: how long a step waits for every stage's report (``swarmd.pipeline.exact``): at most
+#: ``REPORTS_MAX_S``, and ``REPORTS_AFTER_MISS_S`` after a step whose reports did not all come
+#: (a stage that does not report must not stall every step); a report comes after the
+#: stage's own round, so it follows the stage's averaging, not only the link
+REPORTS_MAX_S = 60.0
+REPORTS_AFTER_MISS_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +98,9 @@ class TrainStats:
     in_flight: int = 0
     in_flight_target: int = 0
     round_trip_ms: float | None = None
+    #: the whole model's clipping coefficient of the last step (exact steps; None: each part
+    #: clipped its own, or not exact)
+    clip_coefficient: float | None = None
     losses: list[float] = field(default_factory=list)
     #: per stage, how many microbatches each peer served (route statistics)
     routes: list[Counter[str]] = field(default_factory=list)
@@ -108,11 +120,14 @@ class Trainer(TrainerCompute):
                  weights: Any = None, parts: TrainerParts | None = None,
                  optim: OptimSettings | None = None,
                  rng: random.Random | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> None:
+                 dtype: torch.dtype = torch.float32, optimizer: str = "adamw",
+                 clip_whole_model: bool = True) -> None:
         """``seam`` is the model (default: the built-in GPT of ``model_config``); ``parts`` the
         trainer's parts of it when already built, else built here from ``weights`` (its
         checkpoint; None: random initialisation); ``optim`` the ``[training]`` optimizer
-        keys (default: ``optimizer`` at ``lr``). With float16, a dynamic loss scale."""
+        keys (default: ``optimizer`` at ``lr``). With float16, a dynamic loss scale.
+        ``clip_whole_model``: in exact steps (``exact``), clip by the norm of the whole
+        model's gradient (``training.grad_clip_scope = "model"``), else each part its own."""
         from swarmd.models.builtin import BuiltinGPT, BuiltinTrainer
 
         self.host = host
@@ -131,6 +146,17 @@ class Trainer(TrainerCompute):
         self.params = list(self.parts.parameters())  # tied weights once
         self.optimizer = SwarmOptimizer(self.params, optim or OptimSettings(name=optimizer,
                                                                             lr=lr), dtype=dtype)
+        #: exact steps (the synchronous schedule): the stages report each step here and the
+        #: next step's forwards name the stage steps they run on (``swarmd.pipeline.exact``)
+        self.exact = False
+        #: how many other trainers train now (exact steps need this one to be alone)
+        self.others: Callable[[], int] = lambda: 0
+        self.board = StepBoard(num_stages, clip=self.optimizer.settings.grad_clip
+                               if clip_whole_model else 0.0)
+        #: each step's answer, for the stages' reports waiting on it
+        self._answers: dict[int, asyncio.Future[float | None]] = {}
+        self._report_came = asyncio.Event()
+        self._reports_missed = False
         self.scaler = LossScaler() if dtype == torch.float16 else None
         #: a gradient overflowed during this step (float16): the step is skipped
         self._overflow = False
@@ -162,10 +188,14 @@ class Trainer(TrainerCompute):
     def start(self) -> None:
         self.host.set_request_handler(self.proto["result"], self._on_arrival)
         self.host.set_request_handler(self.proto["grad"], self._on_arrival)
+        self.host.set_request_handler(self.proto["step_report"], self._on_step_report)
 
     def close(self) -> None:
         for sender in self._late:
             sender.cancel()
+        for answer in self._answers.values():
+            if not answer.done():
+                answer.set_result(None)
         self._compute.shutdown(wait=True, cancel_futures=True)
 
     # ---- arrivals from the swarm -----------------------------------------------------------
@@ -262,11 +292,82 @@ class Trainer(TrainerCompute):
         return self.step, loss
 
     async def _stepped(self) -> None:
-        samples = self._samples
-        await self._run(self._step_and_zero)
+        samples, step = self._samples, self.step
+        sqnorm = await self._run(self._mean_gradient)
+        coefficient = None
+        if self.exact and not self.others():
+            coefficient = await self._reported(step, samples, sqnorm)
+        else:
+            self.board.reset()  # forwards name no stage step (another trainer's steps mix in)
+        await self._run(self._step_and_zero, coefficient)
         self.step += 1
         if self.after_step is not None:
             self.after_step(samples)
+
+    # ---- exact steps: the stages' reports ----------------------------------------------------
+    async def _reported(self, step: int, samples: int, sqnorm: float) -> float | None:
+        """Wait (bounded) for every stage's report of ``step``; the coefficient every part
+        scales its gradient by, answered to the stages too; None when a report did not come
+        in time (each part clips its own; ``reports_missed``)."""
+        self.board.open(step, samples)
+        self.board.own(step, sqnorm if math.isfinite(sqnorm) else 0.0)
+        wait_s = REPORTS_AFTER_MISS_S if self._reports_missed else REPORTS_MAX_S
+        try:
+            async with asyncio.timeout(wait_s):
+                while not self.board.complete(step) and not self.board.answered(step):
+                    await self._report_came.wait()
+                    self._report_came.clear()
+        except TimeoutError:
+            pass
+        coefficient = self.board.answer(step)
+        if not self.board.answered(step) or coefficient is None:
+            self.board.expire(step)
+            self.counters["reports_missed"] += 1
+            if not self._reports_missed:
+                log.warning("not every stage reported step %d within %.0f s: each part of the "
+                            "model clips its own gradient until they do", step, wait_s)
+        else:
+            self.counters["steps_exact"] += 1
+            if coefficient is not None and coefficient < 1.0:
+                self.counters["steps_clipped"] += 1
+        self._reports_missed = not self.board.answered(step) or coefficient is None
+        self.stats.clip_coefficient = coefficient
+        answer = self._answers.pop(step, None)
+        if answer is not None and not answer.done():
+            answer.set_result(coefficient)
+        return coefficient
+
+    async def _on_step_report(self, message: Message, peer: str) -> Message:
+        """A stage peer's report of the step it is about to apply (``StepReport``), from a
+        peer membership lists at that stage, for this trainer's current step or one of the
+        last it remembers; answered once the step is decided (``_reported``)."""
+        try:
+            report = parse_step_report(message, num_stages=self.num_stages)
+        except SwarmdError as exc:
+            self.counters[f"refused.{getattr(exc, 'reason', exc.code)}"] += 1
+            raise
+        if peer not in self.peers_of(report.stage):
+            self.counters["refused.report_sender"] += 1
+            raise NotOnPath("sender", f"{peer} is not a peer of stage {report.stage} here")
+        if not self.exact or self.others() or not (
+                self.step - self.board.keep < report.step <= self.step):
+            self.counters["reports_not_exact"] += 1
+            return Message(**StepAnswer(coefficient=None).wire())
+        posted = (self.board.fail(report.step) if report.failed else self.board.post(
+            report.step, report.stage, report.sqnorm, report.stage_step, report.samples))
+        self.counters[f"reports_{posted}"] += 1
+        self._report_came.set()
+        if posted == Posted.NOT_OPEN or self.board.answered(report.step):
+            return Message(**StepAnswer(coefficient=self.board.answer(report.step)).wire())
+        answer = self._answers.get(report.step)
+        if answer is None:
+            answer = self._answers[report.step] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(REPORTS_MAX_S + 5.0):
+                coefficient = await asyncio.shield(answer)
+        except TimeoutError:
+            coefficient = None
+        return Message(**StepAnswer(coefficient=coefficient).wire())
 
     def _show(self, window: InFlight, running: int) -> None:
         self.stats.in_flight, self.stats.in_flight_target = running, window.target
@@ -410,8 +511,10 @@ class Trainer(TrainerCompute):
         """Send ``h`` into the swarm as microbatch ``mb``; returns the last stage's output and
         the path it took. ``tried`` gets every stage-0 peer it was sent to."""
         expected = self._expect("result", mb, tuple(h.shape), first=tried)
+        at = self.board.expected() if self.exact else None
         forward = Forward(mb=mb, stage=0, step=self.step, path=(), trainer=self.host.peer_id,
-                          model=self.model_hash, x=wire_tensor(h.detach()), eval=eval_only)
+                          model=self.model_hash, x=wire_tensor(h.detach()), eval=eval_only,
+                          at=at)
         try:
             out = await self._sent_then_arrived(
                 self._send_stage0(Message(**forward.wire()), expected), expected.future)

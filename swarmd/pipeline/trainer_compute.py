@@ -38,12 +38,24 @@ class TrainerCompute:
             p.grad = g if p.grad is None else p.grad + g
         self._samples += samples
 
-    def _step_and_zero(self) -> None:
-        """The step over the gradients added since the last (their mean over samples), skipped
-        when one overflowed (float16: the loss scale backs off); then zero them."""
-        for p in self.params:  # the sums over samples become the batch's mean gradient
+    def _mean_gradient(self) -> float:
+        """The sums over samples become the step's mean gradient; its squared norm (loss scale
+        removed: what the optimizer would clip)."""
+        total = 0.0
+        for p in self.params:
             if p.grad is not None:
                 p.grad /= max(1, self._samples)
+                total += float(p.grad.detach().float().pow(2).sum())
+        return total / (self.loss_scale * self.loss_scale)
+
+    def _step_and_zero(self, coefficient: float | None = None) -> None:
+        """The step over the mean gradient (``_mean_gradient``), scaled first by the whole
+        model's clipping ``coefficient`` when given; skipped when a gradient overflowed
+        (float16: the loss scale backs off); then zero them."""
+        if coefficient is not None and coefficient < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad *= coefficient
         if self._overflow:
             self.optimizer.skip_next()
         self.optimizer.scale = self.loss_scale

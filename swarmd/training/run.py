@@ -38,7 +38,7 @@ MAX_IN_FLIGHT = 32
 #: peer queues 16 for compute and refuses more with busy, so a step's 64 sent at once drew 120
 #: refusals a step, each pausing the peer, and ran a step a minute on loopback
 SYNC_IN_FLIGHT = 8
-SCHEDULES = ("pipelined", "sync")
+SCHEDULES = ("sync", "pipelined")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                 microbatches: int | None = None, progress: Callable[[str], None] = print,
                 bar: bool = True, until: Callable[[], bool] | None = None,
-                schedule: str = "pipelined", fixed_in_flight: int | None = None
+                schedule: str | None = None, fixed_in_flight: int | None = None
                 ) -> TrainResult:
     """Train through the swarm until the trainer's step reaches ``steps``, or fewer: ``until``
     (when given) is asked after every step and ends the run early once it returns true.
@@ -76,8 +76,8 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     With a ``home``, the trainer is the home's identity (created when missing) and its state
     (``swarmd.training.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
     and at the end; a restarted trainer resumes its step, weights, optimizer and data.
-    ``microbatches`` overrides ``training.microbatches``. ``schedule`` is ``pipelined`` or
-    ``sync`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
+    ``microbatches`` overrides ``training.microbatches``. ``schedule`` (default
+    ``training.schedule``) is ``sync`` or ``pipelined`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
     (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     from swarmd.export.periodic import periodic_export
@@ -85,6 +85,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     from swarmd.training.trainer_sync import trainer_sync
     from transport.memory import keep_freed_memory
 
+    schedule = schedule or config.training.schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     keep_freed_memory()
@@ -210,7 +211,9 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                               codec=codec_spec(config), lr=config.training.lr,
                               seed=config.training.seed,
                               optim=OptimSettings.from_config(config.training),
-                              peers_of=m.peers_of, device=device, dtype=dtype)
+                              peers_of=m.peers_of, device=device, dtype=dtype,
+                              clip_whole_model=config.training.grad_clip_scope == "model")
+            trainer.others = lambda: len(m.trainers())
             trainer.start()
             try:
                 yield trainer, m
@@ -269,6 +272,7 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
     left = plan.steps - trainer.step
     if left <= 0:
         return
+    trainer.exact = plan.schedule == "sync"  # exact steps (swarmd.pipeline.exact)
     if plan.schedule == "sync":
         in_flight = config.training.in_flight or min(plan.microbatches, SYNC_IN_FLIGHT)
         trainer.stats.in_flight_target = in_flight

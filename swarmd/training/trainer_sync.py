@@ -147,7 +147,7 @@ class TrainerSync:
         self._taken, samples, self._samples = vector, max(1, self._samples), 0
         return vector.clone(), samples
 
-    async def _apply(self, vector: torch.Tensor) -> None:
+    async def _apply(self, vector: torch.Tensor, source: Any = None) -> None:
         taken, self._taken = self._taken, None
         await self.trainer._run(self._set_weights, vector, taken)
 

@@ -1,0 +1,225 @@
+"""Exact steps: every part of the model steps once per trainer step, on exactly its gradient,
+clipped by the whole model's norm. Pure: no I/O, no clock.
+
+With the synchronous schedule (``training.schedule = "sync"``) a trainer sends a step's
+microbatches, waits for all of them, and steps; each stage peer steps once its stage holds
+that step's samples. Two things keep that exactly what one process would do
+(docs/pipeline.md, "Exact steps"):
+
+- **Step reports.** Before a stage applies a step whose samples all came from one step of one
+  trainer (:class:`Sources`, :func:`exact_source`; with mates, the round's leader decides from
+  its and their reports), it reports to that trainer the squared norm of the step's mean
+  gradient and the stage step it is at (``messages.StepReport``), and waits for the answer:
+  the coefficient every part scales its gradient by, ``clip / (whole norm + 1e-6)`` capped at
+  1 (what ``torch.nn.utils.clip_grad_norm_`` does over the whole model). The trainer's
+  :class:`StepBoard` collects one report per stage and its own part's, and answers them all
+  at once; a step whose reports do not all arrive in time is answered ``None`` (every part
+  then clips on its own, as before), so the parts of one step always agree.
+- **Expected stage steps.** The trainer learns from the reports the stage step each stage
+  applied its step at; the next step's forwards carry the stage steps they must run on
+  (``Forward.at``), and a stage peer that has not taken that step yet holds them until it has
+  (a forward that overtook the step's answer, or a round still averaging). Without them a
+  forward could run on the weights before the step and its gradient count one step late.
+
+After the coefficient scales a part's gradient, its own clipping (``SwarmOptimizer``,
+``training.grad_clip``) is a no-op: a part's norm is at most the whole model's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from swarmd.averaging.trigger import exact_source
+
+__all__ = ["Sources", "exact_source", "clip_coefficient", "StepBoard", "Posted",
+           "MAX_SOURCES", "EPS"]
+
+#: a peer reports at most this many (trainer, step) sources of its samples
+MAX_SOURCES = 8
+#: as ``torch.nn.utils.clip_grad_norm_``
+EPS = 1e-6
+#: reports of one stage that differ by more than this (relative) disagree
+AGREE = 1e-3
+
+
+Source = tuple[str, int]
+
+
+@dataclass(slots=True)
+class Sources:
+    """The (trainer, trainer step) pairs of the samples a stage peer accumulated since its
+    last step (at most ``MAX_SOURCES``; more is as good as many: not exact)."""
+
+    _seen: set[Source] = field(default_factory=set)
+    #: more pairs were seen than kept
+    overflowed: bool = False
+
+    def add(self, trainer: str, step: int) -> None:
+        if (trainer, step) in self._seen:
+            return
+        if len(self._seen) >= MAX_SOURCES:
+            self.overflowed = True
+            return
+        self._seen.add((trainer, step))
+
+    def peek(self) -> list[Source]:
+        """The pairs held, sorted; one more than ``MAX_SOURCES`` pairs when it overflowed
+        (so that a reader never takes it for exact)."""
+        out = sorted(self._seen)
+        return out + [("", -1)] if self.overflowed else out
+
+    def take(self) -> list[Source]:
+        """``peek()``, and start over (the peer stepped)."""
+        out = self.peek()
+        self._seen.clear()
+        self.overflowed = False
+        return out
+
+
+def clip_coefficient(sqnorms: Iterable[float], clip: float) -> float:
+    """What every part scales its gradient by: ``clip / (norm + EPS)`` capped at 1, the norm
+    over all parts together; 1 without clipping (``clip`` 0)."""
+    total = math.sqrt(sum(sqnorms))
+    if not clip or not math.isfinite(total):
+        return 1.0
+    return min(1.0, clip / (total + EPS))
+
+
+class Posted:
+    """What :meth:`StepBoard.post` made of a report."""
+
+    TAKEN = "taken"
+    #: a second report of a stage at a step, agreeing with the first
+    AGAIN = "again"
+    #: a second report of a stage at a step, with another norm: the first counts
+    DISAGREES = "disagrees"
+    #: a step this trainer is not waiting for (not open, or answered already)
+    NOT_OPEN = "not_open"
+    #: a stage said it takes no step for it: the step is answered None
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class _Step:
+    samples: int
+    stages: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    own: float | None = None
+    coefficient: float | None = None
+    answered: bool = False
+
+
+@dataclass(slots=True)
+class StepBoard:
+    """A trainer's side: the reports of each of its steps, and the answer they get.
+
+    ``open(step, samples)`` when a step's microbatches are all back; stages ``post`` their
+    reports (before or after: a report may arrive first); ``own(step, sqnorm)`` the trainer's
+    part's; once every stage and the trainer posted, ``complete`` is true and ``answer``
+    gives the coefficient (``expire`` answers None instead, when the wait is over). The
+    stage steps reported for a step are what the next step's forwards expect
+    (``expected``). At most ``keep`` steps are remembered."""
+
+    num_stages: int
+    clip: float
+    keep: int = 64
+    _steps: dict[int, _Step] = field(default_factory=dict)
+    #: stage -> the stage step at which it applied the last reported step
+    _applied_at: dict[int, int] = field(default_factory=dict)
+    #: reports of a stage whose samples differ from the trainer's step's
+    samples_mismatch: int = 0
+
+    def open(self, step: int, samples: int) -> None:
+        entry = self._steps.get(step)
+        if entry is None:
+            self._steps[step] = _Step(samples)
+        else:
+            entry.samples = samples
+        self._forget(step)
+
+    def _forget(self, newest: int) -> None:
+        for old in [s for s in self._steps if s <= newest - self.keep]:
+            del self._steps[old]
+
+    def is_open(self, step: int) -> bool:
+        entry = self._steps.get(step)
+        return entry is not None and not entry.answered
+
+    def post(self, step: int, stage: int, sqnorm: float, stage_step: int,
+             samples: int) -> str:
+        """A stage's report (checked by the caller: a finite ``sqnorm`` >= 0, a stage of this
+        model). A report for a step not opened yet is kept: the stage may be quicker than the
+        trainer's last gradient."""
+        entry = self._steps.get(step)
+        if entry is None:
+            if self._steps and step < max(self._steps) - self.keep:
+                return Posted.NOT_OPEN
+            entry = self._steps[step] = _Step(samples=-1)
+        if entry.answered:
+            return Posted.NOT_OPEN
+        held = entry.stages.get(stage)
+        if held is not None:
+            if abs(held[0] - sqnorm) <= AGREE * max(held[0], sqnorm, 1e-30):
+                return Posted.AGAIN
+            return Posted.DISAGREES
+        entry.stages[stage] = (sqnorm, stage_step, samples)
+        return Posted.TAKEN
+
+    def fail(self, step: int) -> str:
+        """A stage takes no step for ``step`` now (its round failed): the step can never be
+        complete, so it is answered None at once (``expire``)."""
+        entry = self._steps.get(step)
+        if entry is not None and entry.answered:
+            return Posted.NOT_OPEN
+        self.expire(step)
+        return Posted.FAILED
+
+    def own(self, step: int, sqnorm: float) -> None:
+        self._steps.setdefault(step, _Step(samples=-1)).own = sqnorm
+
+    def complete(self, step: int) -> bool:
+        entry = self._steps.get(step)
+        return (entry is not None and entry.own is not None and entry.samples >= 0
+                and all(s in entry.stages for s in range(self.num_stages)))
+
+    def answer(self, step: int) -> float | None:
+        """The step's coefficient once complete (then also the stage steps the next step
+        expects); None while not complete or once expired."""
+        entry = self._steps.get(step)
+        if entry is None:
+            return None
+        if not entry.answered and self.complete(step):
+            assert entry.own is not None
+            entry.coefficient = clip_coefficient(
+                [entry.own, *(v[0] for v in entry.stages.values())], self.clip)
+            entry.answered = True
+            for stage, (_, stage_step, samples) in entry.stages.items():
+                self._applied_at[stage] = stage_step
+                if samples and samples != entry.samples:  # 0: not said (a round's member)
+                    self.samples_mismatch += 1
+        return entry.coefficient
+
+    def expire(self, step: int) -> None:
+        """The wait for ``step``'s reports is over: it is answered None (each part clips its
+        own), and the stages' next steps are not known any more."""
+        entry = self._steps.setdefault(step, _Step(samples=-1))
+        if not entry.answered:
+            entry.answered = True
+            entry.coefficient = None
+            self._applied_at.clear()
+
+    def answered(self, step: int) -> bool:
+        entry = self._steps.get(step)
+        return entry is not None and entry.answered
+
+    def expected(self) -> tuple[int, ...] | None:
+        """The stage steps the next step's forwards must run on (each stage's last reported
+        step + 1), None unless every stage reported the last step."""
+        if len(self._applied_at) != self.num_stages:
+            return None
+        return tuple(self._applied_at[s] + 1 for s in range(self.num_stages))
+
+    def reset(self) -> None:
+        """Forget the stages' steps (a restart, or a schedule that does not report)."""
+        self._applied_at.clear()

@@ -1,0 +1,275 @@
+"""Exact steps (``swarmd.pipeline.exact``): the stages report each step to the trainer, every
+part scales its gradient by the whole model's clipping coefficient, and the next step's
+forwards wait for the stage steps they must run on. Pure parts first, then three steps through
+a real libp2p swarm in this process against ``clip_grad_norm_`` over one model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.averaging.messages import Progress, Start, parse_round
+from swarmd.averaging.trigger import exact_source
+from swarmd.errors import BadActivation, BadRoundMessage
+from swarmd.pipeline.exact import MAX_SOURCES, Posted, Sources, StepBoard, clip_coefficient
+from swarmd.pipeline.messages import (Expect, Forward, StepAnswer, StepReport, parse_forward,
+                                      parse_step_answer, parse_step_report)
+from transport.frames import Message
+
+
+# ---- sources ---------------------------------------------------------------------------------
+
+def test_sources_name_the_one_trainer_step_a_step_came_from() -> None:
+    sources = Sources()
+    assert exact_source(sources.peek()) is None  # nothing accumulated: nothing to report
+    sources.add("T", 3)
+    sources.add("T", 3)
+    assert exact_source(sources.peek()) == ("T", 3)
+    sources.add("T", 4)  # a step's samples from two trainer steps: not exact
+    assert exact_source(sources.take()) is None
+    assert sources.peek() == []  # taken: the next step starts over
+
+
+def test_sources_that_overflow_are_never_taken_for_exact() -> None:
+    sources = Sources()
+    for i in range(MAX_SOURCES + 3):
+        sources.add(f"T{i}", 0)
+    assert len(sources.peek()) == MAX_SOURCES + 1 and exact_source(sources.peek()) is None
+    assert exact_source([("", -1)]) is None
+
+
+# ---- the coefficient ---------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=5), st.floats(0.01, 10.0),
+       st.floats(0.01, 100.0), st.integers(0, 2 ** 31))
+def test_the_coefficient_clips_as_clip_grad_norm_over_the_whole_model(
+        sizes: list[int], clip: float, magnitude: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=g, dtype=torch.float64) * magnitude for n in sizes]
+    expected = [p.clone().requires_grad_(True) for p in parts]
+    for e, p in zip(expected, parts):
+        e.grad = p.clone()
+    torch.nn.utils.clip_grad_norm_(expected, clip)
+    c = clip_coefficient([float(p.pow(2).sum()) for p in parts], clip)
+    for e, p in zip(expected, parts):
+        assert torch.allclose(p * c, e.grad, rtol=1e-9, atol=1e-12)
+    # a part scaled by it is within the bound: its own clipping is then a no-op
+    assert all(float((p * c).norm()) <= clip * (1 + 1e-9) or c == 1.0 for p in parts)
+
+
+def test_no_clipping_and_a_non_finite_norm_give_one() -> None:
+    assert clip_coefficient([4.0, 5.0], 0.0) == 1.0
+    assert clip_coefficient([math.inf], 1.0) == 1.0
+    assert clip_coefficient([0.25], 1.0) == 1.0  # within the bound: unchanged
+
+
+# ---- the trainer's board ------------------------------------------------------------------------
+
+def test_a_step_is_answered_once_every_stage_and_the_trainer_reported() -> None:
+    board = StepBoard(num_stages=2, clip=1.0)
+    assert board.post(0, 1, 9.0, stage_step=5, samples=32) == Posted.TAKEN  # before open
+    board.open(0, samples=32)
+    board.own(0, 0.0)
+    assert not board.complete(0) and board.answer(0) is None
+    assert board.post(0, 0, 16.0, stage_step=7, samples=32) == Posted.TAKEN
+    assert board.complete(0)
+    assert board.answer(0) == pytest.approx(1.0 / (5.0 + 1e-6))
+    assert board.expected() == (8, 6)  # each stage's next step
+    assert board.post(0, 0, 16.0, stage_step=7, samples=32) == Posted.NOT_OPEN  # answered
+    assert board.samples_mismatch == 0
+
+
+def test_reports_that_disagree_keep_the_first_and_a_late_step_expires() -> None:
+    board = StepBoard(num_stages=2, clip=1.0)
+    board.open(4, samples=8)
+    assert board.post(4, 0, 1.0, stage_step=4, samples=8) == Posted.TAKEN
+    assert board.post(4, 0, 1.0000001, stage_step=4, samples=8) == Posted.AGAIN
+    assert board.post(4, 0, 2.0, stage_step=4, samples=8) == Posted.DISAGREES
+    board.own(4, 1.0)
+    board.expire(4)  # stage 1 never reported
+    assert board.answered(4) and board.answer(4) is None and board.expected() is None
+
+
+def test_a_stage_whose_round_failed_ends_the_wait_for_its_step() -> None:
+    board = StepBoard(num_stages=2, clip=1.0)
+    board.open(2, samples=8)
+    board.own(2, 1.0)
+    board.post(2, 0, 1.0, stage_step=2, samples=8)
+    assert board.fail(2) == Posted.FAILED  # stage 1's round failed: it takes no step now
+    assert board.answered(2) and board.answer(2) is None and board.expected() is None
+    assert board.fail(2) == Posted.NOT_OPEN
+    report = StepReport(step=2, stage=1, stage_step=2, sqnorm=0.0, samples=0, failed=True)
+    assert parse_step_report(Message(**report.wire()), num_stages=2).failed
+    with pytest.raises(BadActivation):
+        parse_step_report(_report(failed="yes"), num_stages=2)
+
+
+def test_a_stage_stepping_on_other_samples_than_the_trainer_s_step_is_counted() -> None:
+    board = StepBoard(num_stages=1, clip=0.0)
+    board.open(0, samples=32)
+    board.own(0, 1.0)
+    board.post(0, 0, 1.0, stage_step=0, samples=16)
+    assert board.answer(0) == 1.0 and board.samples_mismatch == 1
+    board.open(1, samples=32)  # a round's member does not say its samples: nothing counted
+    board.own(1, 1.0)
+    board.post(1, 0, 1.0, stage_step=1, samples=0)
+    assert board.answer(1) == 1.0 and board.samples_mismatch == 1
+
+
+def test_the_board_remembers_a_bounded_number_of_steps() -> None:
+    board = StepBoard(num_stages=1, clip=1.0, keep=4)
+    for step in range(100):
+        board.open(step, samples=1)
+    assert len(board._steps) <= 4
+    assert board.post(0, 0, 1.0, stage_step=0, samples=1) == Posted.NOT_OPEN
+
+
+# ---- messages -------------------------------------------------------------------------------
+
+def _report(**meta: object) -> Message:
+    base = {"step": 3, "stage": 1, "stage_step": 9, "sqnorm": 2.5, "samples": 32}
+    return Message(kind="step_report", meta={**base, **meta})
+
+
+def test_a_step_report_round_trips_and_bad_ones_are_refused() -> None:
+    report = StepReport(step=3, stage=1, stage_step=9, sqnorm=2.5, samples=32)
+    assert parse_step_report(Message(**report.wire()), num_stages=2) == report
+    for bad in ({"sqnorm": float("nan")}, {"sqnorm": -1.0}, {"sqnorm": float("inf")},
+                {"sqnorm": True}, {"stage": 2}, {"stage": -1}, {"step": "3"},
+                {"samples": None}, {"stage_step": 1.5}):
+        with pytest.raises(BadActivation):
+            parse_step_report(_report(**bad), num_stages=2)
+    with pytest.raises(BadActivation):
+        parse_step_report(Message(kind="step_report", meta=_report().meta,
+                                  tensors=(torch.zeros(1),)), num_stages=2)
+
+
+def test_a_step_answer_is_a_coefficient_in_zero_one_or_none() -> None:
+    assert parse_step_answer(Message(**StepAnswer(coefficient=0.5).wire())).coefficient == 0.5
+    assert parse_step_answer(Message(**StepAnswer(coefficient=None).wire())).coefficient is None
+    for bad in (0.0, 1.5, -0.1, float("nan"), True, "1"):
+        with pytest.raises(BadActivation):
+            parse_step_answer(Message(kind="ok", meta={"coefficient": bad}))
+    with pytest.raises(BadActivation):
+        parse_step_answer(Message(kind="error", meta={}))
+
+
+def test_a_forward_names_one_stage_step_per_stage_or_none() -> None:
+    expect = Expect(stage=0, num_stages=2, model="m", width=4, max_tokens=64)
+    fwd = Forward(mb="a/1", stage=0, step=0, path=(), trainer="T", model="m",
+                  x=torch.zeros(1, 2, 4), at=(3, 5))
+    parsed = parse_forward(Message(**fwd.wire()), expect)
+    assert parsed.at == (3, 5) and parsed.next_hop("me", parsed.x).at == (3, 5)
+    for bad in ([3], [3, 5, 7], [3, -1], [3, "5"], [3, 5.0], "35", [True, 1]):
+        meta = {**fwd.wire()["meta"], "at": bad}
+        with pytest.raises(BadActivation):
+            parse_forward(Message(kind="forward", meta=meta, tensors=(fwd.x,)), expect)
+
+
+def test_round_messages_carry_the_sources_of_the_samples() -> None:
+    progress = Progress(stage=1, step=4, samples=8, sources=(("T", 2),))
+    assert parse_round("progress", progress.to_meta()) == progress
+    start = Start(stage=1, step=4, round_id="1:4:ab", group=("a", "b"), bandwidths=(None, None),
+                  source=("T", 2))
+    assert parse_round("start", start.to_meta()).source == ("T", 2)
+    for bad in ({"sources": [["T"]]}, {"sources": [["T", 1.5]]},
+                {"sources": [["T", 1]] * 20}, {"sources": "T"}):
+        with pytest.raises(BadRoundMessage):
+            parse_round("progress", {**progress.to_meta(), **bad})
+    with pytest.raises(BadRoundMessage):
+        parse_round("start", {**start.to_meta(), "source": ["", 2]})
+
+
+# ---- three steps through a real swarm ----------------------------------------------------------
+
+def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model() -> None:
+    """Two stages and a trainer on real libp2p hosts in this process, codec none, one peer per
+    stage, a step target of exactly one trainer step, a clipping bound the gradients exceed:
+    after three steps every weight equals a single process's with AdamW and
+    ``clip_grad_norm_`` over the whole model (per-part clipping would not)."""
+    from swarmd.pipeline.server import StageServer
+    from swarmd.pipeline.trainer import Trainer
+    from swarmd.training.model import FullModel, ModelConfig
+    from swarmd.training.swarm_optim import OptimSettings
+    from transport import identity
+    from transport.codecs import CodecSpec
+    from transport.host import Host, HostOptions
+
+    config = ModelConfig(width=32, heads=2, layers=4, seq_len=16)
+    optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=0.05)
+    g = torch.Generator().manual_seed(1)
+    steps = [[(torch.randint(0, 256, (2, 16), generator=g),
+               torch.randint(0, 256, (2, 16), generator=g)) for _ in range(3)]
+             for _ in range(3)]
+
+    async def swarm() -> dict[str, torch.Tensor]:
+        codec = CodecSpec(name="none")
+        hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec))
+                 for _ in range(3)]
+        for h in hosts:
+            await h.start()
+        try:
+            s0, s1, t = hosts
+            table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
+                     1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
+            common = dict(swarm="exact-steps", num_stages=2, model_config=config,
+                          model_hash=config.model_hash(), codec=codec, lr=optim.lr, seed=0,
+                          peers_of=lambda s: table.get(s, {}), optim=optim)
+            announced = {t.peer_id: tuple(t.addrs)}
+            servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=6,
+                                   addrs_of=lambda p: announced.get(p, ()), **common)
+                       for i, h in enumerate((s0, s1))]
+            for s in servers:
+                s.start()
+            trainer = Trainer(t, **common)
+            trainer.exact = True
+            trainer.start()
+            for batches in steps:
+                await trainer.train_step(batches, concurrency=3)
+            # the last step's forwards-to-be: the stages must have taken it
+            for s in servers:
+                for _ in range(200):
+                    if s.step == 3:
+                        break
+                    await asyncio.sleep(0.01)
+            out = {f"embedding.{n}": p.detach().clone()
+                   for n, p in trainer.embedding.named_parameters()}
+            out.update({f"head.{n}": p.detach().clone()
+                        for n, p in trainer.head.named_parameters()})
+            for s in servers:
+                assert s.step == 3 and s.counters["step_reports"] == 3
+                out.update({f"stages.{s.stage}.{n}": p.detach().clone()
+                            for n, p in s.module.named_parameters()})
+            assert trainer.counters["steps_exact"] == 3 and trainer.counters["steps_clipped"] == 3
+            assert trainer.board.expected() == (3, 3)
+            for s in servers:
+                await s.close()
+            trainer.close()
+            return out
+        finally:
+            for h in hosts:
+                await h.close()
+
+    weights = uvloop.run(asyncio.wait_for(swarm(), 120))
+    model = FullModel(config, num_stages=2, seed=0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=0.0)
+    for batches in steps:
+        opt.zero_grad()
+        for x, y in batches:
+            _, loss = model(x, y)
+            (loss * x.shape[0] / 6).backward()
+        torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+        opt.step()
+    ref = dict(model.named_parameters())
+    assert set(weights) == set(ref), set(weights) ^ set(ref)
+    for name, w in weights.items():
+        err = float((w - ref[name].detach()).norm() / ref[name].detach().norm())
+        assert err <= 1e-4, (name, err)
