@@ -18,7 +18,7 @@ from test_models_swarm import ENV, swarmd_train, text_data, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # daemons, a run, exports
 
 STEPS = 3
 

@@ -15,7 +15,7 @@ import pytest
 from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from test_models_swarm import swarmd_train, text_data
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # four daemon starts and a run
 
 ENV = {"SWARMD_SWARM_STAGES": "2", "SWARMD_SWARM_NAME": "restart-swarm",
        "SWARMD_MODEL_THREADS": "1", "SWARMD_MODEL_WIDTH": "32", "SWARMD_MODEL_LAYERS": "2",
