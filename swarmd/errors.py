@@ -167,3 +167,27 @@ class BadRoundMessage(BadPeerMessage):
     of peers that are not the stage's, a claimed sample count beyond what a peer can do)."""
 
     code = "bad_round_message"
+
+
+class ExportTargetError(SwarmdError):
+    """``swarmd export --out DIR`` cannot be written: DIR is not empty, is a file, or its
+    parent is not writable. Nothing was downloaded; choose another directory."""
+
+    code = "export_target"
+    exit_status = 2
+
+
+class InconsistentCut(SwarmdError):
+    """The stages of an export were not all at one step before its deadline; names the stage
+    that lags. Export again (once training paused), wait longer, or accept a mixed cut."""
+
+    code = "inconsistent_cut"
+
+
+class PartUnverified(SwarmdError):
+    """No peer of a stage (or no trainer) gave weights that pass an export's checks: the
+    transfer's chunk checksums and digest, the round digest the part's peers report for that
+    step, the model's names and shapes. Those peers are at fault; names the part, each peer
+    and why."""
+
+    code = "part_unverified"

@@ -33,6 +33,7 @@ CORES = frozenset({
     "swarmd.pipeline.messages",
     "swarmd.balancing.policy",
     "swarmd.balancing.placement",
+    "swarmd.export.cut",
     "swarmd.membership.announcement",
     "swarmd.membership.schedule",
     "swarmd.membership.view",

@@ -93,3 +93,21 @@ def test_a_mate_ahead_in_rounds_is_followed_without_a_download() -> None:
     sync._behind("other", 7)
     sync._behind("other", 3)  # never backwards
     assert sync.sync.step == 7 and sync.sync.stage == TRAINERS_STAGE
+
+
+def test_the_parts_served_carry_the_trainer_step_and_their_digest_matches() -> None:
+    from swarmd.state.round_digest import round_digest_of
+
+    trainer = _trainer(torch.float32)
+    trainer.step = 4
+    sync = _sync(trainer)
+
+    async def scenario() -> tuple[Any, tuple[int, str]]:
+        return await sync._capture_parts(), await sync._parts_digest()
+
+    state, (round_, digest) = asyncio.run(scenario())
+    assert state.meta == {"trainer_step": 4} and state.stage == TRAINERS_STAGE
+    assert round_ == state.step == sync.sync.step
+    assert digest == round_digest_of(trainer.parts.parameters())
+    _step(trainer)  # the digest follows the weights (what `swarmd export` compares)
+    assert asyncio.run(sync._parts_digest())[1] != digest

@@ -25,6 +25,8 @@ from swarmd.cli.client import (_daemon_arguments, _stop_arguments, cmd_peers, cm
                                text_swarm)
 from swarmd.cli.common import PROG, Command, to_jsonable
 from swarmd.cli.doctor import _doctor_arguments, cmd_doctor, text_doctor
+from swarmd.cli.export import (_export_arguments, _sample_arguments, cmd_export, cmd_sample,
+                               text_export, text_sample)
 from swarmd.cli.service import _service_arguments, cmd_service, text_service
 from swarmd.cli.local import (_demo_arguments, _id_arguments, _init_arguments,
                               _join_arguments, _train_arguments, cmd_demo, cmd_id, cmd_init,
@@ -64,6 +66,23 @@ COMMANDS: list[Command] = [
                         "--steps steps through them, shut everything down and print a summary "
                         "(with --json, the last line is one JSON object). Exits non-zero if "
                         "the validation loss did not go down."),
+    Command("export", "download a swarm's model into a directory transformers or swarmd loads",
+            _export_arguments, cmd_export, text_export,
+            description="Join the swarm at --bootstrap (or through the daemon running with "
+                        "--home) as a client, download every stage's weights from its peers "
+                        "at one step (checked against the round digest they report) and the "
+                        "embedding and head from a trainer, and write --out: for a Hugging "
+                        "Face model a directory AutoModelForCausalLM.from_pretrained loads "
+                        "(config.json, sharded safetensors, the tokenizer files, "
+                        "generation_config.json), for the built-in GPT safetensors and a "
+                        "config.toml; swarmd-export.json says where each part came from. "
+                        "Nothing is left in --out when it fails."),
+    Command("sample", "generate text from an exported model",
+            _sample_arguments, cmd_sample, text_sample,
+            description="Continue --prompt with --max-new-tokens tokens of a model written by "
+                        "`swarmd export` (transformers' generate for a Hugging Face model, a "
+                        "sampling loop for the built-in GPT) and print the prompt and the "
+                        "text."),
     Command("tokenizer", "train a BPE tokenizer on local data",
             _tokenizer_arguments, cmd_tokenizer, text_tokenizer,
             description="`swarmd tokenizer train --data PATH --vocab N --out DIR` trains a "

@@ -236,6 +236,16 @@ class TrainingConfig(_Section):
         "end); each evaluation goes to train-metrics.jsonl and the progress.",
         "an integer from 0 to 2**31", _int_range(0, 1 << 31),
     )
+    export_every: int = _opt(
+        0, "A trainer with a home exports the whole model (as `swarmd export` does: every "
+        "stage fetched from its peers) into <home>/exports/step-<N> every this many of its "
+        "steps, in model.dtype (0: never).",
+        "an integer from 0 to 2**31", _int_range(0, 1 << 31),
+    )
+    export_keep: int = _opt(
+        3, "How many of a trainer's periodic exports are kept (the newest).",
+        "an integer from 1 to 1000", _int_range(1, 1000),
+    )
 
 
 @dataclass(frozen=True)

@@ -399,17 +399,23 @@ class Daemon:
 
         A first placement only; moving between stages later is the balancer's job."""
         await self._wait_for_view()
-        from swarmd.balancing.placement import choose_stage
+        from swarmd.balancing.placement import place
+        from swarmd.state.checkpoint import checkpoint_dir, saved_stages
 
         info = self.membership.swarm_info()
         by_stage = {s.stage: s for s in info.stages}
         stages = range(self.config.swarm.stages)
         fits = await asyncio.to_thread(stages_that_fit, self.config, self._dtype)
-        self.stage = choose_stage(  # none fits: any, refused with the numbers when loaded
-            [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
+        saved = await asyncio.to_thread(saved_stages, checkpoint_dir(self.options.home))
+        placed = place(  # none fits: any, refused with the numbers when loaded
+            saved, [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
             [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng,
-            fits=fits or None)
-        log.info("placed on stage %d (the bottleneck)", self.stage)
+            fits=fits or None, present=[_present(by_stage.get(s)) for s in stages])
+        self.stage = placed.stage
+        log.info("placed on stage %d (%s)", self.stage, {
+            "checkpoint": "its checkpoint's stage", "bottleneck": "the bottleneck",
+            "needed": f"no peer serves it; this home's checkpoints are of stages {saved}, "
+                      f"which their peers hold"}[placed.reason])
         await self._serve_stage()
 
     # ---- rebalancing ----------------------------------------------------------------------
@@ -488,3 +494,11 @@ def run_join(options: JoinOptions, on_started: Callable[[Started], None]) -> Non
     # the interpreter's last garbage collection walks every object libp2p and torch left:
     # seconds on a loaded machine, out of the stop's budget; what is left is freed anyway
     gc.freeze()
+
+
+def _present(row: Any) -> int:
+    """Peers of our model announced on a stage (``StageRow``), in any state but leaving."""
+    if row is None:
+        return 0
+    return sum(1 for p in row.peers if p.reason != "model_hash_mismatch"
+               and str(getattr(p.state, "value", p.state)) != "leaving")

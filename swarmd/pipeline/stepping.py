@@ -28,6 +28,8 @@ import torch
 from swarmd.pipeline.batching import Compute
 from swarmd.pipeline.worker import StageWorker
 from swarmd.state.replay import ReplayLog
+from swarmd.state.round_digest import (DIGEST_PIECE_BYTES, DIGEST_PIECES,  # noqa: F401
+                                       round_digest_of)
 from swarmd.training.model import tensor_bytes, to_device
 
 log = logging.getLogger("swarmd.stage")
@@ -60,9 +62,6 @@ LIVE_MIN_S = 5.0
 #: until it expires (``StageWorker.ttl_s``, 2 minutes)
 LOST_MIN_S = 10.0
 
-#: a round's weights digest (``Stepper.round_digest``): pieces hashed per parameter, and bytes each
-DIGEST_PIECES = 16
-DIGEST_PIECE_BYTES = 4096
 
 Handler = Callable[[Any, str], Awaitable[Any]]
 
@@ -202,25 +201,8 @@ class Stepper:
         return h.hexdigest(), total ** 0.5
 
     def round_digest(self) -> str:
-        """What a round's leader sends in its ``start`` (hex blake2b-128): each parameter's
-        length and ``DIGEST_PIECES`` pieces of ``DIGEST_PIECE_BYTES`` at evenly spaced places
-        (all of a smaller one), so that a round never hashes a whole big stage; weights that
-        drifted apart differ nearly everywhere. One device-to-host copy per parameter."""
-        h = hashlib.blake2b(digest_size=16)
-        whole = DIGEST_PIECES * DIGEST_PIECE_BYTES
-        with torch.no_grad():
-            for p in self.module.parameters():
-                flat = p.detach().contiguous().reshape(-1).view(torch.uint8)
-                n = flat.numel()
-                h.update(n.to_bytes(8, "little"))
-                if n <= whole:
-                    h.update(tensor_bytes(p))
-                    continue
-                step = (n - DIGEST_PIECE_BYTES) // (DIGEST_PIECES - 1)
-                pieces = torch.cat([flat[i * step:i * step + DIGEST_PIECE_BYTES]
-                                    for i in range(DIGEST_PIECES)])
-                h.update(memoryview(pieces.to("cpu").numpy()))
-        return h.hexdigest()
+        """What a round's leader sends in its ``start``: ``swarmd.state.round_digest``."""
+        return round_digest_of(self.module.parameters())
 
     def _unflatten(self, vector: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, its slice of the flat ``vector`` shaped like it), in ``take_gradient``

@@ -80,6 +80,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     ``training.schedule``) is ``sync`` or ``pipelined`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
     (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
+    from swarmd.export.periodic import periodic_export
     from swarmd.training.batches import make_batches
     from swarmd.training.trainer_sync import trainer_sync
     from transport.memory import keep_freed_memory
@@ -101,7 +102,8 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                              say=progress))
     with _home_lock(home) if home is not None else contextlib.nullcontext(), batches:
         async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
-                trainer_sync(trainer.host, trainer, m, config) as parts:
+                trainer_sync(trainer.host, trainer, m, config) as parts, \
+                periodic_export(config, trainer, m, home, progress):
             resumed = _resume(trainer, batches, home, progress)
             await _wait_for_stages(m, config.swarm.stages, progress,
                                    _mismatch_explainer(trainer.host, m, config))

@@ -49,6 +49,10 @@ class Tokenizer:
         """``encode`` of each text (a tokenizer may do them together, faster)."""
         return [self.encode(t) for t in texts]
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids back to text (``swarmd sample``); bytes that are not UTF-8 are replaced."""
+        raise NotImplementedError
+
     def identity(self) -> str:
         """A digest of what maps text to ids: trainers of one swarm should agree on it."""
         return self.name
@@ -67,6 +71,9 @@ class ByteTokenizer(Tokenizer):
 
         return [np.frombuffer(t.encode() if isinstance(t, str) else t, dtype=np.uint8)
                 for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class BPETokenizer(Tokenizer):
@@ -99,6 +106,9 @@ class BPETokenizer(Tokenizer):
         strings = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
                    for t in texts]
         return [e.ids for e in self._tok.encode_batch(strings, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
     def identity(self) -> str:
         return f"bpe:{self._digest}"

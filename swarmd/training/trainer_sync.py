@@ -33,6 +33,7 @@ from swarmd.protocols import Protocols
 from swarmd.state.encoding import StageState, capture, restore, state_bytes_bound
 from swarmd.state.fetch import fetch_state
 from swarmd.state.messages import SizeBound
+from swarmd.state.round_digest import round_digest_of
 from swarmd.state.serve import StateServer
 from swarmd.state.transfer import StateTransferFailed
 from transport.errors import TransportError
@@ -72,7 +73,8 @@ class TrainerSync:
             step_alone=self._alone, settings=settings)
         self._serving = StateServer(host, self.protocol, self._capture_parts,
                                     stage=TRAINERS_STAGE, model_hash=model_hash,
-                                    counters=self.counters)
+                                    counters=self.counters, step=lambda: self.sync.step,
+                                    weights_digest=self._parts_digest)
 
     @property
     def rounds(self) -> int:
@@ -120,7 +122,14 @@ class TrainerSync:
     async def _capture_parts(self) -> StageState | None:
         return await self.trainer._run(lambda: capture(
             self.trainer.parts, self.trainer.optimizer, stage=TRAINERS_STAGE,
-            step=self.sync.step, model_hash=self.model_hash))
+            step=self.sync.step, model_hash=self.model_hash,
+            meta={"trainer_step": self.trainer.step}))
+
+    async def _parts_digest(self) -> tuple[int, str]:
+        """(round, round digest) of the parts, for ``state_digest`` (``swarmd export``
+        checks the parts it downloaded against it)."""
+        return await self.trainer._run(lambda: (
+            self.sync.step, round_digest_of(self.trainer.parts.parameters())))
 
     # ---- averaging --------------------------------------------------------------------------
     def stepped(self, samples: int) -> None:

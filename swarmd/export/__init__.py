@@ -1,0 +1,1 @@
+"""The model out of a swarm: `swarmd export` and `swarmd sample` (docs/architecture.md)."""
