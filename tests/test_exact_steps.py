@@ -194,6 +194,7 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     stage, a step target of exactly one trainer step, a clipping bound the gradients exceed:
     after three steps every weight equals a single process's with AdamW and
     ``clip_grad_norm_`` over the whole model (per-part clipping would not)."""
+    from swarmd.pipeline.inflight import InFlight
     from swarmd.pipeline.server import StageServer
     from swarmd.pipeline.trainer import Trainer
     from swarmd.training.model import FullModel, ModelConfig
@@ -231,8 +232,15 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
             trainer = Trainer(t, **common)
             trainer.exact = True
             trainer.start()
-            for batches in steps:
-                await trainer.train_step(batches, concurrency=3)
+            drawn = iter([b for batches in steps for b in batches])
+
+            async def stepped(step: int, loss: float) -> bool:
+                return False
+
+            # the default schedule's path: a barrier at every step, up to 3 in flight
+            await trainer.train(lambda: next(drawn), steps=len(steps), microbatches=3,
+                                window=InFlight(floor=2, ceiling=3), on_step=stepped,
+                                barrier=True)
             # the last step's forwards-to-be: the stages must have taken it
             for s in servers:
                 for _ in range(200):

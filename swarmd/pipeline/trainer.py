@@ -237,12 +237,15 @@ class Trainer(TrainerCompute):
     # ---- the pipelined schedule ------------------------------------------------------------
     async def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
                     steps: int, microbatches: int, window: InFlight,
-                    on_step: Callable[[int, float], Awaitable[bool]]) -> None:
+                    on_step: Callable[[int, float], Awaitable[bool]],
+                    barrier: bool = False) -> None:
         """``steps`` steps of ``microbatches`` microbatches each (``next_batch()`` draws one),
         with ``window.target`` of them in flight all the time. A step is taken every
         ``microbatches`` microbatches that came back whole, whichever step they were sent in;
         then ``await on_step(step, its mean loss)``, which returns True to stop early (what is
-        still in flight then finishes, and its gradients are dropped)."""
+        still in flight then finishes, and its gradients are dropped). With ``barrier`` (the
+        synchronous schedule, exact steps) no microbatch of a step starts before the step
+        before it was taken: each step's microbatches are exactly its own, on its weights."""
         total, launched, done, stop = steps * microbatches, 0, 0, False
         losses: list[float] = []
         busy = self.counters["hop_busy"]
@@ -252,7 +255,9 @@ class Trainer(TrainerCompute):
                 if self.counters["hop_busy"] > busy:  # a stage's queue was full
                     busy = self.counters["hop_busy"]
                     window.busy(len(running))
-                while not stop and launched < total and len(running) < window.target:
+                allowed = (done // microbatches + 1) * microbatches if barrier else total
+                while not stop and launched < min(total, allowed) and \
+                        len(running) < window.target:
                     x, y = next_batch()
                     running.add(asyncio.create_task(self._microbatch(x, y, float(x.shape[0]))))
                     launched += 1

@@ -280,21 +280,16 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
     left = plan.steps - trainer.step
     if left <= 0:
         return
-    trainer.exact = plan.schedule == "sync"  # exact steps (swarmd.pipeline.exact)
-    if plan.schedule == "sync":
-        in_flight = config.training.in_flight or min(plan.microbatches, SYNC_IN_FLIGHT)
-        trainer.stats.in_flight_target = in_flight
-        for _ in range(left):
-            step_batches = [batches.next() for _ in range(plan.microbatches)]
-            loss = await trainer.train_step(step_batches, concurrency=in_flight)
-            if await stepped(trainer.step, loss):
-                return
-        return
+    exact = trainer.exact = plan.schedule == "sync"  # exact steps (swarmd.pipeline.exact)
     ceiling = plan.fixed_in_flight or config.training.in_flight or MAX_IN_FLIGHT
-    window = InFlight(floor=plan.microbatches, ceiling=ceiling,
+    # the synchronous schedule starts from a few in flight and grows to what the round trip
+    # calls for (``InFlight``), never more than a step's microbatches (nothing crosses a step)
+    floor = min(plan.microbatches, SYNC_IN_FLIGHT) if exact else plan.microbatches
+    window = InFlight(floor=min(floor, ceiling),
+                      ceiling=min(ceiling, plan.microbatches) if exact else ceiling,
                       fixed=plan.fixed_in_flight is not None)
     await trainer.train(batches.next, steps=left, microbatches=plan.microbatches,
-                        window=window, on_step=stepped)
+                        window=window, on_step=stepped, barrier=exact)
 
 
 async def _evaluate(trainer: Any, batches: Any, plan: _Plan, say: Callable[[str], None],
