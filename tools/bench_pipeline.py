@@ -161,9 +161,9 @@ def schedule_overrides(args: Any) -> dict[str, str]:
 
 
 def bench_env(model: str, root: Path | None = None) -> dict[str, str]:
-    from swarmd.local.demo import DEMO_ENV
+    from swarmd.local.demo import DEMO_MODEL_ENV
 
-    env = dict(DEMO_ENV) if model == "demo" else {}
+    env = dict(DEMO_MODEL_ENV) if model == "demo" else {}
     if model == "llama":
         assert root is not None
         env.update({**LLAMA_ENV, "SWARMD_MODEL_HF": str(llama_dir(root))})

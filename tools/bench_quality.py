@@ -88,11 +88,11 @@ def preset(name: str, root: Path, steps: int | None, seed: int,
     about the schedule of the pipeline (those stay at their defaults) unless ``overrides``."""
     from bench_pipeline import LLAMA_ENV, llama_dir
 
-    from swarmd.local.demo import DEMO_ENV
+    from swarmd.local.demo import DEMO_MODEL_ENV
 
     default_steps, every = RUN[name]
     steps = steps or default_steps
-    env = dict(DEMO_ENV) if name == "demo" else {
+    env = dict(DEMO_MODEL_ENV) if name == "demo" else {
         **LLAMA_ENV, "SWARMD_MODEL_HF": str(llama_dir(root))}
     env.update({"SWARMD_SWARM_STAGES": str(STAGES), "SWARMD_TRAINING_SEED": str(seed),
                 "SWARMD_TRAINING_LR_SCHEDULE": "cosine",

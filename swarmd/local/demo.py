@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-DEMO_ENV = {
+#: the demo's model, data and threads (the benchmarks' "demo" preset, whose schedule is the
+#: configuration's default)
+DEMO_MODEL_ENV = {
     # small enough to train visibly in a few minutes on two CPU cores
     "SWARMD_MODEL_WIDTH": "128", "SWARMD_MODEL_LAYERS": "4", "SWARMD_MODEL_HEADS": "4",
     "SWARMD_MODEL_SEQ_LEN": "64", "SWARMD_TRAINING_BATCH_SIZE": "8",
@@ -27,6 +29,11 @@ DEMO_ENV = {
     # every process of the demo shares this machine's cores: one torch thread each
     "SWARMD_MODEL_THREADS": "1",
 }
+#: ``swarmd demo`` (and the tests that train like it): every peer on this machine, where a
+#: step's pipeline round trip costs next to nothing, so a step can be small and the demo's
+#: loss falls within a minute (``training.microbatches`` is sized for a WAN: docs/pipeline.md,
+#: "Exact steps")
+DEMO_ENV = {**DEMO_MODEL_ENV, "SWARMD_TRAINING_MICROBATCHES": "4"}
 
 
 @dataclass(frozen=True)
