@@ -138,14 +138,15 @@ def test_malformed_bytes(data: bytes) -> None:
     assert reason(data) == "malformed"
 
 
-GOOD_BODY = [2, PID, ["/ip4/203.0.113.7/tcp/31337"], 1, 1, 120.5, 3, "0.1.0", "5ca1ab1e", NOW, 2.0,
-             7]
+GOOD_BODY = [3, PID, ["/ip4/203.0.113.7/tcp/31337"], 1, 1, 120.5, 3, "0.1.0", "5ca1ab1e", NOW, 2.0,
+             7, "0123456789abcdef0123456789abcdef"]
 
 
 @pytest.mark.parametrize("index, value", [
-    (0, 1), (0, 3),        # body versions we do not speak
+    (0, 2), (0, 4),        # body versions we do not speak
     (1, b"bytes id"), (2, "not a list"), (3, -4), (4, 9), (5, "fast"), (5, math.nan),
     (6, -1), (7, None), (9, "yesterday"), (10, 0.0), (2, [7]), (11, -1), (11, 1.5),
+    (12, None), (12, "x" * 65),
 ])
 def test_malformed_fields_even_when_signed(index: int, value: object) -> None:
     body = list(GOOD_BODY)
@@ -154,7 +155,8 @@ def test_malformed_fields_even_when_signed(index: int, value: object) -> None:
 
 
 def test_signed_good_body_passes_the_same_path() -> None:
-    assert decode_signed(_resign(GOOD_BODY), verify, LIMITS, NOW).model_hash == "5ca1ab1e"
+    ann = decode_signed(_resign(GOOD_BODY), verify, LIMITS, NOW)
+    assert ann.model_hash == "5ca1ab1e" and ann.manifest == "0123456789abcdef" * 2
 
 
 def test_unsigned() -> None:

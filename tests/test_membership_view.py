@@ -143,6 +143,19 @@ def test_unknown_stage_model_hash_and_state_are_listed_but_not_routed() -> None:
     json.dumps(snap.to_dict())
 
 
+def test_peers_of_another_manifest_are_listed_but_neither_routed_nor_counted() -> None:
+    ours, theirs = "a" * 32, "b" * 32
+    config = ViewConfig(stages=3, model_hash=HASH, manifest=ours)
+    v = view(ann(0, stage=0, manifest=ours), ann(1, stage=0, manifest=theirs, step=3),
+             ann(2, stage=1, manifest=""), config=config)  # "" says nothing: not compared
+    assert v.why_not(pid(1), NOW) == "manifest_mismatch"
+    assert v.why_not(pid(0), NOW) is None and v.why_not(pid(2), NOW) is None
+    assert v.stage_totals(NOW) == [100.0, 102.0, 0.0]
+    assert not v.stage_has_state(0, NOW, besides=pid(0))  # another manifest holds no state
+    # a view without a manifest of its own compares none
+    assert view(ann(1, stage=0, manifest=theirs)).why_not(pid(1), NOW) is None
+
+
 def test_bottleneck_is_the_lowest_total_ties_to_the_lowest_stage() -> None:
     v = view(ann(0, stage=0, throughput=50.0), ann(1, stage=1, throughput=20.0),
              ann(2, stage=1, throughput=20.0), ann(3, stage=2, throughput=39.0))

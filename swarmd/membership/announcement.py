@@ -3,8 +3,8 @@ exchange. msgpack is used here and nowhere else in ``swarmd.membership``.
 
 An announcement is one peer's claim about itself (who, where, which stage, how loaded). On the
 wire it is ``msgpack([body, signature])`` where ``body`` is a positional msgpack array (no map
-keys: ~200 bytes with a 52-character peer id, one address, a 16-hex model hash and a 64-byte
-signature). The signature covers ``DOMAIN + body``, so a signature made for another protocol
+keys: ~230 bytes with a 52-character peer id, one address, a 16-hex model hash, a 32-hex
+manifest hash and a 64-byte signature). The signature covers ``DOMAIN + body``, so a signature made for another protocol
 with the same key can never pass as an announcement. Signing and verifying are functions passed
 in (the peer's libp2p key in the daemon, fakes in tests).
 
@@ -40,8 +40,8 @@ __all__ = [
 DOMAIN = b"swarmd/membership/announce/1\x00"
 #: wire format version (first element of every body / request / page)
 WIRE_VERSION = 1
-#: version of the announcement body (2 added ``step``)
-BODY_VERSION = 2
+#: version of the announcement body (2 added ``step``, 3 ``manifest``)
+BODY_VERSION = 3
 
 Sign = Callable[[bytes], bytes]
 Verify = Callable[[str, bytes, bytes], bool]
@@ -76,6 +76,7 @@ _MAX_STR = 128
 _MAX_STAGE = 1 << 16
 _MAX_QUEUE = 1 << 31
 _MAX_STEP = 1 << 62
+_MAX_MANIFEST = 64
 
 
 def _check_str(name: str, value: object, max_len: int, *, empty: bool = False) -> None:
@@ -112,6 +113,9 @@ class Announcement:
     period: float
     #: optimizer steps its stage has taken (0 for peers without a stage)
     step: int = 0
+    #: hash of the swarm manifest it runs (``swarmd.manifest``): every setting mates share;
+    #: "" says nothing (peers announcing another hash are never routed to)
+    manifest: str = ""
 
     def __post_init__(self) -> None:
         _check_str("peer_id", self.peer_id, _MAX_ID)
@@ -136,6 +140,7 @@ class Announcement:
             raise ValueError("period must be a finite number > 0")
         if type(self.step) is not int or not 0 <= self.step < _MAX_STEP:
             raise ValueError("step must be an int >= 0")
+        _check_str("manifest", self.manifest, _MAX_MANIFEST, empty=True)
 
     def evolve(self, **changes: object) -> Announcement:
         """A copy with some fields changed (validated again)."""
@@ -164,7 +169,7 @@ def _body(ann: Announcement) -> bytes:
     return msgpack.packb(
         [BODY_VERSION, ann.peer_id, list(ann.addrs), ann.stage, _STATE_CODES[ann.state],
          float(ann.throughput), ann.queue, ann.version, ann.model_hash, float(ann.timestamp),
-         float(ann.period), ann.step],
+         float(ann.period), ann.step, ann.manifest],
         use_bin_type=True)
 
 
@@ -186,16 +191,16 @@ def _unpack(data: bytes, max_bytes: int) -> object:
 
 def _parse_body(body: bytes) -> Announcement:
     fields = _unpack(body, len(body))
-    if type(fields) is not tuple or len(fields) != 12 or fields[0] != BODY_VERSION:
+    if type(fields) is not tuple or len(fields) != 13 or fields[0] != BODY_VERSION:
         raise ValueError(f"not an announcement body of version {BODY_VERSION}")
     (_, peer_id, addrs, stage, state, throughput, queue, version, model_hash, ts,
-     period, step) = fields
+     period, step, manifest) = fields
     if type(addrs) is not tuple or state not in _STATES_BY_CODE:
         raise ValueError("bad addrs or state")
     return Announcement(peer_id=peer_id, addrs=addrs, stage=stage,
                         state=_STATES_BY_CODE[state], throughput=throughput, queue=queue,
                         version=version, model_hash=model_hash, timestamp=ts, period=period,
-                        step=step)
+                        step=step, manifest=manifest)
 
 
 def decode_signed(data: bytes, verify: Verify, limits: Limits, now: float) -> Announcement:

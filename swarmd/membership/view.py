@@ -53,6 +53,9 @@ class ViewConfig:
     stages: int
     #: our model hash; peers announcing another are out of routing
     model_hash: str
+    #: our swarm manifest's hash; peers announcing another are out of routing ("": none
+    #: compared, nor is a peer's "")
+    manifest: str = ""
     limits: Limits = field(default_factory=Limits)
     expiry_periods: float = 3.0
     min_period_s: float = 2.0
@@ -296,9 +299,15 @@ class View:
             return "not_listed"
         return self._why_not(entry.ann, entry.overdue_at, now)
 
+    def _other_manifest(self, ann: Announcement) -> bool:
+        ours = self.config.manifest
+        return bool(ours and ann.manifest and ann.manifest != ours)
+
     def _why_not(self, ann: Announcement, overdue_at: float, now: float) -> str | None:
         if ann.model_hash != self.config.model_hash:
             return "model_hash_mismatch"
+        if self._other_manifest(ann):
+            return "manifest_mismatch"
         if ann.stage is None:
             return "no_stage"
         if ann.stage >= self.config.stages:
@@ -317,7 +326,7 @@ class View:
         mate still syncing at step 0 holds nothing (two fresh joiners must not wait for each
         other)."""
         return any(a.stage == stage and a.peer_id != besides
-                   and a.model_hash == self.config.model_hash
+                   and a.model_hash == self.config.model_hash and not self._other_manifest(a)
                    and (a.state is PeerState.ONLINE or a.step > 0)
                    for a in self.announcements(now))
 
@@ -333,7 +342,8 @@ class View:
         for e in self._entries.values():
             a = e.ann  # overdue_at < expires_at, and tombstones are not online
             if (e.overdue_at > now and a.state is online and a.model_hash == model_hash
-                    and a.stage is not None and a.stage < stages):
+                    and a.stage is not None and a.stage < stages
+                    and not self._other_manifest(a)):
                 totals[a.stage] += a.throughput
         return totals
 
