@@ -191,3 +191,27 @@ class PartUnverified(SwarmdError):
     and why."""
 
     code = "part_unverified"
+
+
+class BadManifest(BadPeerMessage):
+    """A swarm manifest a peer sent is unusable: over its size limit, malformed, not the one
+    its signed announcement names (``hash_mismatch``), or naming a tokenizer.json it cannot
+    give (``tokenizer_mismatch``: the bytes do not have the manifest's sha256). That peer is
+    at fault: the joiner counts it and asks another."""
+
+    code = "bad_manifest"
+
+
+class ManifestConflict(ConfigError):
+    """This peer's own settings differ from its swarm's manifest: one line per differing key,
+    with this peer's value and the swarm's. Set them as the swarm does, or remove them from
+    this peer's configuration to take the swarm's."""
+
+    code = "manifest_conflict"
+
+
+class ManifestUnavailable(SwarmdError):
+    """No bootstrap peer gave a manifest that passes the checks (each peer and why named)."""
+
+    code = "manifest_unavailable"
+    exit_status = 2

@@ -57,6 +57,9 @@ CORES = frozenset({
     "swarmd.data.heldout",
     "swarmd.data.fingerprint",
     "swarmd.data.windows",
+    "swarmd.manifest.document",
+    "swarmd.manifest.settle",
+    "swarmd.manifest.wire",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

@@ -111,6 +111,12 @@ class Config:
         """The :class:`~swarmd.models.seam.Fingerprint` of this configuration's model."""
         return _model_of(self)[2]
 
+    def manifest(self) -> Any:
+        """This configuration's swarm manifest (:class:`swarmd.manifest.document.Manifest`:
+        every setting the peers of a swarm share; its ``hash`` is announced). Reads config.json
+        and the tokenizer once per configuration (``ModelError`` when they cannot be read)."""
+        return _manifest_of(self)
+
     def model_seam(self) -> tuple[Any, Any]:
         """``(seam, tokenizer)`` of this configuration's model (built once, then cached)."""
         seam, tokenizer, _ = _model_of(self)
@@ -134,6 +140,13 @@ def _model_of(config: Config) -> tuple[Any, Any, Any]:
 
     seam, tokenizer = seam_from_config(config)
     return seam, tokenizer, fingerprint_from_config(config, seam)
+
+
+@functools.lru_cache(maxsize=8)
+def _manifest_of(config: Config) -> Any:
+    from swarmd.manifest.local import manifest_of
+
+    return manifest_of(config)[0]
 
 
 _SECTIONS: dict[str, type[_Section]] = {
