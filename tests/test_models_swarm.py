@@ -106,7 +106,9 @@ def test_a_trainer_of_another_dtype_is_refused_naming_the_dtype(tmp_path: Path,
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("swarmd: error:")]
     assert len(errors) == 1, out.stderr[-3000:]
-    assert "dtype: 'float32' here vs 'bfloat16' there" in errors[0]
+    # the swarm's manifest names the setting, one line each, after the error's first line
+    after = out.stderr[out.stderr.index(errors[0]):].splitlines()
+    assert after[1] == "  model.dtype = 'float32' here, 'bfloat16' in the swarm", after
     assert "Traceback" not in out.stderr
     # the daemons are unharmed and still serve
     for d in bf16_swarm:

@@ -214,6 +214,11 @@ class StatusInfo:
     limits: dict[str, Any] = field(default_factory=dict)
     #: while stopping (state ``leaving``): seconds of ``node.shutdown_grace_s`` left
     grace_left_s: float | None = None
+    #: the hash of the swarm manifest this daemon runs (``swarmd.manifest``), its model in a
+    #: few words, and where it came from (own, swarm, kept)
+    manifest: str = ""
+    model: str = ""
+    manifest_from: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:

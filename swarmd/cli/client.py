@@ -71,6 +71,9 @@ def text_status(st) -> str:
              f"state       {st.state}" + (f" ({st.grace_left_s:.1f} s of grace left)"
                                              if st.grace_left_s is not None else ""),
              f"stage       {'none' if st.stage is None else st.stage}",
+             f"manifest    {st.manifest or 'unknown'}"
+             + (f" ({st.manifest_from})" if st.manifest_from else ""),
+             f"model       {st.model or 'unknown'}",
              f"uptime      {_duration(st.uptime_s)}",
              f"connected   {st.connected_peers} peer{'' if st.connected_peers == 1 else 's'}",
              f"throughput  {_rate(st.throughput)} samples/s",

@@ -77,8 +77,8 @@ class MembershipService:
         self.pull_protocol = Protocols(swarm).view
         self.push_protocol = Protocols(swarm).announce
         self.topic = Protocols(swarm).announce_topic
-        self.view = View(ViewConfig(stages=config.swarm.stages, model_hash=self.model_hash()),
-                         verify)
+        self.view = View(ViewConfig(stages=config.swarm.stages, model_hash=self.model_hash(),
+                                    manifest=config.manifest().hash), verify)
         self.schedule = Schedule(now=time.time(), rng=self._rng)
         self._counters: Counter[str] = Counter()
         self._pulled_from: set[str] = set()
@@ -116,6 +116,10 @@ class MembershipService:
         # relayed addresses (only while peers cannot dial us) go first: dialers try in order
         extra = tuple(a for a in self.extra_addrs() if a not in self._announced[1])
         return (extra + self._announced[1])[:MAX_ANNOUNCED]
+
+    def latest_announcement(self) -> bytes | None:
+        """This peer's newest signed announcement (None before the first)."""
+        return self._last_announcement
 
     def model_hash(self) -> str:
         """The swarm's model name and the hash of its architecture: both must match."""
@@ -256,7 +260,7 @@ class MembershipService:
             peer_id=self.host.peer_id, addrs=self.announced_addrs(), stage=local.stage,
             state=PeerState(state), throughput=float(local.throughput), queue=int(local.queue),
             version=__version__, model_hash=self.model_hash(), timestamp=now, period=period,
-            step=int(local.step))
+            step=int(local.step), manifest=self.view.config.manifest)
         data = encode_signed(ann, self._sign)
         self._last_announcement = data
         return data

@@ -93,6 +93,10 @@ class Daemon:
         self.on_budget: Callable[[StopBudget], None] | None = None
         self._rng = random.Random()
         self._view_waited = False
+        #: the swarm manifest this daemon runs (``swarmd.manifest.join.Settled``) and what its
+        #: fetch counted
+        self.manifest: Any = None
+        self.manifest_counters: Counter[str] = Counter()
 
     # ---- DaemonApi ---------------------------------------------------------------------
     def id_info(self) -> IdInfo:
@@ -114,6 +118,7 @@ class Daemon:
         if self.averager is not None:
             counters.update({f"allreduce.{k}": v
                              for k, v in self.averager.counters.snapshot().items()})
+        counters.update({f"manifest.{k}": v for k, v in self.manifest_counters.items()})
         local = self._local()
         throughput, queue = local.throughput, local.queue
         nat = self.nat.status() if self.nat is not None else None
@@ -132,7 +137,13 @@ class Daemon:
             links=self._links_status(),
             limits=limits_status(self.config, self.host, self.stage_server,
                                  self._upload_left),
-            grace_left_s=self.budget.left(time.monotonic()) if self.budget else None)
+            grace_left_s=self.budget.left(time.monotonic()) if self.budget else None,
+            **self._manifest_status())
+
+    def _manifest_status(self) -> dict[str, str]:
+        m = self.manifest
+        return {} if m is None else {"manifest": m.manifest.hash,
+                                     "model": m.manifest.model_text(), "manifest_from": m.origin}
 
     def _links_status(self) -> dict[str, Any]:
         """Each link's measured round trip and bandwidth and the deadlines derived from them."""
@@ -217,6 +228,7 @@ class Daemon:
             token = create_token(home)
             async with Host(identity, host_options(self.config, self.options.listen)) as host:
                 self.host = host
+                await self._settle_manifest()
                 try:
                     await self._run_services(identity, token, on_started)
                 except* SwarmdError as group:  # a task's typed failure: its message, no trace
@@ -224,10 +236,34 @@ class Daemon:
         if self.budget is not None:
             log.info("stopped %.1f s after the stop request", self._since_stop())
 
+    async def _settle_manifest(self) -> None:
+        """Run the swarm's manifest (``swarmd.manifest.join``): a joiner takes the settings it
+        did not set itself from its bootstrap peers, or stops naming each one that differs."""
+        import dataclasses
+
+        from swarmd.manifest.join import settle_config
+        from swarmd.node.host_options import codec_spec
+
+        settled = await settle_config(self.host, self.config, self.options.home,
+                                      self._bootstrap(), counters=self.manifest_counters)
+        if settled.config is not self.config:
+            self.config = settled.config
+            self._device, self._dtype = self.config.torch_placement()
+            await asyncio.to_thread(self.config.model_hash)  # the adopted model builds
+            self.host.options = dataclasses.replace(self.host.options,
+                                                    codec=codec_spec(self.config))
+        self.manifest = settled
+        log.info("swarm %s, manifest %s (%s): %s", self.config.swarm.name,
+                 settled.manifest.hash, settled.source, settled.manifest.model_text())
+
+    def _bootstrap(self) -> tuple[str, ...]:
+        return tuple(self.options.bootstrap or self.config.network.bootstrap)
+
     async def _run_services(self, identity: Any, token: str,
                             on_started: Callable[[Started], None] | None) -> None:
         from swarmd.api.server import HttpApi
         from swarmd.averaging.allreduce import Averager, protocol_id
+        from swarmd.manifest.service import ManifestServer
         from swarmd.membership.service import MembershipService
         from swarmd.node.nat import NatService
         from swarmd.pipeline.model_info import serve_model_info
@@ -239,6 +275,8 @@ class Daemon:
         nat = NatService(self.host, membership, self.config)
         serve_model_info(self.host, self.config.swarm.name, self.config.swarm.model,
                          self.config.model_fingerprint())
+        ManifestServer(self.host, self.manifest.manifest, self.manifest.tokenizer,
+                       membership.latest_announcement, self.manifest_counters).start()
         async with membership, averager, nat, HttpApi(
                 self, listen=self.options.http_listen or http.listen, token=token,
                 allow_non_loopback=http.allow_non_loopback) as api:
@@ -258,8 +296,7 @@ class Daemon:
     async def _serve_until_stopped(self, tasks: asyncio.TaskGroup, http_url: str,
                                    on_started: Callable[[Started], None] | None) -> None:
         """Place and sync (before saying we are up), go online, wait for the stop, leave."""
-        tasks.create_task(keep_connected(
-            self.host, self.options.bootstrap or tuple(self.config.network.bootstrap), self._rng))
+        tasks.create_task(keep_connected(self.host, self._bootstrap(), self._rng))
         stopping = tasks.create_task(self._stop.wait())
         serving = tasks.create_task(
             self._serve_stage() if self.stage is not None else self._place())
@@ -361,7 +398,7 @@ class Daemon:
 
     def _bootstrapping(self) -> bool:
         """Whether a bootstrap was given (else: a first peer of a new swarm)."""
-        return bool(self.options.bootstrap or self.config.network.bootstrap)
+        return bool(self._bootstrap())
 
     async def _wait_for_view(self) -> None:
         """Wait for a first view from the swarm, at most ``PLACEMENT_WAIT_S`` once in the
@@ -500,5 +537,9 @@ def _present(row: Any) -> int:
     """Peers of our model announced on a stage (``StageRow``), in any state but leaving."""
     if row is None:
         return 0
-    return sum(1 for p in row.peers if p.reason != "model_hash_mismatch"
+    return sum(1 for p in row.peers if p.reason not in _OTHER_SWARM
                and str(getattr(p.state, "value", p.state)) != "leaving")
+
+
+#: why a peer is of another model or manifest (``swarmd.membership.view``)
+_OTHER_SWARM = ("model_hash_mismatch", "manifest_mismatch")

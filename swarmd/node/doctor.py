@@ -3,9 +3,10 @@
 Each check returns a :class:`Check`: a verdict (``ok``, ``warn``, ``fail``), what was found, and
 what to do. ``fail`` means joining cannot work as configured: the command then exits 1. The
 bootstrap checks dial each address with a throwaway identity (never the home's, which a running
-daemon may be using), pull one page of the peer's membership view over our swarm's protocol,
-and compare the peer's announced swarm and model with ours; the same page gives the peer's
-clock (announcements carry signed wall-clock time).
+daemon may be using), ask the swarm manifest the peer runs and settle ours against it (what a
+joiner would take from the swarm, or each own setting that differs), pull one page of the
+peer's membership view over the swarm's protocol and compare its model (peers without a
+manifest); the same page gives the peer's clock (announcements carry signed wall-clock time).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def local_checks(home: Path, load_config: Any) -> tuple[list[Check], Any]:
                                                         "`swarmd init` for a documented file)"))
     else:
         checks.append(_config_diff(config))
+        checks.append(_manifest(config))
     checks.append(_torch(config))
     checks += _home(home)
     return checks, config
@@ -96,6 +98,17 @@ def _config_diff(config: Any) -> Check:
         "differs from the defaults in " + ", ".join(changed) if changed else "all defaults"))
 
 
+def _manifest(config: Any) -> Check:
+    """The swarm manifest this configuration runs (a joiner takes the swarm's instead, for
+    every setting it left at its default)."""
+    try:
+        manifest = config.manifest()
+    except Exception as exc:  # ModelError: a model directory or tokenizer cannot be read
+        return Check("manifest", "fail", str(exc), "fix model.hf or data.tokenizer")
+    return Check("manifest", "ok", f"{manifest.hash}: {manifest.model_text()}, swarm "
+                                   f"{manifest.swarm!r}")
+
+
 def _keys() -> list[str]:
     from swarmd.config import field_specs
 
@@ -120,13 +133,10 @@ def _home(home: Path) -> list[Check]:
 
 
 async def _probe(host: Any, addr: str, config: Any) -> Check:
-    """Dial ``addr``, pull one page of its view, compare swarm, model and clock."""
-    from swarmd.membership import View, ViewConfig
-    from swarmd.membership.announcement import encode_request
-    from swarmd.protocols import Protocols
-    from transport.errors import DeadlineExceeded, RemoteError, TransportError
-    from transport.frames import Message
-    from transport.signing import verify
+    """Dial ``addr``; ask the swarm manifest it runs and settle ours against it (what this
+    peer would take, or the settings that differ); pull one page of its view over the
+    swarm's protocol; compare model and clock."""
+    from transport.errors import DeadlineExceeded, TransportError
 
     name = f"bootstrap {addr}"
     tcp = await _tcp_reason(addr)
@@ -139,28 +149,75 @@ async def _probe(host: Any, addr: str, config: Any) -> Check:
     except TransportError as exc:
         why = "refused" if "refused" in str(exc).lower() else "failed"
         return Check(name, "fail", f"{why}: {exc}", _unreachable_fix(addr))
+    settled = await _settle(host, peer, config)
+    if isinstance(settled, Check):
+        return Check(name, settled.verdict, settled.found, settled.fix)
+    swarm_name, manifest_text = settled
+    return await _pull(host, peer, name, config, swarm_name, manifest_text)
+
+
+async def _settle(host: Any, peer: str, config: Any) -> tuple[str, str] | Check:
+    """(the swarm's name, what its manifest means for this peer), or a failing check."""
+    from swarmd.errors import BadManifest
+    from swarmd.manifest.local import manifest_of, own_keys
+    from swarmd.manifest.service import ask_manifest
+    from swarmd.manifest.settle import settle
+
+    try:
+        swarm = await ask_manifest(host, peer, timeout_s=DIAL_TIMEOUT_S)
+    except BadManifest as exc:
+        return Check("", "fail", f"it sent an unusable swarm manifest ({exc})",
+                     "join through another peer of the swarm, or tell its operator")
+    except Exception:  # an older daemon: the model hash decides below
+        return config.swarm.name, ""
+    ours, _ = await asyncio.to_thread(manifest_of, config)
+    outcome = settle(ours, own_keys(config, ours), swarm)
+    if not outcome.ok:
+        return Check("", "fail", f"the swarm runs manifest {swarm.hash} ({swarm.model_text()}); "
+                                 f"this peer's own settings differ: "
+                     + "; ".join(d.line() for d in outcome.conflicts),
+                     "set them as the swarm does, or remove them from this peer's config to "
+                     "take the swarm's")
+    taken = (f", this peer takes {', '.join(outcome.adopted)} from it" if outcome.adopted
+             else ", the same as this peer's")
+    return swarm.swarm, f"manifest {swarm.hash} ({swarm.model_text()}){taken}"
+
+
+async def _pull(host: Any, peer: str, name: str, config: Any, swarm_name: str,
+                manifest_text: str) -> Check:
+    """One page of the peer's view over ``swarm_name``'s protocol: its announcement, model
+    hash (when no manifest settled it) and clock."""
+    from swarmd.membership import View, ViewConfig
+    from swarmd.membership.announcement import encode_request
+    from swarmd.protocols import Protocols
+    from transport.errors import RemoteError, TransportError
+    from transport.frames import Message
+    from transport.signing import verify
+
     view = View(ViewConfig(stages=config.swarm.stages, model_hash=config.model_hash()), verify)
     try:
-        reply = await host.request(peer, Protocols(config.swarm.name).view, Message(
+        reply = await host.request(peer, Protocols(swarm_name).view, Message(
             kind="pull", meta={"r": encode_request(view.pull_request(time.time(), None))}),
             timeout=DIAL_TIMEOUT_S)
         page = reply.meta.get("p")
         view.apply_page(page if isinstance(page, bytes) else b"", time.time())
     except (RemoteError, TransportError, Exception) as exc:
         return Check(name, "fail", f"connected, but it does not speak swarm "
-                                   f"{config.swarm.name!r} ({type(exc).__name__}: {exc})",
+                                   f"{swarm_name!r} ({type(exc).__name__}: {exc})",
                      "check swarm.name: it must be the same on every peer of a swarm")
     ann = view.get(peer)
     if ann is None:
-        return Check(name, "warn", f"speaks swarm {config.swarm.name!r} but sent no signed "
+        return Check(name, "warn", f"speaks swarm {swarm_name!r} but sent no signed "
                                    f"announcement of itself yet", "try again in a few seconds")
-    if ann.model_hash != config.model_hash():
+    if not manifest_text and ann.model_hash != config.model_hash():
         return Check(name, "fail", f"wrong model hash: it trains {ann.model_hash}, this "
                                    f"config trains {config.model_hash()}",
                      "use the swarm's [model] settings and swarm.model (its config.toml)")
     skew = time.time() - ann.timestamp
-    found = (f"reachable, swarm {config.swarm.name!r}, model {ann.model_hash}, stage "
-             f"{ann.stage}, {len(view.announcements(time.time()))} peer(s) in its view")
+    found = (f"reachable, swarm {swarm_name!r}, "
+             + (manifest_text if manifest_text else f"model {ann.model_hash}")
+             + f", stage {ann.stage}, {len(view.announcements(time.time()))} peer(s) in its "
+               f"view")
     if abs(skew) > ann.period + CLOCK_WARN_S:
         return Check(name, "warn", f"{found}; its clock is about {skew:+.0f} s from ours",
                      "run NTP (timedatectl set-ntp true): announcements from the future or "

@@ -192,6 +192,7 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                   ) -> AsyncIterator[tuple[Any, Any]]:
     """A host with the home's identity (a fresh one without a home), membership (announced
     with no stage) and a started ``Trainer``; torn down in reverse."""
+    from swarmd.manifest.join import check_trainer
     from swarmd.membership.service import LocalState, MembershipService
     from swarmd.node.home import load_identity
     from swarmd.node.host_options import codec_spec, host_options
@@ -207,11 +208,13 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                                    weights=seam.own_weights()))
     async with Host(me, host_options(config, listen)) as host:
         async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
+            dialed = []
             for addr in bootstrap:
                 try:
-                    await host.dial(addr)
+                    dialed.append(await host.dial(addr))
                 except Exception as exc:  # reported; the next address may work
                     progress(f"bootstrap {addr} failed: {exc}")
+            await check_trainer(host, config, dialed)  # its settings are the swarm's, or stop
             trainer = Trainer(host, swarm=config.swarm.name, num_stages=config.swarm.stages,
                               seam=seam, parts=parts, model_hash=config.model_hash(),
                               codec=codec_spec(config), lr=config.training.lr,
