@@ -194,10 +194,12 @@ class PartUnverified(SwarmdError):
 
 
 class BadManifest(BadPeerMessage):
-    """A swarm manifest a peer sent is unusable: over its size limit, malformed, not the one
-    its signed announcement names (``hash_mismatch``), or naming a tokenizer.json it cannot
-    give (``tokenizer_mismatch``: the bytes do not have the manifest's sha256). That peer is
-    at fault: the joiner counts it and asks another."""
+    """A swarm manifest a peer sent is unusable: over its size limit (``oversized``), not
+    canonical or not a valid configuration (``malformed``), sent without that peer's own
+    signed announcement (``bad_announcement``), not the one the announcement names
+    (``hash_mismatch``), or naming a tokenizer.json whose bytes do not have the manifest's
+    sha256 (``tokenizer_mismatch``). That peer is at fault: the joiner counts it and asks
+    another."""
 
     code = "bad_manifest"
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Protocols", "VERSION"]
+__all__ = ["Protocols", "VERSION", "MANIFEST"]
 
 VERSION = 1
+#: the swarm manifest (``swarmd.manifest``): the one id without a swarm name, since a joiner
+#: asks it before it knows the swarm's name
+MANIFEST = f"/swarmd/manifest/{VERSION}"
 
 
 @dataclass(frozen=True, slots=True)

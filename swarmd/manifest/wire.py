@@ -22,11 +22,12 @@ from typing import Any
 
 from swarmd.errors import BadManifest
 from swarmd.manifest.document import MAX_MANIFEST_BYTES, MAX_TOKENIZER_BYTES, TokenizerRef
+from swarmd.protocols import MANIFEST
 
 __all__ = ["PROTOCOL", "FILE_CHUNK", "ManifestRequest", "FileRequest", "ManifestReply",
            "FilePiece", "parse_request", "parse_manifest_reply", "parse_file_reply"]
 
-PROTOCOL = "/swarmd/manifest/1"
+PROTOCOL = MANIFEST
 #: bytes of a file sent per reply
 FILE_CHUNK = 1 << 20
 #: a signed announcement is at most this long (``membership.announcement.Limits``)
