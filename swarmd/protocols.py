@@ -70,6 +70,16 @@ class Protocols:
     def state(self) -> str:
         return self._id("state")
 
+    # a checkpoint of a stage a peer no longer serves, offered to that stage's peers
+    # (swarmd.state.offer): the offer, and the offered state (the state protocol's messages)
+    @property
+    def offer(self) -> str:
+        return self._id("offer")
+
+    @property
+    def offered_state(self) -> str:
+        return self._id("offered-state")
+
     # the model a peer trains, to say what differs from ours (swarmd.pipeline.model_info)
     @property
     def model(self) -> str:

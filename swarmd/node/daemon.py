@@ -97,6 +97,8 @@ class Daemon:
         #: fetch counted
         self.manifest: Any = None
         self.manifest_counters: Counter[str] = Counter()
+        #: what offering a checkpoint of a stage it no longer serves did (``swarmd.state.offer``)
+        self.offer_counters: dict[str, int] = {}
 
     # ---- DaemonApi ---------------------------------------------------------------------
     def id_info(self) -> IdInfo:
@@ -119,6 +121,7 @@ class Daemon:
             counters.update({f"allreduce.{k}": v
                              for k, v in self.averager.counters.snapshot().items()})
         counters.update({f"manifest.{k}": v for k, v in self.manifest_counters.items()})
+        counters.update({f"offer.{k}": v for k, v in self.offer_counters.items()})
         local = self._local()
         throughput, queue = local.throughput, local.queue
         nat = self.nat.status() if self.nat is not None else None
@@ -267,6 +270,7 @@ class Daemon:
         from swarmd.membership.service import MembershipService
         from swarmd.node.nat import NatService
         from swarmd.pipeline.model_info import serve_model_info
+        from swarmd.state.offer import serve_offers
 
         http, home = self.config.http, self.options.home
         membership = MembershipService(self.host, identity, self.config, self._local)
@@ -277,6 +281,8 @@ class Daemon:
                          self.config.model_fingerprint())
         ManifestServer(self.host, self.manifest.manifest, self.manifest.tokenizer,
                        membership.latest_announcement, self.manifest_counters).start()
+        serve_offers(self.host, self.config.swarm.name,
+                     lambda peer, offer: self.keeper.offered(peer, offer) if self.keeper else None)
         async with membership, averager, nat, HttpApi(
                 self, listen=self.options.http_listen or http.listen, token=token,
                 allow_non_loopback=http.allow_non_loopback) as api:
@@ -454,6 +460,33 @@ class Daemon:
             "needed": f"no peer serves it; this home's checkpoints are of stages {saved}, "
                       f"which their peers hold"}[placed.reason])
         await self._serve_stage()
+        if placed.reason == "needed":
+            for stage in saved:
+                if stage != self.stage and stage < self.config.swarm.stages:
+                    await self._offer_checkpoint(stage)
+
+    async def _offer_checkpoint(self, stage: int) -> None:
+        """Offer this home's checkpoint of ``stage``, which it no longer serves, to that
+        stage's peers (``swarmd.state.offer``): one of them may have started without it."""
+        from swarmd.state.checkpoint import checkpoint_dir, load_checkpoint
+        from swarmd.state.offer import CheckpointOffer
+
+        directory = checkpoint_dir(self.options.home)
+        try:
+            state = await asyncio.to_thread(load_checkpoint, directory, stage)
+        except SwarmdError as exc:
+            log.warning("stage %d: not offering the checkpoint: %s", stage, exc)
+            return
+        if state is None or state.model_hash != self.config.model_hash():
+            return
+        offer = CheckpointOffer(self.host, swarm=self.config.swarm.name, dir=directory,
+                                stage=stage, step=state.step, model_hash=state.model_hash,
+                                peers=lambda: self.membership.state_sources(stage),
+                                counters=self.offer_counters)
+        log.info("offering this home's checkpoint of stage %d (step %d) to its peers", stage,
+                 state.step)
+        del state
+        self._spawn(offer.run())
 
     # ---- rebalancing ----------------------------------------------------------------------
     async def _balance(self) -> None:

@@ -105,6 +105,9 @@ class StageKeeper:
         self._idle = idle if idle is not None else IdleDrift()
         self._idle_check: asyncio.Task[None] | None = None
         self.protocol = state_protocol(swarm)
+        self.swarm = swarm
+        #: the largest encoded state accepted from a peer or checkpoint
+        self.max_state_bytes = MAX_STATE_BYTES
         self._counts: dict[str, int] = {}
         self._served: dict[str, int] = {}
         #: (done, total) bytes of a download in progress, for status
@@ -369,22 +372,67 @@ class StageKeeper:
             log.info("stage %d: no source offered a state after step %d", self.stage,
                      newer_than)
             return
+        if await self._take(state, peers, equal_too=at_least is not None):
+            self._count("caught_up")
+            log.info("stage %d: caught up to step %d", self.stage, self.server.step)
+
+    async def _take(self, state: StageState, peers: list[tuple[str, tuple[str, ...]]], *,
+                    equal_too: bool = False) -> bool:
+        """Take a downloaded state over (rounds held, the stage drained) unless ours moved
+        past it meanwhile (or to it: unless ``equal_too``); then replay the steps ``peers``
+        took since. Whether it was taken."""
         async with self.server.rounds_held():  # a round must not step beside the restore
-            if state.step < self.server.step or at_least is None and (
+            if state.step < self.server.step or not equal_too and (
                     state.step == self.server.step):  # our rounds went on: keep ours
                 self._count("catch_up_stale")
                 log.info("stage %d: the downloaded state (step %d) is no newer than ours "
                          "(%d) by now: kept ours", self.stage, state.step, self.server.step)
-                return
+                return False
             try:
                 await self.server.when_drained(self._restore, state)
             except StateMismatch as exc:
                 log.error("stage %d: the downloaded state does not fit: %s", self.stage, exc)
-                return
+                return False
             self.server.took_state(state.step)
             await self._replayer.replay(peers)  # the steps taken meanwhile
-        self._count("caught_up")
-        log.info("stage %d: caught up to step %d", self.stage, self.server.step)
+        return True
+
+    def offered(self, peer: str, offer: Any) -> int | None:
+        """``peer`` offers a checkpoint of a stage it no longer serves (``swarmd.state.offer``):
+        one of ours newer than our step is downloaded from it and taken over (once at a
+        time). Returns our step (None: another stage or model, or no state settled yet)."""
+        if (offer.stage != self.stage or offer.model_hash != self.model_hash
+                or not self._ready):
+            return None
+        if offer.step > self.server.step and (self._catching_up is None
+                                              or self._catching_up.done()):
+            self._count("offers_taking")
+            log.info("stage %d: %s offers its checkpoint at step %d, ours is at %d: taking it",
+                     self.stage, peer, offer.step, self.server.step)
+            self._catching_up = asyncio.create_task(self._take_offer(peer, offer.step))
+        return self.server.step
+
+    async def _take_offer(self, peer: str, step: int) -> None:
+        from swarmd.protocols import Protocols
+
+        self.syncing = (0, 0)
+        low, high = state_bytes_bound(self.server.module)
+        try:
+            state = await fetch_state(
+                self.host, Protocols(self.swarm).offered_state, [(peer, ())], stage=self.stage,
+                model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
+                max_bytes=self.max_state_bytes, newer_than=self.server.step,
+                counters=self._counts, size_bound=SizeBound(low, high))
+        except (StateTransferFailed, TransportError) as exc:
+            log.warning("stage %d: the checkpoint %s offered could not be had: %s", self.stage,
+                        peer, exc)
+            return
+        finally:
+            self.syncing = None
+        if state is not None and await self._take(state, self.sources()):
+            self._count("offers_taken")
+            log.info("stage %d: took %s's checkpoint: now at step %d", self.stage, peer,
+                     self.server.step)
 
     async def _replayed(self, peers: list[tuple[str, tuple[str, ...]]]) -> bool:
         """Behind by a few steps: whether replaying them onto our state caught us up (no
