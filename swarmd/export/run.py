@@ -68,7 +68,9 @@ async def export_model(host: Any, view: SwarmView, config: Any, out: Path, *,
     seam, _ = config.model_seam()
     kind = export_kind(seam)
     check_target(out, replace=replace)
-    tokenizer = tokenizer_files(config.data.tokenizer)
+    from swarmd.training.tokens import tokenizer_spec
+
+    tokenizer = tokenizer_files(tokenizer_spec(config.data.tokenizer, config.model.hf))
     collected = await collect(host, view, seam, swarm=config.swarm.name,
                               num_stages=config.swarm.stages, model_hash=config.model_hash(),
                               dtype=resolve_dtype(config.model.dtype), parts=parts,
