@@ -468,24 +468,20 @@ class Daemon:
     async def _offer_checkpoint(self, stage: int) -> None:
         """Offer this home's checkpoint of ``stage``, which it no longer serves, to that
         stage's peers (``swarmd.state.offer``): one of them may have started without it."""
-        from swarmd.state.checkpoint import checkpoint_dir, load_checkpoint
+        from swarmd.state.checkpoint import checkpoint_dir, checkpoint_identity
         from swarmd.state.offer import CheckpointOffer
 
         directory = checkpoint_dir(self.options.home)
-        try:
-            state = await asyncio.to_thread(load_checkpoint, directory, stage)
-        except SwarmdError as exc:
-            log.warning("stage %d: not offering the checkpoint: %s", stage, exc)
+        found = await asyncio.to_thread(checkpoint_identity, directory, stage)
+        if found is None or found[1] != self.config.model_hash():
             return
-        if state is None or state.model_hash != self.config.model_hash():
-            return
+        step, model_hash = found
         offer = CheckpointOffer(self.host, swarm=self.config.swarm.name, dir=directory,
-                                stage=stage, step=state.step, model_hash=state.model_hash,
+                                stage=stage, step=step, model_hash=model_hash,
                                 peers=lambda: self.membership.state_sources(stage),
                                 counters=self.offer_counters)
         log.info("offering this home's checkpoint of stage %d (step %d) to its peers", stage,
-                 state.step)
-        del state
+                 step)
         self._spawn(offer.run())
 
     # ---- rebalancing ----------------------------------------------------------------------

@@ -10,10 +10,13 @@ A file is a 48-byte header, then an encoded :class:`~swarmd.state.encoding.Stage
 
     magic b"SWCK", version (u8), 3 zero bytes, payload length (u64 LE), blake2b-256 of payload
 
-Saving writes a temporary file in the same directory, flushes and fsyncs it, renames it over
-the old checkpoint and fsyncs the directory: a crash at any point leaves either the old or the
-new checkpoint, whole. Loading checks the header, the length (truncation) and the digest (bit
-flips) before decoding; a bad file raises :class:`CorruptCheckpoint`.
+Saving writes a temporary file in the same directory from the state's own tensors, piece by
+piece (the digest computed on the way, the header written last), flushes and fsyncs it,
+renames it over the old checkpoint and fsyncs the directory: a crash at any point leaves either
+the old or the new checkpoint, whole. Loading checks the header and the length (truncation),
+then reads the payload once, piece by piece, into the state's tensors while hashing it, and
+checks the digest (bit flips); a bad file raises :class:`CorruptCheckpoint`. Beside the state,
+either takes one piece of memory (``WRITE_CHUNK``), whatever the stage's size.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from swarmd.errors import SwarmdError
-from swarmd.state.encoding import MAX_STATE_BYTES, BadStageState, StageState, decode, encode
+from swarmd.state.encoding import (MAX_STATE_BYTES, BadStageState, StageState, decode_from,
+                                   layout, peek)
+from swarmd.state.layout import HashingReader
 
 __all__ = ["CorruptCheckpoint", "SaveAborted", "checkpoint_dir", "checkpoint_path",
-           "save_checkpoint", "load_checkpoint", "quarantine", "saved_stages"]
+           "save_checkpoint", "load_checkpoint", "checkpoint_identity", "quarantine",
+           "saved_stages"]
 
 MAGIC = b"SWCK"
 VERSION = 1
@@ -42,7 +48,7 @@ SUFFIX = ".swst"
 #: corrupt files set aside per stage; older ones are deleted
 KEEP_QUARANTINED = 3
 _NAME = re.compile(r"stage-(\d{1,6})\.swst")
-#: a save can be abandoned between two writes of this many bytes
+#: a save can be abandoned between two writes of this many bytes; also the piece a load reads
 WRITE_CHUNK = 4 << 20
 
 
@@ -76,15 +82,18 @@ def checkpoint_path(dir: Path, stage: int) -> Path:
 
 
 def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
-                    abort: Callable[[], bool] | None = None) -> Path:
+                    abort: Callable[[], bool] | None = None,
+                    piece: int = WRITE_CHUNK) -> Path:
     """Write ``state`` as the checkpoint of its stage, atomically; returns its path.
 
-    ``data`` may pass ``encode(state)`` when the caller has it already. Blocking I/O: call it
-    from a worker thread in an event loop, one save per stage at a time. Raises ``OSError``
-    when the disk refuses (the previous checkpoint is then intact). ``abort()`` is asked
-    before the file is created and between chunks of ``WRITE_CHUNK`` bytes: once it says
-    true the temporary file is removed and ``SaveAborted`` raised (the previous checkpoint
-    is intact).
+    The encoding is written from the state's own tensors ``piece`` bytes at a time (its
+    digest computed on the way, the header written last), so nothing but the state and one
+    piece is held; ``data`` may pass ``encode(state)`` when the caller has it already.
+    Blocking I/O: call it from a worker thread in an event loop, one save per stage at a
+    time. Raises ``OSError`` when the disk refuses (the previous checkpoint is then intact).
+    ``abort()`` is asked before the file is created and between pieces: once it says true
+    the temporary file is removed and ``SaveAborted`` raised (the previous checkpoint is
+    intact).
     """
     def check() -> None:
         if abort is not None and abort():
@@ -94,20 +103,26 @@ def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
     dir = Path(dir)
     dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = checkpoint_path(dir, state.stage)
-    payload = encode(state) if data is None else data
-    header = HEADER.pack(MAGIC, VERSION, len(payload),
-                         hashlib.blake2b(payload, digest_size=32).digest())
+    if data is None:
+        encoded = layout(state)
+        length, pieces = encoded.total, encoded.pieces(piece)
+    else:
+        view = memoryview(data)
+        length, pieces = len(view), (view[a:a + piece] for a in range(0, len(view), piece))
     _remove_stale_temps(dir, final.name)
     check()
     tmp = dir / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as out:
-            out.write(header)
-            view = memoryview(payload)
-            for start in range(0, len(view), WRITE_CHUNK):
+            out.write(HEADER.pack(MAGIC, VERSION, length, bytes(32)))  # its digest comes last
+            h = hashlib.blake2b(digest_size=32)
+            for view in pieces:
                 check()
-                out.write(view[start:start + WRITE_CHUNK])
+                h.update(view)
+                out.write(view)
+            out.seek(0)
+            out.write(HEADER.pack(MAGIC, VERSION, length, h.digest()))
             out.flush()
             check()
             os.fsync(out.fileno())
@@ -120,47 +135,77 @@ def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
     return final
 
 
-def load_checkpoint(dir: Path, stage: int, *, max_bytes: int = MAX_STATE_BYTES
-                    ) -> StageState | None:
+def load_checkpoint(dir: Path, stage: int, *, max_bytes: int = MAX_STATE_BYTES,
+                    piece: int = WRITE_CHUNK) -> StageState | None:
     """The checkpoint of ``stage`` in ``dir``; None when there is none.
 
-    Raises ``CorruptCheckpoint`` when the file is unreadable or fails any check; the caller
-    should :func:`quarantine` it and fetch the state from peers.
+    Read in one pass, ``piece`` bytes at a time, straight into the state's tensors while its
+    digest is computed: nothing but the state and one piece is held. Raises
+    ``CorruptCheckpoint`` when the file is unreadable or fails any check; the caller should
+    :func:`quarantine` it and fetch the state from peers.
     """
     path = checkpoint_path(dir, stage)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > HEADER.size + max_bytes:
-                raise CorruptCheckpoint(path, f"{size} bytes, more than the limit of {max_bytes}")
-            data = f.read(size + 1)
+        f = open(path, "rb")
     except FileNotFoundError:
         return None
     except IsADirectoryError:
         raise CorruptCheckpoint(path, "it is a directory") from None
     except OSError as exc:
         raise CorruptCheckpoint(path, f"cannot read it ({exc.strerror})") from None
-    if len(data) < HEADER.size:
-        raise CorruptCheckpoint(path, f"truncated to {len(data)} bytes, shorter than its header")
-    magic, version, length, expected = HEADER.unpack_from(data)
+    with f:
+        try:
+            return _load(f, path, stage, max_bytes, piece)
+        except OSError as exc:
+            raise CorruptCheckpoint(path, f"cannot read it ({exc.strerror})") from None
+
+
+def _load(f: Any, path: Path, stage: int, max_bytes: int, piece: int) -> StageState:
+    size = os.fstat(f.fileno()).st_size
+    if size > HEADER.size + max_bytes:
+        raise CorruptCheckpoint(path, f"{size} bytes, more than the limit of {max_bytes}")
+    head = f.read(HEADER.size)
+    if len(head) < HEADER.size:
+        raise CorruptCheckpoint(path, f"truncated to {len(head)} bytes, shorter than its header")
+    magic, version, length, expected = HEADER.unpack(head)
     if magic != MAGIC:
         raise CorruptCheckpoint(path, "not a swarmd checkpoint (bad magic)")
     if version != VERSION:
         raise CorruptCheckpoint(path, f"format version {version}, this swarmd reads {VERSION}")
-    payload = memoryview(data)[HEADER.size:]
-    if len(payload) != length:
-        what = "truncated" if len(payload) < length else "has trailing bytes"
-        raise CorruptCheckpoint(path, f"{what}: {len(payload)} payload bytes, header says "
-                                      f"{length}")
-    if hashlib.blake2b(payload, digest_size=32).digest() != expected:
-        raise CorruptCheckpoint(path, "its checksum does not match (damaged on disk)")
+    present = size - HEADER.size
+    if present != length:
+        what = "truncated" if present < length else "has trailing bytes"
+        raise CorruptCheckpoint(path, f"{what}: {present} payload bytes, header says {length}")
+    reader = HashingReader(f)
     try:
-        state = decode(payload, max_bytes=max_bytes)
+        state = decode_from(reader, length, max_bytes=max_bytes, piece=piece)
     except BadStageState as exc:
+        rest = memoryview(bytearray(min(piece, 1 << 20)))
+        while reader.readinto(rest):
+            pass  # the rest, hashed: damage on disk is told apart from invalid contents
+        if reader.hash.digest() != expected:
+            raise CorruptCheckpoint(path, "its checksum does not match (damaged on disk)"
+                                    ) from None
         raise CorruptCheckpoint(path, f"its contents are invalid ({exc})") from None
+    if reader.count != length or reader.hash.digest() != expected:
+        raise CorruptCheckpoint(path, "its checksum does not match (damaged on disk)")
     if state.stage != stage:
         raise CorruptCheckpoint(path, f"it holds stage {state.stage}, not {stage}")
     return state
+
+
+def checkpoint_identity(dir: Path, stage: int) -> tuple[int, str] | None:
+    """(step, model hash) of ``stage``'s checkpoint in ``dir``, from its header alone (None:
+    none, or unreadable; :func:`load_checkpoint` checks it whole)."""
+    try:
+        with open(checkpoint_path(dir, stage), "rb") as f:
+            magic, version, length, _ = HEADER.unpack(f.read(HEADER.size))
+            if magic != MAGIC or version != VERSION:
+                return None
+            found, step, model_hash = peek(f, length, max_bytes=length)
+    except (OSError, struct.error, BadStageState):
+        return None
+    return (step, model_hash) if found == stage else None
 
 
 def quarantine(path: Path, *, now: float | None = None) -> Path:

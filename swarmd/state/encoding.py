@@ -25,7 +25,6 @@ import hashlib
 import math
 import struct
 import sys
-import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -35,16 +34,18 @@ import torch
 from torch import nn
 
 from swarmd.errors import SwarmdError
+from swarmd.state.layout import PIECE_BYTES, BytesReader, Layout, Reader, byte_view
 from swarmd.training.precision import masters_mismatch
 
 __all__ = ["StageState", "BadStageState", "NonFiniteState", "StateMismatch", "capture",
-           "restore", "encode", "decode", "digest", "check_finite_state", "state_bytes_bound",
-           "MAX_STATE_BYTES"]
+           "restore", "encode", "decode", "decode_from", "layout", "peek", "digest",
+           "check_finite_state", "state_bytes_bound", "MAX_STATE_BYTES"]
 
 MAGIC = b"SWST"
 VERSION = 1
 PREFIX = struct.Struct("<4sB3xQ")
-#: default bound on an encoded state (decode refuses more unless told otherwise)
+#: default bound on an encoded state when the caller names none (a daemon passes what its
+#: stage's module implies: ``state_bytes_bound``); memory is bounded by a piece, not by this
 MAX_STATE_BYTES = 16 << 30
 #: largest msgpack header (names, shapes, optimizer hyper-parameters)
 MAX_HEADER_BYTES = 4 << 20
@@ -216,8 +217,9 @@ def digest(data: bytes | bytearray | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=32).hexdigest()
 
 
-def encode(state: StageState) -> bytes:
-    """The state as bytes (deterministic: equal states give equal bytes)."""
+def layout(state: StageState) -> Layout:
+    """The state's encoding as its header and its tensors' own memory (no copy of a tensor):
+    what checkpoints, digests and transfer chunks are made from, piece by piece."""
     _require_little_endian()
     if _tensors(state.meta):
         raise ValueError("stage state meta must not hold tensors")
@@ -228,18 +230,13 @@ def encode(state: StageState) -> bytes:
               "optimizer": _to_wire(state.optimizer, table)}
     header["tensors"] = [[_DTYPE_NAMES[t.dtype], list(t.shape)] for t in table]
     body = _pack(header)
-    sizes = [t.numel() * t.element_size() for t in table]
-    out = bytearray(PREFIX.size + len(body) + sum(sizes))
-    out[:PREFIX.size] = PREFIX.pack(MAGIC, VERSION, len(body))
-    offset = PREFIX.size + len(body)
-    out[PREFIX.size:offset] = body
-    if sum(sizes):
-        view = torch.frombuffer(out, dtype=torch.uint8)
-        for t, size in zip(table, sizes):
-            if size:
-                view[offset:offset + size].copy_(t.reshape(-1).view(torch.uint8))
-            offset += size
-    return bytes(out)
+    return Layout(PREFIX.pack(MAGIC, VERSION, len(body)) + body, table)
+
+
+def encode(state: StageState) -> bytes:
+    """The state as bytes (deterministic: equal states give equal bytes). A whole copy: for
+    large states use :func:`layout`."""
+    return b"".join(layout(state).pieces())
 
 
 def _to_wire(obj: Any, table: list[torch.Tensor]) -> Any:
@@ -289,47 +286,78 @@ class _Ref:
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_STATE_BYTES
            ) -> StageState:
     """Parse bytes from :func:`encode`; ``BadStageState`` for anything else."""
-    view, start, header = _read_header(data, max_bytes)
-    stage, step, model_hash = header.get("stage"), header.get("step"), header.get("model_hash")
-    if not _is_int(stage) or stage < 0 or not _is_int(step) or step < 0:
-        raise BadStageState(f"stage state has invalid stage {stage!r} or step {step!r}")
-    if not isinstance(model_hash, str) or not 0 < len(model_hash) <= MAX_MODEL_HASH_CHARS:
-        raise BadStageState("stage state has an invalid model hash")
+    view = memoryview(data).cast("B")
+    return decode_from(BytesReader(view), len(view), max_bytes=max_bytes)
+
+
+def decode_from(reader: Reader, total: int, *, max_bytes: int = MAX_STATE_BYTES,
+                piece: int = PIECE_BYTES) -> StageState:
+    """Parse the ``total`` bytes ``reader`` gives (a file, :class:`BytesReader`): the header
+    first, then each tensor read straight into its own memory, ``piece`` bytes at a time, so
+    nothing but the state and one piece is held. ``BadStageState`` for anything wrong."""
+    start, header = _read_header(reader, total, max_bytes)
+    stage, step, model_hash = _identity(header)
     meta = header.get("meta")
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise BadStageState("stage state meta must be a map with string keys")
     _check_tree(meta, 0, allow_refs=False)
-    specs = _tensor_specs(header.get("tensors"), len(view) - start)
+    specs = _tensor_specs(header.get("tensors"), total - start, max_bytes)
     param_refs, optimizer = _references(header, len(specs))
-    tensors = _materialize(view, start, specs)
+    tensors = _materialize(reader, specs, piece)
     params = {name: tensors[i] for name, i in param_refs.items()}
     return StageState(stage=stage, step=step, model_hash=model_hash, params=params,
                       optimizer=_resolve(optimizer, tensors), meta=meta)
 
 
-def _read_header(data: bytes | bytearray | memoryview, max_bytes: int
-                 ) -> tuple[memoryview, int, dict[Any, Any]]:
-    """The bytes as a view, where the tensor data starts, and the header map."""
+def peek(reader: Reader, total: int, *, max_bytes: int = MAX_STATE_BYTES
+         ) -> tuple[int, int, str]:
+    """(stage, step, model hash) of an encoded state, read from its header alone."""
+    _, header = _read_header(reader, total, max_bytes)
+    return _identity(header)
+
+
+def _identity(header: dict[Any, Any]) -> tuple[int, int, str]:
+    stage, step, model_hash = header.get("stage"), header.get("step"), header.get("model_hash")
+    if not _is_int(stage) or stage < 0 or not _is_int(step) or step < 0:
+        raise BadStageState(f"stage state has invalid stage {stage!r} or step {step!r}")
+    if not isinstance(model_hash, str) or not 0 < len(model_hash) <= MAX_MODEL_HASH_CHARS:
+        raise BadStageState("stage state has an invalid model hash")
+    return stage, step, model_hash
+
+
+def _read_exactly(reader: Reader, into: memoryview, what: str) -> None:
+    done = 0
+    while done < len(into):
+        n = reader.readinto(into[done:])
+        if not n:
+            raise BadStageState(f"stage state is truncated: it ends inside {what}")
+        done += n
+
+
+def _read_header(reader: Reader, total: int, max_bytes: int) -> tuple[int, dict[Any, Any]]:
+    """Where the tensor data starts, and the header map."""
     _require_little_endian()
-    view = memoryview(data).cast("B")
-    if len(view) > max_bytes:
-        raise BadStageState(f"stage state of {len(view)} bytes is over the limit of {max_bytes}")
-    if len(view) < PREFIX.size:
-        raise BadStageState(f"stage state of {len(view)} bytes is shorter than its prefix")
-    magic, version, header_len = PREFIX.unpack(view[:PREFIX.size])
+    if total > max_bytes:
+        raise BadStageState(f"stage state of {total} bytes is over the limit of {max_bytes}")
+    if total < PREFIX.size:
+        raise BadStageState(f"stage state of {total} bytes is shorter than its prefix")
+    prefix = bytearray(PREFIX.size)
+    _read_exactly(reader, memoryview(prefix), "its prefix")
+    magic, version, header_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise BadStageState(f"not a stage state (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != VERSION:
         raise BadStageState(f"stage state format version {version} is not known here "
                             f"(expected {VERSION})")
-    if header_len > min(MAX_HEADER_BYTES, len(view) - PREFIX.size):
+    if header_len > min(MAX_HEADER_BYTES, total - PREFIX.size):
         raise BadStageState(f"stage state header of {header_len} bytes does not fit "
-                            f"(limit {MAX_HEADER_BYTES}, {len(view) - PREFIX.size} present)")
-    start = PREFIX.size + header_len
-    header = _unpack(view[PREFIX.size:start], 0)
+                            f"(limit {MAX_HEADER_BYTES}, {total - PREFIX.size} present)")
+    body = bytearray(header_len)
+    _read_exactly(reader, memoryview(body), "its header")
+    header = _unpack(bytes(body), 0)
     if not isinstance(header, dict):
         raise BadStageState("stage state header is not a map")
-    return view, start, header
+    return PREFIX.size + header_len, header
 
 
 def _references(header: dict[Any, Any], count: int) -> tuple[dict[str, int], dict[Any, Any]]:
@@ -423,7 +451,8 @@ def _check_tree(obj: Any, depth: int, *, allow_refs: bool, take: Any = None) -> 
     raise BadStageState(f"stage state holds a value of type {type(obj).__name__}")
 
 
-def _tensor_specs(raw: Any, available: int) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+def _tensor_specs(raw: Any, available: int, max_bytes: int
+                  ) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
     if not isinstance(raw, list):
         raise BadStageState("stage state tensor table must be a list")
     specs, total = [], 0
@@ -437,7 +466,7 @@ def _tensor_specs(raw: Any, available: int) -> list[tuple[torch.dtype, tuple[int
                 and all(_is_int(d) and d >= 0 for d in shape)):
             raise BadStageState(f"stage state tensor {i} has an invalid shape")
         dtype = DTYPES[name]
-        if math.prod(d for d in shape if d) * dtype.itemsize > MAX_STATE_BYTES:
+        if math.prod(d for d in shape if d) * dtype.itemsize > max(max_bytes, available):
             # an empty tensor (a 0 among the dims) still gets strides from the other dims
             raise BadStageState(f"stage state tensor {i} has an impossible shape "
                                 f"{shape[:MAX_DIMS]}")
@@ -453,21 +482,19 @@ def _tensor_specs(raw: Any, available: int) -> list[tuple[torch.dtype, tuple[int
     return specs
 
 
-def _materialize(view: memoryview, offset: int,
-                 specs: list[tuple[torch.dtype, tuple[int, ...], int]]) -> list[torch.Tensor]:
+def _materialize(reader: Reader, specs: list[tuple[torch.dtype, tuple[int, ...], int]],
+                 piece: int) -> list[torch.Tensor]:
+    """Each tensor, its bytes read into its own memory ``piece`` bytes at a time."""
     out = []
-    with warnings.catch_warnings():  # read-only input: it is only read, then copied
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.frombuffer(view, dtype=torch.uint8) if len(view) else None
-    for dtype, shape, size in specs:
+    for i, (dtype, shape, size) in enumerate(specs):
         t = torch.empty(shape, dtype=dtype)
         if size:
-            assert source is not None
-            t.reshape(-1).view(torch.uint8).copy_(source[offset:offset + size])
+            view = byte_view(t)
+            for a in range(0, size, piece):
+                _read_exactly(reader, view[a:a + piece], f"tensor {i}")
         if dtype == torch.bool and size and bool((t.view(torch.uint8) > 1).any()):
             raise BadStageState("stage state bool tensor holds bytes other than 0 and 1")
         out.append(t)
-        offset += size
     return out
 
 

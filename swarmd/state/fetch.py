@@ -18,13 +18,15 @@ import asyncio
 import logging
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from swarmd.links import LinkEstimates, chunks_in_flight, links_for
-from swarmd.state.encoding import (BadStageState, NonFiniteState, StageState, check_finite_state,
-                                   decode, digest)
+from swarmd.state.encoding import BadStageState, NonFiniteState, StageState, check_finite_state
+from swarmd.state.layout import byte_view
+from swarmd.state.spool import Spool
 from swarmd.state.messages import (DigestReply, DigestRequest, ReplayReply, ReplayRequest,
                                    SizeBound, check_offer, parse_chunk, parse_digest, parse_info,
                                    parse_replay)
@@ -65,7 +67,8 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
                       newer_than: int | None = None,
                       counters: dict[str, int] | None = None,
                       size_bound: SizeBound | None = None,
-                      links: LinkEstimates | None = None) -> StageState | None:
+                      links: LinkEstimates | None = None,
+                      spool_dir: Path | None = None) -> StageState | None:
     """Download the state of ``stage`` from the best of ``sources`` ((peer id, multiaddrs)).
 
     ``on_progress(done_bytes, total_bytes)`` is called after every chunk (and with 0 when a
@@ -76,9 +79,12 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
     at most ``request_timeout_s``; ``links`` defaults to the host's shared estimates.
 
     An offer over ``max_bytes`` or outside ``size_bound`` (what the stage's model implies) is
-    refused before a byte is taken; memory is then taken chunk by chunk as chunks arrive, and
-    each chunk is accepted only as the reply of the source it was asked of. A state that
-    decodes but holds NaN/Inf is refused like a corrupt one (``non_finite_states``).
+    refused before a byte is taken; each chunk is accepted only as the reply of the source it
+    was asked of, checked and written at its offset in a temporary file in ``spool_dir``
+    (``swarmd.state.spool``; the system's temporary directory when None), which is checked
+    whole and decoded from piece by piece: beside the state, memory holds the chunks in
+    flight, whatever the stage's size. A state that decodes but holds NaN/Inf is refused like
+    a corrupt one (``non_finite_states``).
 
     With ``newer_than`` (the step of a local checkpoint), offers at or below that step are
     ignored, and None is returned when no source answers with a newer one: keep the local state.
@@ -88,7 +94,7 @@ async def fetch_state(host: Any, protocol: str, sources: Sequence[tuple[str, Seq
                    on_progress=on_progress, parallel=max(1, parallel),
                    request_timeout_s=request_timeout_s, newer_than=newer_than,
                    counters=counters if counters is not None else {}, size_bound=size_bound,
-                   links=links if links is not None else links_for(host))
+                   links=links if links is not None else links_for(host), spool_dir=spool_dir)
     peers = [peer for peer, _ in sources[:MAX_SOURCES]]
     try:
         async with asyncio.timeout(timeout_s):
@@ -159,7 +165,7 @@ class _Fetch:
                  max_bytes: int, on_progress: Callable[[int, int], None] | None,
                  parallel: int, request_timeout_s: float, newer_than: int | None,
                  counters: dict[str, int], size_bound: SizeBound | None,
-                 links: LinkEstimates) -> None:
+                 links: LinkEstimates, spool_dir: Path | None = None) -> None:
         self.host = host
         self.links = links
         #: this download from its source: when it began, and the bytes received since (the
@@ -180,12 +186,24 @@ class _Fetch:
                      "bad_replies", "non_finite_states"):
             counters.setdefault(name, 0)
         self.plan: Plan | None = None
-        #: the verified chunks of the snapshot being downloaded, by index: memory is taken
-        #: as bytes arrive, never on what a source claims
-        self.chunks: dict[int, bytearray] = {}
+        #: the verified chunks of the snapshot being downloaded, on disk at their offsets:
+        #: the file grows as bytes arrive, never on what a source claims
+        self.spool: Spool | None = None
+        self.spool_dir = spool_dir
         self.done_bytes = 0
 
     async def run(self, sources: list[tuple[str, Sequence[str]]]) -> StageState | None:
+        try:
+            return await self._run(sources)
+        finally:
+            self._drop_spool()
+
+    def _drop_spool(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None
+
+    async def _run(self, sources: list[tuple[str, Sequence[str]]]) -> StageState | None:
         peers = [peer for peer, _ in sources]
         self.plan = plan = Plan([])
         try:
@@ -205,7 +223,9 @@ class _Fetch:
         while (choice := plan.next()) is not None:
             info, how = choice
             if how != "resume":
-                self.chunks = {}
+                self._drop_spool()
+                self.spool = await asyncio.to_thread(  # read back a chunk at a time
+                    lambda: Spool(info.total_bytes, self.spool_dir, piece=info.chunk_bytes))
                 self.done_bytes = 0
             if how in ("resume", "restart"):
                 self.counters[{"resume": "resumed", "restart": "restarted"}[how]] += 1
@@ -311,13 +331,14 @@ class _Fetch:
             except BadStateRequest:
                 self.counters["bad_replies"] += 1
                 raise _SourceFailed(info.peer, f"malformed reply to chunk {index}") from None
-            data = await asyncio.to_thread(self._verified, chunk.payload, chunk.checksum)
-            if data is None:
-                self.counters["bad_replies"] += 1
-                raise _SourceFailed(info.peer, f"chunk {index} does not match its checksum")
             if plan.current is not info or index in plan.have:
                 continue  # superseded meanwhile (cannot happen while this task group runs)
-            self.chunks[index] = data
+            spool = self.spool
+            assert spool is not None
+            if not await asyncio.to_thread(self._stored, spool, start, chunk.payload,
+                                           chunk.checksum):
+                self.counters["bad_replies"] += 1
+                raise _SourceFailed(info.peer, f"chunk {index} does not match its checksum")
             plan.have.add(index)
             self.done_bytes += end - start
             self.counters["chunks"] += 1
@@ -350,39 +371,32 @@ class _Fetch:
         return reply
 
     @staticmethod
-    def _verified(payload: torch.Tensor, checksum: str) -> bytearray | None:
-        """A chunk's bytes, copied out of the reply, or None if they do not match their
-        checksum (in a worker thread: both touch megabytes)."""
-        data = bytearray(payload.numel())
-        torch.frombuffer(data, dtype=torch.uint8).copy_(payload)
-        return data if chunk_checksum(data) == checksum else None
+    def _stored(spool: Spool, offset: int, payload: torch.Tensor, checksum: str) -> bool:
+        """Whether a chunk's bytes match their checksum; if so they are written at their
+        offset (in a worker thread: both touch megabytes; no copy of the reply is made)."""
+        view = byte_view(payload.detach().to("cpu").contiguous())
+        if chunk_checksum(view) != checksum:
+            return False
+        spool.write(offset, view)
+        return True
 
-    @staticmethod
-    def _assemble(chunks: dict[int, bytearray], count: int) -> bytearray:
-        """The chunks in order as one buffer, each freed once copied (thread)."""
-        data = bytearray()
-        for i in range(count):
-            data += chunks.pop(i)
-        return data
-
-    def _decoded(self, data: bytearray) -> StageState:
+    def _decoded(self, spool: Spool) -> StageState:
         """In a thread: decode and check a downloaded state (BadStageState if unusable)."""
-        state = decode(data, max_bytes=self.max_bytes)
+        state = spool.decode(self.max_bytes)
         check_finite_state(state)
         return state
 
     async def _finish(self, info: StateInfo, plan: Plan) -> StageState | None:
         """Verify and decode the whole download; None (and the snapshot dropped) if bad."""
-        if sorted(self.chunks) != list(range(info.chunks)):
+        spool = self.spool
+        if spool is None or sorted(plan.have) != list(range(info.chunks)):
             plan.bad_snapshot(info.digest, "chunks are missing")
             return None
-        data = await asyncio.to_thread(self._assemble, self.chunks, info.chunks)
-        self.chunks = {}
-        if len(data) != info.total_bytes or await asyncio.to_thread(digest, data) != info.digest:
+        if await asyncio.to_thread(spool.digest) != info.digest:
             plan.bad_snapshot(info.digest, "its chunks do not add up to its digest")
             return None
         try:
-            state = await asyncio.to_thread(self._decoded, data)
+            state = await asyncio.to_thread(self._decoded, spool)
         except NonFiniteState as exc:
             self.counters["non_finite_states"] += 1
             log.warning("stage %d state: refused the snapshot of %s: %s", self.stage,

@@ -41,6 +41,7 @@ from swarmd.state.encoding import (NonFiniteState, StageState, StateMismatch, ca
 from swarmd.state.messages import SizeBound
 from swarmd.state.fetch import ask_digest, fetch_state
 from swarmd.state.serve import StateServer
+from swarmd.state.spool import clear as clear_spools
 from swarmd.state.transfer import StateTransferFailed
 from transport.errors import TransportError
 from swarmd.protocols import Protocols
@@ -50,7 +51,6 @@ log = logging.getLogger("swarmd.keeper")
 #: a whole download at most: each request has its own deadline derived from the link
 #: (swarmd.state.fetch), so a dead or slow source is left long before this
 FETCH_TIMEOUT_S = 3600.0
-MAX_STATE_BYTES = 16 << 30
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
 #: after a drift repaired, the next repair waits at least this long: peers whose optimizer
@@ -106,8 +106,8 @@ class StageKeeper:
         self._idle_check: asyncio.Task[None] | None = None
         self.protocol = state_protocol(swarm)
         self.swarm = swarm
-        #: the largest encoded state accepted from a peer or checkpoint
-        self.max_state_bytes = MAX_STATE_BYTES
+        #: where downloads are written while they arrive (``swarmd.state.spool``)
+        self.spool_dir = self.dir / "incoming" if self.dir is not None else None
         self._counts: dict[str, int] = {}
         self._served: dict[str, int] = {}
         #: (done, total) bytes of a download in progress, for status
@@ -218,7 +218,9 @@ class StageKeeper:
         if self.dir is None:
             return None
         try:
-            state = load_checkpoint(self.dir, self.stage)
+            if self.spool_dir is not None and self.spool_dir.is_dir():
+                clear_spools(self.spool_dir)  # what a killed run left
+            state = load_checkpoint(self.dir, self.stage, max_bytes=self._max_bytes())
             if state is not None:
                 check_finite_state(state)
         except (CorruptCheckpoint, NonFiniteState) as exc:
@@ -243,11 +245,17 @@ class StageKeeper:
         try:
             return await fetch_state(self.host, self.protocol, peers, stage=self.stage,
                                      model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
-                                     max_bytes=MAX_STATE_BYTES, on_progress=progress,
+                                     max_bytes=high, on_progress=progress,
+                                     spool_dir=self.spool_dir,
                                      newer_than=newer_than, counters=self._counts,
                                      size_bound=SizeBound(low, high))
         finally:
             self.syncing = None
+
+    def _max_bytes(self) -> int:
+        """The largest encoded state of this stage: what its module implies (no fixed
+        ceiling: memory is bounded by a piece, ``swarmd.state.checkpoint``)."""
+        return state_bytes_bound(self.server.module)[1]
 
     def _restore(self, state: StageState) -> None:
         """In the compute thread: take ``state`` over (weights, optimizer, step)."""
@@ -421,7 +429,7 @@ class StageKeeper:
             state = await fetch_state(
                 self.host, Protocols(self.swarm).offered_state, [(peer, ())], stage=self.stage,
                 model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
-                max_bytes=self.max_state_bytes, newer_than=self.server.step,
+                max_bytes=high, newer_than=self.server.step, spool_dir=self.spool_dir,
                 counters=self._counts, size_bound=SizeBound(low, high))
         except (StateTransferFailed, TransportError) as exc:
             log.warning("stage %d: the checkpoint %s offered could not be had: %s", self.stage,

@@ -102,7 +102,8 @@ class CheckpointOffer:
 
     async def _snapshot(self) -> StageState | None:
         try:
-            state = await asyncio.to_thread(load_checkpoint, self.dir, self.offer.stage)
+            state = await asyncio.to_thread(  # our own file: its size bounds it
+                lambda: load_checkpoint(self.dir, self.offer.stage, max_bytes=1 << 62))
         except CorruptCheckpoint as exc:
             log.warning("stage %d: the offered checkpoint is unusable now: %s",
                         self.offer.stage, exc)

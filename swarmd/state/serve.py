@@ -1,22 +1,23 @@
 """The serving side of state transfer (:mod:`swarmd.state.transfer`): snapshots, info, chunks."""
 
 import asyncio
+import hashlib
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import torch
 
 from swarmd.errors import BadPeerMessage, ModelMismatch, SwarmdError, WrongStage
-from swarmd.state.encoding import NonFiniteState, StageState, check_finite_state, digest, encode
+from swarmd.state.encoding import NonFiniteState, StageState, check_finite_state, layout
+from swarmd.state.layout import Layout
 from swarmd.state.messages import (ChunkRequest, DigestReply, DigestRequest, InfoRequest,
                                    ReplayReply, ReplayRequest, parse_request)
 from transport.frames import Message
 from swarmd.state.transfer import (
     DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, _NONE, BadStateRequest, NoState,
-    StateInfo, UnknownSnapshot, chunk_checksum,
+    StateInfo, UnknownSnapshot,
 )
 
 log = logging.getLogger("swarmd.state.transfer")
@@ -35,8 +36,8 @@ def _message_limit(host: Any) -> int | None:
 @dataclass(slots=True, eq=False)
 class _Cached:
     info: StateInfo
-    data: bytes
-    whole: torch.Tensor  # uint8 view of data, sliced per chunk (never written)
+    #: the snapshot's encoding, its bytes read from the snapshot's own tensors per chunk
+    layout: Layout
     checksums: list[str]
     created: float
     used: float
@@ -104,7 +105,7 @@ class StateServer:
 
     @property
     def cached_bytes(self) -> int:
-        return sum(len(c.data) for c in self._cache.values())
+        return sum(c.layout.total for c in self._cache.values())
 
     async def serve(self, message: Message, peer: str) -> Message:
         try:
@@ -194,21 +195,27 @@ class StateServer:
         return cached
 
     def _encode(self, state: StageState) -> _Cached:
-        """In a thread: check, encode and checksum a snapshot."""
+        """In a thread: check a snapshot, then its digest and chunk checksums in one pass
+        over its encoding, read from its own tensors (no copy of the state is made)."""
         check_finite_state(state)
-        data = encode(state)
+        encoded = layout(state)
+        whole = hashlib.blake2b(digest_size=32)
+        sums = []
+        chunks = -(-encoded.total // self.chunk_bytes)
+        for i in range(chunks):
+            start = i * self.chunk_bytes
+            one = hashlib.blake2b(digest_size=16)  # transfer.chunk_checksum, piece by piece
+            for view in encoded.ranges(start, min(start + self.chunk_bytes, encoded.total)):
+                one.update(view)
+                whole.update(view)
+            sums.append(one.hexdigest())
         info = StateInfo(peer=self.host.peer_id, stage=state.stage, step=state.step,
-                         model_hash=state.model_hash, digest=digest(data),
-                         total_bytes=len(data), chunk_bytes=self.chunk_bytes,
+                         model_hash=state.model_hash, digest=whole.hexdigest(),
+                         total_bytes=encoded.total, chunk_bytes=self.chunk_bytes,
                          upload_bytes_s=getattr(getattr(self.host, "options", None),
                                                 "upload_bytes_s", None))
-        with warnings.catch_warnings():  # read-only bytes: the tensor is only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            whole = torch.frombuffer(data, dtype=torch.uint8)
-        view = memoryview(data)
-        sums = [chunk_checksum(view[slice(*info.chunk_range(i))]) for i in range(info.chunks)]
         now = self._clock()
-        return _Cached(info=info, data=data, whole=whole, checksums=sums, created=now, used=now)
+        return _Cached(info=info, layout=encoded, checksums=sums, created=now, used=now)
 
     def _chunk(self, request: ChunkRequest) -> Message:
         key, index = request.digest, request.index
@@ -225,9 +232,10 @@ class StateServer:
         start, end = cached.info.chunk_range(index)
         self.counters["chunks"] += 1
         self.counters["bytes"] += end - start
+        piece = torch.frombuffer(cached.layout.read(start, end), dtype=torch.uint8)
         return Message(kind="state_chunk", meta={"digest": key, "index": index,
                                                  "checksum": cached.checksums[index]},
-                       tensors=(cached.whole[start:end],))
+                       tensors=(piece,))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, c in self._cache.items() if now - c.used > self.keep_s]:
