@@ -27,13 +27,12 @@ def held_out_loss(directory: Path, env: dict[str, str], data: Path) -> float:
     """The loss ``transformers`` computes on the trainer's own validation batches."""
     from swarmd.config import load_config
     from swarmd.training.batches import make_batches
-    from swarmd.training.run import VAL_BATCHES
 
     config = load_config(None, env)
     seam, tokenizer = config.model_seam()
     batches = make_batches(config, tokenizer, data_path=data, batch=config.training.batch_size,
                            seq_len=min(config.model.seq_len, seam.max_seq_len),
-                           val_batches=VAL_BATCHES)
+                           val_batches=config.training.val_batches)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     losses = []
     with torch.no_grad():
