@@ -82,6 +82,8 @@ def asked_log_format(args: argparse.Namespace) -> str:
 def configure_logging(level: str, log: Any = None) -> None:
     """Log at ``level``; with ``log`` (the ``[log]`` section) in its format and to its file
     too (``swarmd.node.logs``)."""
+    import logging
+
     from swarmd.node import logs
 
     if log is None:
@@ -89,6 +91,9 @@ def configure_logging(level: str, log: Any = None) -> None:
     else:
         logs.configure(level, format=log.format, file=log.file, max_bytes=log.max_bytes,
                        backups=log.backups)
+    # the command's own output (json mode's banner, progress and result records) is shown
+    # at any log.level, as the text it replaces is
+    logging.getLogger("swarmd.cli").setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
 
 
 def to_jsonable(value: Any) -> Any:
