@@ -196,6 +196,12 @@ class TrainingConfig(_Section):
         0.0, "Decoupled weight decay of the optimizer (AdamW's and LAMB's), 0 for none.",
         "a number, 0 or more", _non_negative,
     )
+    tensorboard_dir: str = _opt(
+        "", "Directory the trainer writes TensorBoard event files to (loss, learning rate, "
+        "gradient norm, tokens/s, rerouted/restarted/lost per step, every validation loss, "
+        "the run's settings); needs pip install swarmd[tensorboard]; empty: none.",
+        'a directory path such as "~/runs/swarmd", or ""',
+    )
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,8 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     batches = make_batches(config, tokenizer, data_path=data_path, batch=plan.batch,
                            seq_len=seq_len, val_batches=VAL_BATCHES)
     with _home_lock(home) if home is not None else contextlib.nullcontext():
-        async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
+        async with _board(config, plan) as board, \
+                _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
                 trainer_sync(trainer.host, trainer, m, config) as parts:
             resumed = _resume(trainer, batches, home, progress)
             await _wait_for_stages(m, config.swarm.stages, progress,
@@ -105,7 +106,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
             if await parts.join() == "trainers":
                 progress("took the embedding and head of the trainers training now")
             result = await _run_steps(trainer, batches, config, plan, _Progress(
-                max(0, steps - resumed), progress, bar), until, resumed)
+                max(0, steps - resumed), progress, bar), until, resumed, board)
             return dataclasses.replace(result, parts_from=parts.parts_from,
                                        trainer_rounds=parts.rounds)
 
@@ -217,10 +218,16 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
 
 
 async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown: _Progress,
-                     until: Callable[[], bool] | None, resumed: int = 0) -> TrainResult:
+                     until: Callable[[], bool] | None, resumed: int = 0,
+                     board: Any = None) -> TrainResult:
     """Validation before, the steps (one metrics line each, the state saved every
-    ``plan.every`` steps and at the end), validation after."""
+    ``plan.every`` steps and at the end), validation after; the same series and the
+    validation losses to ``board`` (TensorBoard), when given."""
+    from swarmd.training.tensorboard import Board
+
+    board = board or Board()
     initial = await trainer.evaluate(batches.val)
+    board.log_eval(trainer.step, initial)
     shown.say(f"initial validation loss {initial:.4f}")
     t0 = time.monotonic()
     saved = trainer.step
@@ -229,12 +236,15 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
         nonlocal saved
         s = trainer.stats
         rate = s.tokens / (time.monotonic() - t0)
-        _write_metrics(plan.metrics_file, {
+        line = {
             "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
             "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
             "in_flight": s.in_flight, "in_flight_target": s.in_flight_target,
-            "round_trip_ms": s.round_trip_ms,
-            "time": time.time()})  # a record's timestamp for people, not a timer
+            "round_trip_ms": s.round_trip_ms, "lr": trainer.optimizer.last_lr,
+            "grad_norm_trainer": trainer.optimizer.last_grad_norm,
+            "time": time.time()}  # a record's timestamp for people, not a timer
+        _write_metrics(plan.metrics_file, line)
+        board.log_step(step, line)
         shown.stepped(step - resumed, loss, rate, s)
         if plan.every and step % plan.every == 0:
             await _save(trainer, batches, plan.home)
@@ -248,6 +258,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
         if trainer.step != saved:  # the steps done are kept, whatever ended the run
             await _save(trainer, batches, plan.home)
     final = await trainer.evaluate(batches.val)
+    board.log_eval(trainer.step, final)
     shown.say(f"final validation loss {final:.4f}")
     s = trainer.stats
     seconds = time.monotonic() - t0
@@ -281,6 +292,15 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
                       fixed=plan.fixed_in_flight is not None)
     await trainer.train(batches.next, steps=left, microbatches=plan.microbatches,
                         window=window, on_step=stepped)
+
+
+def _board(config: Any, plan: _Plan) -> Any:
+    """TensorBoard's event files when ``training.tensorboard_dir`` is set (else nothing is
+    written), with the run's settings."""
+    from swarmd.training.tensorboard import open_board
+
+    return open_board(config.training.tensorboard_dir,
+                      {"config": config.to_dict(), "run": asdict(plan)})
 
 
 def _write_metrics(path: Path | None, line: dict[str, Any]) -> None:
