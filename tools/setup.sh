@@ -21,17 +21,21 @@ apt_install() {
   as_root apt-get update -qq && as_root apt-get install -y -qq "$@" >/dev/null
 }
 # pip install into .venv, showing each package as pip collects it; pip's whole output is kept
-# in a file and shown when it fails
+# in a file and shown when it fails. --no-compile: Python compiles a module when it is first
+# imported; compiling every file of torch and transformers up front took a minute of the set-up
 pip_install() {
   local log
   log=$(mktemp "${TMPDIR:-/tmp}/swarmd-setup-pip.XXXXXX")
   # constraints.txt pins the CPU build of torch that lies on this machine's disk; on a GPU
   # machine, install torch for your CUDA first and drop the -c flag.
-  if ! .venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt "$@" \
-      2>&1 | tee "$log" | sed -un \
-        -e 's/^Collecting \([^ ;]*\).*/  collecting \1/p' \
-        -e 's/^Installing collected packages: \(.*\)/  installing: \1/p' \
-        -e 's/^Successfully installed \(.*\)/  installed: \1/p'; then
+  if ! .venv/bin/python -m pip install --disable-pip-version-check --no-compile \
+      -c constraints.txt "$@" \
+      2>&1 | tee "$log" | awk '
+        /^Collecting / { print "  collecting " $2; fflush() }
+        /^Processing .*\.whl/ { n = split($2, p, "/"); split(p[n], w, "-")
+                                print "  collecting " w[1] " " w[2] " (local)"; fflush() }
+        /^Installing collected packages: / { print "  installing " NF - 3 " packages (unpacking torch takes longest)"; fflush() }
+        /^Successfully installed / { print "  installed " NF - 2 " packages"; fflush() }'; then
     echo "setup: pip failed; its output:" >&2
     tail -n 40 "$log" >&2
     rm -f "$log"
