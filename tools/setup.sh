@@ -27,8 +27,9 @@ pip_install() {
   local log
   log=$(mktemp "${TMPDIR:-/tmp}/swarmd-setup-pip.XXXXXX")
   # constraints.txt pins the CPU build of torch that lies on this machine's disk; on a GPU
-  # machine, install torch for your CUDA first and drop the -c flag.
-  if ! .venv/bin/python -m pip install --disable-pip-version-check --no-compile \
+  # machine, install torch for your CUDA first and drop the -c flag. python -u: pip's lines
+  # come through as it writes them, not in blocks.
+  if ! .venv/bin/python -u -m pip install --disable-pip-version-check --no-compile \
       -c constraints.txt "$@" \
       2>&1 | tee "$log" | awk '
         /^Collecting / { print "  collecting " $2; fflush() }
