@@ -20,8 +20,23 @@ apt_install() {
   say "installing system packages: $* (apt-get)"
   as_root apt-get update -qq && as_root apt-get install -y -qq "$@" >/dev/null
 }
-# pip install into .venv, showing each package as pip collects it; pip's whole output is kept
-# in a file and shown when it fails. --no-compile: Python compiles a module when it is first
+# What pip is doing, one short line each: the packages it takes, then the install.
+pip_lines() {
+  local line name words
+  while IFS= read -r line; do
+    case "$line" in
+      "Collecting "*) name=${line#Collecting }; echo "  collecting ${name%% *}" ;;
+      "Processing "*.whl*) name=${line#Processing }; name=${name%% *}; name=${name##*/}
+                           echo "  collecting ${name%%-*} (a local file)" ;;
+      "Installing collected packages: "*) read -ra words <<<"${line#*: }"
+        echo "  installing ${#words[@]} packages" ;;
+      "Successfully installed "*) read -ra words <<<"${line#Successfully installed }"
+        echo "  installed ${#words[@]} packages" ;;
+    esac
+  done
+}
+# pip install into .venv, one line per package (pip_lines); pip's whole output is kept in a
+# file and shown when it fails. --no-compile: Python compiles a module when it is first
 # imported; compiling every file of torch and transformers up front took a minute of the set-up
 pip_install() {
   local log
@@ -30,13 +45,7 @@ pip_install() {
   # machine, install torch for your CUDA first and drop the -c flag. python -u: pip's lines
   # come through as it writes them, not in blocks.
   if ! .venv/bin/python -u -m pip install --disable-pip-version-check --no-compile \
-      -c constraints.txt "$@" \
-      2>&1 | tee "$log" | awk '
-        /^Collecting / { print "  collecting " $2; fflush() }
-        /^Processing .*\.whl/ { n = split($2, p, "/"); split(p[n], w, "-")
-                                print "  collecting " w[1] " " w[2] " (local)"; fflush() }
-        /^Installing collected packages: / { print "  installing " NF - 3 " packages (unpacking torch takes longest)"; fflush() }
-        /^Successfully installed / { print "  installed " NF - 2 " packages"; fflush() }'; then
+      -c constraints.txt "$@" 2>&1 | tee "$log" | pip_lines; then
     echo "setup: pip failed; its output:" >&2
     tail -n 40 "$log" >&2
     rm -f "$log"
@@ -53,13 +62,20 @@ if ! [ -x .venv/bin/python ]; then
   say "creating the virtualenv .venv"
   python3 -m venv .venv
 fi
+# swarmd and three of its dependencies build with setuptools: the virtualenv's own (new
+# enough) builds them all, instead of a throw-away build environment for each
+if ! .venv/bin/python -c 'import setuptools, sys
+sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null; then
+  say "updating setuptools in .venv (pip)"
+  pip_install 'setuptools>=68'
+fi
 if [ "$tests" = 1 ]; then
   say "installing swarmd, its dependencies and the test tools into .venv (pip)"
-  pip_install -e '.[test,tensorboard]'
+  pip_install --no-build-isolation -e '.[test,tensorboard]'
 else
-  say "installing swarmd and its dependencies into .venv (pip; torch and transformers are" \
-      "the largest)"
-  pip_install -e .
+  say "installing swarmd and its dependencies into .venv (pip; torch is the largest, then" \
+      "transformers)"
+  pip_install --no-build-isolation -e .
 fi
 
 if [ "$tests" = 1 ]; then
