@@ -136,7 +136,7 @@ def _error(message: str, command: Command | None = None, args: argparse.Namespac
     from swarmd.node import logs
 
     if _json_mode() or (command is not None and command.log_format
-                            and asked_log_format(args) == "json"):
+                        and asked_log_format(args) == "json"):
         print(logs.json_line("swarmd", logging.ERROR, message, event="error", code=code),
               file=sys.stderr, flush=True)
     else:
