@@ -27,3 +27,23 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None], *,
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

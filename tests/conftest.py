@@ -44,7 +44,7 @@ def wanlab_unavailable() -> str | None:
 def wanlab() -> Any:
     """``wanlab(HostSpec(...), ...)`` builds a WAN lab (tools/wanlab) that is torn down after
     the test; the test is skipped, with the reason, where the lab cannot run (not root, no
-    namespaces, iptables-legacy or netfilterqueue missing: tools/setup.sh as root installs
+    namespaces, iptables-legacy or netfilterqueue missing: tools/setup.sh --test as root installs
     them, as on CI)."""
     reason = wanlab_unavailable()
     if reason is not None:

@@ -3,6 +3,7 @@ transformers model computes, in one process (codec none: activations handed over
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,7 +184,7 @@ def test_pretrained_slices_load_only_their_own_tensors(tmp_path, family: str) ->
     ref.save_pretrained(tmp_path, max_shard_size="40KB")  # several shards and an index
     shards = sorted(tmp_path.glob("*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
-    total = sum(f.stat().st_size for f in shards)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
 
     seam = HFCausalLM.from_dir(tmp_path)
     checkpoints = [Checkpoint(tmp_path) for _ in range(3)]
@@ -195,8 +196,10 @@ def test_pretrained_slices_load_only_their_own_tensors(tmp_path, family: str) ->
                         if t.is_floating_point())
         if seam.tied:  # the head's weight is the embedding's: read once
             own_bytes -= trainer.lm_head.weight.numel() * 4 if part is trainer else 0
-        assert checkpoint.tensor_bytes_read == own_bytes
-        assert checkpoint.bytes_read < total / 2  # headers of a few shards and its own tensors
+        assert checkpoint.tensor_bytes_read == own_bytes  # its own tensors, nothing else
+        own_shards = {tmp_path / weight_map[n] for n in seam.checkpoint_names(part).values()}
+        assert set(checkpoint.files_opened) == own_shards  # and only the shards holding them
+        assert len(checkpoint.files_opened) < len(shards)
     x, y = batch()
     with torch.no_grad():
         h = trainer.embed(x)

@@ -162,14 +162,14 @@ def test_damaged_safetensors_file_is_refused_naming_the_file(tmp_path) -> None:
     _save(path, _builtin_checkpoint(seam))
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(ModelError, match="model.safetensors: tensor .* does not fit its byte "
-                                         "range .* damaged or truncated"):
+    with pytest.raises(ModelError, match="model.safetensors: not a usable safetensors file "
+                                         r"\(.*damaged, truncated or not safetensors\)"):
         seam.build_stage(1, 2, weights=Checkpoint(tmp_path))
     path.write_bytes(struct.pack("<Q", 5) + b"[1,2]")
-    with pytest.raises(ModelError, match="model.safetensors: not a safetensors file"):
+    with pytest.raises(ModelError, match="model.safetensors: not a usable safetensors file"):
         seam.build_stage(1, 2, weights=Checkpoint(tmp_path))
     path.write_bytes(b"abc")
-    with pytest.raises(ModelError, match="shorter than 8 bytes"):
+    with pytest.raises(ModelError, match="header too small"):
         seam.build_stage(1, 2, weights=Checkpoint(tmp_path))
     path.unlink()
     with pytest.raises(ModelError, match=r"no \*.safetensors file here"):

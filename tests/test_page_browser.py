@@ -1,7 +1,7 @@
 """The status page (swarmd/api/page.html) in a real headless Chromium, driven over the Chrome
 DevTools Protocol (aiohttp's websocket client, no extra packages).
 
-Without chromium the test is skipped, unless ``CI`` is set: then it fails (tools/setup.sh
+Without chromium the test is skipped, unless ``CI`` is set: then it fails (tools/setup.sh --test
 installs chromium when ``CI`` or ``SWARMD_BROWSER_TESTS=1`` is set). Set
 ``SWARMD_SCREENSHOT_DIR`` to keep the screenshots (page.png, page-unreachable.png).
 """
@@ -37,7 +37,7 @@ def chromium_path() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
         return found
-    how = ("install it with `apt-get install -y chromium`, or run tools/setup.sh with "
+    how = ("install it with `apt-get install -y chromium`, or run tools/setup.sh --test with "
            "SWARMD_BROWSER_TESTS=1")
     if os.environ.get("CI"):
         pytest.fail(f"CI is set but chromium is not installed, so the page's browser test "

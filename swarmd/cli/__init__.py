@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ from swarmd import __version__
 from swarmd.cli.client import (_daemon_arguments, _stop_arguments, cmd_peers, cmd_status,
                                cmd_stop, cmd_swarm, text_peers, text_status, text_stop,
                                text_swarm)
-from swarmd.cli.common import PROG, Command, to_jsonable
+from swarmd.cli.common import PROG, Command, asked_log_format, to_jsonable
 from swarmd.cli.doctor import _doctor_arguments, cmd_doctor, text_doctor
 from swarmd.cli.export import (_export_arguments, _sample_arguments, cmd_export, cmd_sample,
                                text_export, text_sample)
@@ -51,7 +52,10 @@ COMMANDS: list[Command] = [
             description="Run the swarmd daemon in the foreground until SIGINT/SIGTERM or "
                         "`swarmd stop`. With no bootstrap address it starts a new swarm. Prints "
                         "its peer id, listen addresses (with /p2p/<id>) and HTTP URL once they "
-                        "are bound; writes <home>/api then, and removes it on exit."),
+                        "are bound; writes <home>/api then, and removes it on exit. With "
+                        "log.format = \"json\" every line it writes is one JSON object: the "
+                        "banner is a record with peer_id, addrs and http.",
+            log_format=True),
     Command("train", "train the model through a running swarm",
             _train_arguments, cmd_train, text_train,
             description="Join the swarm at --bootstrap as a trainer and train the model through "
@@ -59,13 +63,15 @@ COMMANDS: list[Command] = [
                         "sources), tokenized once, held out by document, shuffled and sharded "
                         "between trainers (docs/data.md); progress with loss, tokens/s and "
                         "route statistics, metrics and validation losses appended to "
-                        "<home>/train-metrics.jsonl."),
+                        "<home>/train-metrics.jsonl.",
+            log_format=True),
     Command("demo", "start a local swarm, train it, and show the result",
             _demo_arguments, cmd_demo, text_demo,
             description="Start --peers daemons on 127.0.0.1 serving --stages stages, train "
                         "--steps steps through them, shut everything down and print a summary "
                         "(with --json, the last line is one JSON object). Exits non-zero if "
-                        "the validation loss did not go down."),
+                        "the validation loss did not go down.",
+            log_format=True),
     Command("export", "download a swarm's model into a directory transformers or swarmd loads",
             _export_arguments, cmd_export, text_export,
             description="Join the swarm at --bootstrap (or through the daemon running with "
@@ -138,8 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def _json_mode() -> bool:
+    from swarmd.node import logs
+
+    return logs.json_mode()
+
+
+def _error(message: str, command: Command | None = None, args: argparse.Namespace | None = None,
+           code: str = "error") -> None:
+    """One line on stderr; a JSON log record when the command writes in json mode."""
+    from swarmd.node import logs
+
+    if _json_mode() or (command is not None and command.log_format
+                        and asked_log_format(args) == "json"):
+        print(logs.json_line("swarmd", logging.ERROR, message, event="error", code=code),
+              file=sys.stderr, flush=True)
+    else:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,18 +176,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = command.run(args)
     except SwarmdError as exc:
-        _error(str(exc))
+        _error(str(exc), command, args, exc.code)
         return exc.exit_status
     except IdentityError as exc:
-        _error(str(exc))
+        _error(str(exc), command, args, "identity")
         return 1
     except OSError as exc:
-        _error(str(exc))
+        _error(str(exc), command, args, "os")
         return 1
     except KeyboardInterrupt:
         return 130
     if args.json:
         print(json.dumps(to_jsonable(result)))
+    elif command.log_format and _json_mode():
+        logging.getLogger("swarmd.cli").info(command.text(result), extra={
+            "event": f"{command.name}_result", "result": to_jsonable(result)})
     else:
         print(command.text(result))
     status = getattr(result, "exit_status", 0)  # a command that reports a failing verdict

@@ -25,6 +25,8 @@ class Command:
     #: renders the result for people
     text: Callable[[Any], str]
     description: str | None = None
+    #: writes in ``log.format``: with ``"json"``, its result and errors are log records too
+    log_format: bool = False
 
 
 # ------------------------------------------------------------------------------ shared options
@@ -56,9 +58,32 @@ def config_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None 
     return load_config(path, os.environ, overrides or {})
 
 
+def asked_log_format(args: argparse.Namespace) -> str:
+    """``log.format`` as the environment or the config file asks for it, read without
+    validating anything else: how to print an error met before the configuration is loaded."""
+    import tomllib
+
+    value = os.environ.get("SWARMD_LOG_FORMAT")
+    if value is not None:
+        return value.strip().strip('"')
+    try:
+        path = getattr(args, "config", None)
+        if path is None and hasattr(args, "home"):
+            from swarmd.node.home import home_config_path
+
+            path = home_config_path(home_from_args(args))
+        if path is None:
+            return "text"
+        return str(tomllib.loads(Path(path).read_text()).get("log", {}).get("format", "text"))
+    except Exception:  # an unreadable home or file: the plain line, as before
+        return "text"
+
+
 def configure_logging(level: str, log: Any = None) -> None:
     """Log at ``level``; with ``log`` (the ``[log]`` section) in its format and to its file
     too (``swarmd.node.logs``)."""
+    import logging
+
     from swarmd.node import logs
 
     if log is None:
@@ -66,6 +91,9 @@ def configure_logging(level: str, log: Any = None) -> None:
     else:
         logs.configure(level, format=log.format, file=log.file, max_bytes=log.max_bytes,
                        backups=log.backups)
+    # the command's own output (json mode's banner, progress and result records) is shown
+    # at any log.level, as the text it replaces is
+    logging.getLogger("swarmd.cli").setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
 
 
 def to_jsonable(value: Any) -> Any:

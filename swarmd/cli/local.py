@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,12 +109,17 @@ def cmd_join(args: argparse.Namespace) -> JoinResult:
     started: list[Started] = []
 
     def on_started(info: Started) -> None:
-        from swarmd.node.logs import set_peer_id
+        from swarmd.node.logs import json_mode, set_peer_id
 
         set_peer_id(info.peer_id)
         started.append(info)
         if args.json:
             print(json.dumps(to_jsonable(info)), flush=True)
+        elif json_mode():  # the banner as a record (stderr and log.file, like every record)
+            logging.getLogger("swarmd.cli").info(
+                "started: peer id %s, http %s", info.peer_id, info.http_url,
+                extra={"event": "started", "peer_id": info.peer_id,
+                       "addrs": list(info.addrs), "http": info.http_url})
         else:
             print(f"peer id   {info.peer_id}")
             for addr in info.addrs:
@@ -160,10 +168,10 @@ def cmd_train(args: argparse.Namespace) -> Any:
     configure_logging(config.log.level.upper(), config.log)
     home = home_from_args(args)
     home.mkdir(parents=True, exist_ok=True)
-    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
     return uvloop.run(train(config, bootstrap=config.network.bootstrap, steps=args.steps,
                             data_path=args.data, home=home,
-                            listen=args.listen or ("/ip4/127.0.0.1/tcp/0",), progress=say))
+                            listen=args.listen or ("/ip4/127.0.0.1/tcp/0",),
+                            progress=_progress(args)))
 
 
 def text_train(result: Any) -> str:
@@ -190,18 +198,39 @@ def cmd_demo(args: argparse.Namespace) -> Any:
     from swarmd.local.demo import run_demo
     from swarmd.errors import ConfigError
 
-    configure_logging("WARNING")
+    configure_logging("WARNING", _demo_log())
     if args.steps < 1 or args.stages < 1 or args.peers < args.stages:
         raise ConfigError("swarmd demo needs --steps >= 1, --stages >= 1 and at least one peer "
                           "per stage (--peers >= --stages)")
-    say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
-        (lambda line: print(line, flush=True))
     result = run_demo(peers=args.peers, stages=args.stages, steps=args.steps,
-                      model=args.model, data=args.data, progress=say)
+                      model=args.model, data=args.data, progress=_progress(args))
     if not result.final_val_loss < result.initial_val_loss:
-        print(text_demo(result), file=sys.stderr)
+        _progress(args)(text_demo(result))
         raise _DemoFailed("validation loss did not go down")
     return result
+
+
+def _progress(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where a command's progress lines go: log records in json mode, stderr beside a
+    ``--json`` result, else stdout."""
+    from swarmd.node.logs import json_mode
+
+    if json_mode():
+        log = logging.getLogger("swarmd.cli")
+        return lambda line: log.info(line, extra={"event": "progress"})
+    if args.json:
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    return lambda line: print(line, flush=True)
+
+
+def _demo_log() -> Any:
+    """The demo's ``[log]``: ``log.format`` from the environment (the demo has no config
+    file), at level warning, to stderr only (its daemons log to their own stderr files)."""
+    import os
+
+    from swarmd.config import load_config
+
+    return dataclasses.replace(load_config(None, os.environ, {}).log, level="warning", file="")
 
 
 class _DemoFailed(SwarmdError):

@@ -246,6 +246,12 @@ class TrainingConfig(_Section):
         3, "How many of a trainer's periodic exports are kept (the newest).",
         "an integer from 1 to 1000", _int_range(1, 1000),
     )
+    tensorboard_dir: str = _opt(
+        "", "Directory the trainer writes TensorBoard event files to (loss, learning rate, "
+        "gradient norm, tokens/s, rerouted/restarted/lost per step, every validation loss, "
+        "the run's settings); needs pip install swarmd[tensorboard]; empty: none.",
+        'a directory path such as "~/runs/swarmd", or ""',
+    )
 
 
 @dataclass(frozen=True)

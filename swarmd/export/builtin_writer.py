@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from swarmd.errors import InternalError
+from swarmd.export.shards import write_shards
 from swarmd.export.tokenizer_files import TokenizerFiles
 
 __all__ = ["write_builtin", "CONFIG_NAME"]
@@ -31,9 +32,6 @@ def write_builtin(directory: Path, seam: object, tensors: Mapping[str, torch.Ten
                   dtype: torch.dtype, tokenizer: TokenizerFiles,
                   max_shard_size: int | str) -> list[str]:
     """Write the model into ``directory``; the names of the files written."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
     from swarmd.models.builtin import checkpoint_names
 
     directory = Path(directory)
@@ -45,20 +43,7 @@ def write_builtin(directory: Path, seam: object, tensors: Mapping[str, torch.Ten
         raise InternalError(f"the parts' names do not cover the built-in GPT: missing "
                             f"{sorted(expected - set(tensors))[:5]}, unexpected "
                             f"{sorted(set(tensors) - expected)[:5]}")
-    weights = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
-    split = split_torch_state_dict_into_shards(
-        weights, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    written = []
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: weights[n] for n in names}, directory / filename,
-                  metadata={"format": "pt"})
-        written.append(filename)
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata),
-                 "weight_map": dict(split.tensor_to_filename)}
-        name = "model.safetensors.index.json"
-        (directory / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append(name)
+    written = write_shards(directory, tensors, dtype=dtype, max_shard_size=max_shard_size)
     dtype_name = str(dtype).removeprefix("torch.")
     lines = ["# The built-in GPT exported by `swarmd export`: `swarmd sample --model DIR`",
              "[model]", f"width = {config.width}", f"heads = {config.heads}",

@@ -19,7 +19,6 @@ Before a byte is written the names are checked against the model's own: every te
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,13 +26,13 @@ from pathlib import Path
 import torch
 
 from swarmd.errors import InternalError
+from swarmd.export.shards import INDEX_NAME, write_shards
 from swarmd.export.tokenizer_files import TokenizerFiles
 
 __all__ = ["write_hf", "DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME"]
 
 #: what ``save_pretrained`` shards at by default (transformers 5)
 DEFAULT_MAX_SHARD_SIZE = "50GB"
-INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -41,26 +40,10 @@ def write_hf(directory: Path, seam: object, tensors: Mapping[str, torch.Tensor],
              dtype: torch.dtype, tokenizer: TokenizerFiles,
              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """Write the model into ``directory``; the names of the files written."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     skeleton = seam._parts()  # type: ignore[attr-defined]  # the *ForCausalLM, meta device
     _check_names(skeleton, tensors, tied=bool(getattr(seam, "tied", False)))
-    weights = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
-    split = split_torch_state_dict_into_shards(
-        weights, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    written = []
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: weights[n] for n in names}, directory / filename,
-                  metadata={"format": "pt"})
-        written.append(filename)
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": sum(t.numel() for t in weights.values()),
-                              **split.metadata},
-                 "weight_map": dict(split.tensor_to_filename)}
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append(INDEX_NAME)
+    written = write_shards(directory, tensors, dtype=dtype, max_shard_size=max_shard_size)
     config = copy.deepcopy(seam.config)  # type: ignore[attr-defined]
     config.architectures = [type(skeleton).__name__]
     config.dtype = dtype

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from swarmd.errors import ExportTargetError
+from swarmd.files import fsync_dir, pid_alive
 
 __all__ = ["check_target", "staging", "keep_newest", "fsync_tree"]
 
@@ -87,7 +88,7 @@ def _move(tmp: Path, out: Path, *, replace: bool) -> None:
             os.rename(old, out)
         raise ExportTargetError(f"--out {out}: cannot move the export there ({exc.strerror}); "
                                 f"did something write into it meanwhile?") from None
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -101,7 +102,7 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
 def keep_newest(parent: Path, pattern: re.Pattern[str], keep: int) -> list[Path]:
@@ -128,20 +129,5 @@ def _remove_stale(parent: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True  # ours: another export of this process may be writing it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # ours: another export of this process may be writing it
+    return pid == os.getpid() or pid_alive(pid)

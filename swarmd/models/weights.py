@@ -1,65 +1,55 @@
-"""Pretrained weights from safetensors files, read slice by slice.
+"""Pretrained weights from safetensors files, read tensor by tensor through the library.
 
-A peer serving one stage reads the headers of the shards it needs and then exactly the byte
-ranges of its own tensors, nothing of the other stages' (the format is an 8-byte little-endian
-header length, a JSON header of ``name -> {dtype, shape, data_offsets}``, then the raw bytes;
-see the safetensors documentation). :attr:`Checkpoint.bytes_read` counts every byte read.
+A peer serving one stage opens (``safetensors.safe_open``, framework "pt") only the shards that
+hold its own tensors and takes only those tensors out of them: the library reads a file's
+header and maps the rest, so the other stages' bytes are never read. Every dtype the
+library and this torch know loads (FP8 included), converted to the module's dtype.
+:attr:`Checkpoint.files_opened` and :attr:`Checkpoint.tensor_bytes_read` say what was taken.
 
 ``model.safetensors.index.json`` (written by ``save_pretrained`` for sharded checkpoints) maps
 each tensor to its shard, so shards holding only other stages' tensors are never opened.
+
+A file the library refuses (a truncated, oversized or malformed header), a tensor of another
+shape, or of a dtype the model cannot take (integers for floating-point weights, a dtype this
+torch cannot convert) is a :class:`~swarmd.errors.ModelError` naming the file and the tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import math
-import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError, safe_open
 
 from swarmd.errors import ModelError
 
-__all__ = ["Checkpoint", "TensorInfo", "SAFETENSORS_DTYPES", "MAX_HEADER_BYTES"]
+__all__ = ["Checkpoint", "tensor_names"]
 
 log = logging.getLogger(__name__)
 
-#: safetensors dtype names and their torch types
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-#: largest JSON header accepted (the format's own reference limit is 100 MB)
-MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorInfo:
-    """Where one tensor lies: its shard, type, shape and absolute byte range."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    stop: int
+#: what to do about a file the library refuses
+_RESAVE = ("re-save the weights with safetensors (save_pretrained, or "
+           "safetensors.torch.save_file), or remove the file to start from random weights")
+#: safetensors dtype names of floating-point data (the rest are integers, bool, complex)
+_FLOAT_PREFIXES = ("F", "BF")
 
 
 class Checkpoint:
-    """The safetensors tensors of a directory (or one file); headers are read when needed."""
+    """The safetensors tensors of a directory (or one file); files are opened when needed."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        #: every byte read: headers and tensors
-        self.bytes_read = 0
-        #: the bytes of tensors read (without the headers)
+        #: the shards opened so far, in order (a shard holding none of a part's tensors is not)
+        self.files_opened: list[Path] = []
+        #: the bytes of the tensors taken out of the files
         self.tensor_bytes_read = 0
-        self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self._where: dict[str, Path] | None = None  # from the index, when there is one
         if self.path.is_file():
             self._files = [self.path]
@@ -86,104 +76,114 @@ class Checkpoint:
             raise ModelError(f"{index}: not a safetensors index ({exc}); expected "
                              f'{{"weight_map": {{tensor name: shard file}}}}') from None
 
-    def _header(self, file: Path) -> dict[str, TensorInfo]:
-        if file in self._headers:
-            return self._headers[file]
-        try:
-            with open(file, "rb") as f:
-                raw = f.read(8)
-                self.bytes_read += len(raw)
-                if len(raw) < 8:
-                    raise ModelError(f"{file}: not a safetensors file (shorter than 8 bytes)")
-                (size,) = struct.unpack("<Q", raw)
-                if size > MAX_HEADER_BYTES:
-                    raise ModelError(f"{file}: not a safetensors file (header of {size} bytes)")
-                text = f.read(size)
-                self.bytes_read += len(text)
-                file_size = f.seek(0, 2)
-        except OSError as exc:
-            raise ModelError(f"{file}: cannot read the weights ({exc.strerror})") from None
-        self._headers[file] = _parse_header(file, text, 8 + size, file_size)
-        return self._headers[file]
-
-    def info(self, name: str) -> TensorInfo | None:
-        """Where tensor ``name`` lies, or None when no shard holds it."""
-        if self._where is not None:
-            file = self._where.get(name)
-            return None if file is None else self._header(file).get(name)
-        for file in self._files:
-            if name in (header := self._header(file)):
-                return header[name]
-        return None
-
-    def read(self, name: str, info: TensorInfo) -> torch.Tensor:
-        """The bytes of one tensor as a CPU tensor (a copy: the file may be closed after)."""
-        try:
-            with open(info.file, "rb") as f:
-                f.seek(info.start)
-                data = f.read(info.stop - info.start)
-        except OSError as exc:
-            raise ModelError(f"{info.file}: cannot read tensor {name} ({exc.strerror})") from None
-        self.bytes_read += len(data)
-        self.tensor_bytes_read += len(data)
-        if len(data) != info.stop - info.start:
-            raise ModelError(f"{info.file}: tensor {name} is cut short (the file is truncated)")
-        if not data:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return torch.frombuffer(bytearray(data), dtype=info.dtype).reshape(info.shape)
-
     def load_into(self, module: nn.Module, names: Mapping[str, str], *, what: str) -> None:
         """Fill ``module``'s tensors from the checkpoint: ``names`` maps each of the module's
         parameter and buffer names to its name in the checkpoint. Every tensor must be there
         with its shape; the checkpoint's dtype is converted to the module's."""
         own = dict(module.named_parameters()) | dict(module.named_buffers())
-        for local, remote in names.items():
-            target = own[local]
-            info = self.info(remote)
-            if info is None:
-                where = (INDEX_NAME if self._where is not None
-                         else ", ".join(f.name for f in self._files))
-                raise ModelError(f"{self.path}: tensor {remote} ({what}) is missing from the "
-                                 f"checkpoint ({where}); the weights do not match config.json")
-            if info.shape != tuple(target.shape):
-                raise ModelError(f"{info.file}: tensor {remote} ({what}) has shape "
-                                 f"{list(info.shape)}, the model expects {list(target.shape)}; "
-                                 f"the weights do not match config.json")
-            with torch.no_grad():
-                target.copy_(self.read(remote, info))
-        log.debug("%s: %d tensors of %s loaded, %d bytes read so far", self.path, len(names),
-                  what, self.bytes_read)
+        with _Shards(self) as shards:
+            for local, remote in names.items():
+                target = own[local]
+                found = shards.find(remote)
+                if found is None:
+                    where = (INDEX_NAME if self._where is not None
+                             else ", ".join(f.name for f in self._files))
+                    raise ModelError(f"{self.path}: tensor {remote} ({what}) is missing from "
+                                     f"the checkpoint ({where}); the weights do not match "
+                                     f"config.json")
+                file, handle = found
+                with torch.no_grad():
+                    target.copy_(self._take(file, handle, remote, target, what))
+        log.debug("%s: %d tensors of %s loaded from %d file(s)", self.path, len(names), what,
+                  len(self.files_opened))
 
-
-def _parse_header(file: Path, text: bytes, data_start: int,
-                  file_size: int) -> dict[str, TensorInfo]:
-    """The tensors a safetensors header describes, each checked against the file's size."""
-    try:
-        header = json.loads(text)
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except ValueError as exc:
-        raise ModelError(f"{file}: not a safetensors file ({exc})") from None
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
+    def _take(self, file: Path, handle: Any, name: str, target: torch.Tensor,
+              what: str) -> torch.Tensor:
+        """Tensor ``name`` of ``file``, its shape and dtype checked against ``target`` first."""
         try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ModelError(f"{file}: tensor {name} has an unusable header entry {entry!r}; "
-                             f"supported dtypes: {', '.join(SAFETENSORS_DTYPES)}") from None
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if (min(shape, default=0) < 0 or not 0 <= begin <= end
-                or end - begin != math.prod(shape) * itemsize
-                or data_start + end > file_size):
-            raise ModelError(f"{file}: tensor {name} of shape {list(shape)} does not fit its "
-                             f"byte range {begin}..{end} (the file is damaged or truncated)")
-        tensors[name] = TensorInfo(file=file, dtype=dtype, shape=shape,
-                                   start=data_start + begin, stop=data_start + end)
-    return tensors
+            view = handle.get_slice(name)
+            shape, dtype = tuple(view.get_shape()), str(view.get_dtype())
+        except SafetensorError as exc:
+            raise ModelError(f"{file}: tensor {name} ({what}) cannot be read ({exc}); "
+                             f"{_RESAVE}") from None
+        if shape != tuple(target.shape):
+            raise ModelError(f"{file}: tensor {name} ({what}) has shape {list(shape)}, the "
+                             f"model expects {list(target.shape)}; the weights do not match "
+                             f"config.json")
+        if target.is_floating_point() and not dtype.startswith(_FLOAT_PREFIXES):
+            raise ModelError(f"{file}: tensor {name} ({what}) holds {dtype} values, the model "
+                             f"expects floating-point weights ({_torch_name(target.dtype)}); "
+                             f"the weights do not match config.json")
+        try:
+            tensor = handle.get_tensor(name)
+            self.tensor_bytes_read += tensor.numel() * tensor.element_size()
+            return tensor.to(target.dtype) if tensor.dtype != target.dtype else tensor
+        except (SafetensorError, TypeError, ValueError, RuntimeError,
+                NotImplementedError) as exc:
+            raise ModelError(f"{file}: tensor {name} ({what}) is {dtype}, which torch "
+                             f"{torch.__version__} cannot convert to "
+                             f"{_torch_name(target.dtype)} ({_first_line(exc)}); convert the "
+                             f"weights to float32, bfloat16 or float16") from None
+
+
+class _Shards(contextlib.AbstractContextManager["_Shards"]):
+    """The shards opened while one part loads, closed when it is done."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self._open: dict[Path, Any] = {}
+        #: the tensor names of each open shard
+        self._keys: dict[Path, frozenset[str]] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def find(self, name: str) -> tuple[Path, Any] | None:
+        """The shard holding tensor ``name`` and its open handle, or None."""
+        c = self.checkpoint
+        if c._where is not None:
+            file = c._where.get(name)
+            if file is None:
+                return None
+            handle = self._handle(file)
+            return (file, handle) if name in self._keys[file] else None
+        for file in c._files:
+            handle = self._handle(file)
+            if name in self._keys[file]:
+                return file, handle
+        return None
+
+    def _handle(self, file: Path) -> Any:
+        if file in self._open:
+            return self._open[file]
+        try:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt",
+                                                         device="cpu"))
+        except FileNotFoundError:
+            raise ModelError(f"{file}: missing (listed in {INDEX_NAME}); copy every shard "
+                             f"of the checkpoint") from None
+        except OSError as exc:
+            raise ModelError(f"{file}: cannot read the weights ({exc.strerror or exc})") from None
+        except SafetensorError as exc:
+            raise ModelError(f"{file}: not a usable safetensors file "
+                             f"({_first_line(exc).removeprefix(_LIB_PREFIX)}: damaged, "
+                             f"truncated or not safetensors); {_RESAVE}") from None
+        self.checkpoint.files_opened.append(file)
+        self._open[file] = handle
+        self._keys[file] = frozenset(handle.keys())
+        return handle
+
+
+_LIB_PREFIX = "Error while deserializing header: "
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _torch_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def tensor_names(module: nn.Module, prefix_map: Iterable[tuple[str, str]]) -> dict[str, str]:

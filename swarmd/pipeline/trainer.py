@@ -58,6 +58,8 @@ from transport.frames import Message
 log = logging.getLogger("swarmd.pipeline.trainer")
 
 MAX_RESTARTS = 8
+#: validation batches in flight at once (``Trainer.evaluate``)
+EVAL_IN_FLIGHT = 8
 #: how long telling a peer that a microbatch was given up may take (``Trainer._abandon``)
 ABANDON_TIMEOUT_S = 5.0
 #: how long to wait for a missing stage before a microbatch counts as lost
@@ -404,11 +406,18 @@ class Trainer(TrainerCompute):
         self.stats.losses.append(loss)
         return loss
 
-    async def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss on ``batches`` (forward only; stage peers keep nothing)."""
-        losses = []
-        for x, y in batches:
-            losses.append(await self._with_restarts(lambda x=x, y=y: self._evaluate_one(x, y)))
+    async def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                       concurrency: int = EVAL_IN_FLIGHT) -> float:
+        """Mean loss on ``batches`` (forward only; stage peers keep nothing), ``concurrency``
+        of them in flight at once (one after another, 32 batches cost 32 pipeline round
+        trips)."""
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(x: torch.Tensor, y: torch.Tensor) -> float:
+            async with gate:
+                return await self._with_restarts(lambda: self._evaluate_one(x, y))
+
+        losses = await asyncio.gather(*(one(x, y) for x, y in batches))
         return sum(losses) / len(losses)
 
     async def _evaluate_one(self, x: torch.Tensor, y: torch.Tensor) -> float:

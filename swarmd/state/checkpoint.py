@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from swarmd.errors import SwarmdError
+from swarmd.files import fsync_dir, pid_alive
 from swarmd.state.encoding import (MAX_STATE_BYTES, BadStageState, StageState, decode_from,
                                    layout, peek)
 from swarmd.state.layout import HashingReader
@@ -131,7 +132,7 @@ def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(dir)
+    fsync_dir(dir)
     return final
 
 
@@ -219,7 +220,7 @@ def quarantine(path: Path, *, now: float | None = None) -> Path:
         n += 1
         target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
     os.replace(path, target)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     old = sorted(path.parent.glob(f"{path.name}.corrupt-*"), key=lambda p: p.name)
     for extra in old[:-KEEP_QUARANTINED]:
         extra.unlink(missing_ok=True)
@@ -245,23 +246,7 @@ def _remove_stale_temps(dir: Path, name: str) -> None:
 
 def _other_process_alive(pid: int) -> bool:
     """Our own pid counts as dead: it is a previous run's (saves of a stage are sequential)."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _fsync_dir(dir: Path) -> None:
-    fd = os.open(dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return pid != os.getpid() and pid_alive(pid)
 
 
 def in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:

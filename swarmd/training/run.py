@@ -101,7 +101,8 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                              seq_len=seq_len, val_batches=config.training.val_batches,
                              say=progress))
     with _home_lock(home) if home is not None else contextlib.nullcontext(), batches:
-        async with _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
+        async with _board(config, plan) as board, \
+                _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
                 trainer_sync(trainer.host, trainer, m, config) as parts, \
                 periodic_export(config, trainer, m, home, progress):
             resumed = _resume(trainer, batches, home, progress)
@@ -112,7 +113,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
             if await parts.join() == "trainers":
                 progress("took the embedding and head of the trainers training now")
             result = await _run_steps(trainer, batches, config, plan, _Progress(
-                max(0, steps - resumed), progress, bar), until, resumed)
+                max(0, steps - resumed), progress, bar), until, resumed, board)
             return dataclasses.replace(result, parts_from=parts.parts_from,
                                        trainer_rounds=parts.rounds)
 
@@ -231,11 +232,15 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
 
 
 async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown: _Progress,
-                     until: Callable[[], bool] | None, resumed: int = 0) -> TrainResult:
+                     until: Callable[[], bool] | None, resumed: int = 0,
+                     board: Any = None) -> TrainResult:
     """Validation before, the steps (one metrics line each, the state saved every
     ``plan.every`` steps and at the end, validation every ``plan.eval_every``), validation
-    after."""
-    initial = await _evaluate(trainer, batches, plan, shown.say, "initial")
+    after; the same series and the validation losses to ``board`` (TensorBoard), when given."""
+    from swarmd.training.tensorboard import Board
+
+    board = board or Board()
+    initial = await _evaluate(trainer, batches, plan, shown.say, "initial", board)
     t0 = time.monotonic()
     saved = trainer.step
 
@@ -243,16 +248,19 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
         nonlocal saved
         s = trainer.stats
         rate = s.tokens / (time.monotonic() - t0)
-        _write_metrics(plan.metrics_file, {
+        line = {
             "step": step, "loss": loss, "tokens_per_s": rate, "rerouted": s.rerouted,
             "restarted": s.restarted, "lost": s.lost, "peers_used": s.peers_used(),
             "in_flight": s.in_flight, "in_flight_target": s.in_flight_target,
             "round_trip_ms": s.round_trip_ms, "data_shard": str(batches.shard),
-            "data_epoch": batches.epoch,
-            "time": time.time()})  # a record's timestamp for people, not a timer
+            "data_epoch": batches.epoch, "lr": trainer.optimizer.last_lr,
+            "grad_norm_trainer": trainer.optimizer.last_grad_norm,
+            "time": time.time()}  # a record's timestamp for people, not a timer
+        _write_metrics(plan.metrics_file, line)
+        board.log_step(step, line)
         shown.stepped(step - resumed, loss, rate, s)
         if plan.eval_every and step % plan.eval_every == 0 and step < plan.steps:
-            await _evaluate(trainer, batches, plan, shown.say, f"step {step}")
+            await _evaluate(trainer, batches, plan, shown.say, f"step {step}", board)
         if plan.every and step % plan.every == 0:
             await _save(trainer, batches, plan.home)
             saved = step
@@ -264,7 +272,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
     finally:
         if trainer.step != saved:  # the steps done are kept, whatever ended the run
             await _save(trainer, batches, plan.home)
-    final = await _evaluate(trainer, batches, plan, shown.say, "final")
+    final = await _evaluate(trainer, batches, plan, shown.say, "final", board)
     s = trainer.stats
     seconds = time.monotonic() - t0
     return TrainResult(steps=trainer.step, initial_val_loss=initial, final_val_loss=final,
@@ -296,15 +304,25 @@ async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
 
 
 async def _evaluate(trainer: Any, batches: Any, plan: _Plan, say: Callable[[str], None],
-                    when: str) -> float:
-    """The validation loss on the held-out batches, said and written as a metrics line
-    (``"val_loss"`` and the step; step lines have ``"loss"`` instead)."""
+                    when: str, board: Any) -> float:
+    """The validation loss on the held-out batches, said, written as a metrics line
+    (``"val_loss"`` and the step; step lines have ``"loss"`` instead) and to ``board``."""
     loss = await trainer.evaluate(batches.val)
+    board.log_eval(trainer.step, loss)
     _write_metrics(plan.metrics_file, {"step": trainer.step, "val_loss": loss,
                                        "data_shard": str(batches.shard),
                                        "data_epoch": batches.epoch, "time": time.time()})
     say(f"{when} validation loss {loss:.4f}")
     return loss
+
+
+def _board(config: Any, plan: _Plan) -> Any:
+    """TensorBoard's event files when ``training.tensorboard_dir`` is set (else nothing is
+    written), with the run's settings."""
+    from swarmd.training.tensorboard import open_board
+
+    return open_board(config.training.tensorboard_dir,
+                      {"config": config.to_dict(), "run": asdict(plan)})
 
 
 def _write_metrics(path: Path | None, line: dict[str, Any]) -> None:

@@ -80,6 +80,11 @@ class SwarmOptimizer:
         #: steps skipped because gradients overflowed
         self.skipped = 0
         self._skip_next = False
+        #: the learning rate of the last step (None before the first)
+        self.last_lr: float | None = None
+        #: the global norm of the last step's gradients, unscaled and before clipping (None
+        #: before the first step, and for a skipped step)
+        self.last_grad_norm: float | None = None
 
     # ---- what torch.optim callers read --------------------------------------------------
     @property
@@ -150,13 +155,16 @@ class SwarmOptimizer:
     def step(self, closure: Any = None) -> bool:
         """One step with the gradients the parameters hold; False when it was skipped."""
         lr = self.settings.lr_of(self.updates)
+        self.last_lr, self.last_grad_norm = lr, None
         if self._skip_next:
             self._skip_next = False
             self.skipped += 1
             return False
         if self.master is not None:
             self.master.set_lr(lr)
-            stepped = self.master.step(scale=self.scale).stepped
+            result = self.master.step(scale=self.scale)
+            stepped = result.stepped
+            self.last_grad_norm = result.grad_norm if stepped else None
         else:
             stepped = self._step_float32(lr)
         if stepped:
@@ -174,6 +182,7 @@ class SwarmOptimizer:
             [torch.linalg.vector_norm(g.float()) for g in grads]))) if grads else 0.0
         if not math.isfinite(norm):
             return False
+        self.last_grad_norm = norm
         if self.settings.grad_clip and norm > self.settings.grad_clip:
             for g in grads:
                 g.mul_(self.settings.grad_clip / (norm + 1e-6))

@@ -31,7 +31,7 @@ Addresses: host i is 198.18.<i+1>.2 (198.18.0.0/15, benchmarking space); hosts h
 named ``swl-<pid>-<serial>-<host>`` (``-r``: the router), so labs never collide.
 
 Needs root, iproute2, iptables (iptables-legacy), libnetfilter-queue-dev and the
-netfilterqueue package (``tools/setup.sh`` installs them when run as root or on CI).
+netfilterqueue package (``tools/setup.sh --test`` installs them when run as root or on CI).
 :meth:`WanLab.check` raises :class:`LabUnavailable` saying what is missing. Leftovers of a
 killed process: ``python -m tools.wanlab --cleanup``.
 """

@@ -30,7 +30,8 @@ def sh(argv: Sequence[str], *, check: bool = True, timeout: float = COMMAND_TIME
     except subprocess.TimeoutExpired:
         raise LabError(f"{' '.join(argv)}: no answer within {timeout:.0f} s") from None
     except FileNotFoundError:
-        raise LabUnavailable(f"{argv[0]} is not installed (run tools/setup.sh as root)") from None
+        raise LabUnavailable(f"{argv[0]} is not installed (run tools/setup.sh --test as "
+                             f"root)") from None
     if check and done.returncode != 0:
         raise LabError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
@@ -187,13 +188,13 @@ def check_host(python: str) -> None:
                              "run as root, as CI does")
     for tool in ("ip", "tc", IPTABLES):
         if shutil.which(tool) is None:
-            raise LabUnavailable(f"{tool} is not installed: run tools/setup.sh as root "
+            raise LabUnavailable(f"{tool} is not installed: run tools/setup.sh --test as root "
                                  f"(apt packages iproute2, iptables)")
     probe = subprocess.run([python, "-c", "import netfilterqueue"], capture_output=True,
                            timeout=COMMAND_TIMEOUT_S)
     if probe.returncode != 0:
-        raise LabUnavailable(f"{python} cannot import netfilterqueue: run tools/setup.sh as root "
-                             f"(apt libnetfilter-queue-dev, pip netfilterqueue)")
+        raise LabUnavailable(f"{python} cannot import netfilterqueue: run tools/setup.sh --test "
+                             f"as root (apt libnetfilter-queue-dev, pip netfilterqueue)")
     ns = f"swl-{os.getpid()}-0-probe"
     try:
         add_namespace(ns)
