@@ -174,7 +174,7 @@ def test_a_joiner_with_other_settings_of_its_own_is_refused_one_line_each(
     assert "Traceback" not in out.stderr
 
 
-def test_doctor_says_what_a_volunteer_takes_and_what_an_own_setting_breaks(
+def test_doctor_says_what_a_volunteer_would_take(
         swarm: Any, tmp_path: Path) -> None:
     from swarmd.node.home import init_home
 
@@ -188,11 +188,8 @@ def test_doctor_says_what_a_volunteer_takes_and_what_an_own_setting_breaks(
                              cwd=ROOT, timeout=120, env={**os.environ, **env})
         return out.returncode, {c["name"]: c for c in json.loads(out.stdout)["checks"]}
 
-    _, checks = doctor(VOLUNTEER_ENV)
+    status, checks = doctor(VOLUNTEER_ENV)  # (own settings that differ: tests/test_doctor.py)
     check = checks[f"bootstrap {addr}"]
-    assert check["verdict"] == "ok", check
+    assert check["verdict"] == "ok" and status == 0, check
     assert "takes model, " in check["found"] and "swarm 'manifest-swarm'" in check["found"]
-    status, checks = doctor({**VOLUNTEER_ENV, "SWARMD_TRAINING_LR": "0.01"})
-    check = checks[f"bootstrap {addr}"]
-    assert check["verdict"] == "fail" and status == 1
-    assert "training.lr = 0.01 here, 0.002 in the swarm" in check["found"]
+    assert checks["manifest"]["verdict"] == "ok"
