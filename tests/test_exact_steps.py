@@ -81,6 +81,7 @@ def test_a_step_is_answered_once_every_stage_and_the_trainer_reported() -> None:
     assert board.post(0, 0, 16.0, stage_step=7, samples=32) == Posted.TAKEN
     assert board.complete(0)
     assert board.answer(0) == pytest.approx(1.0 / (5.0 + 1e-6))
+    assert board.norm(0) == pytest.approx(5.0)
     assert board.expected() == (8, 6)  # each stage's next step
     assert board.post(0, 0, 16.0, stage_step=7, samples=32) == Posted.NOT_OPEN  # answered
     assert board.samples_mismatch == 0

@@ -141,6 +141,9 @@ def reference(p: Preset) -> dict[str, Any]:
     config = load(p.env)
     seam, tokenizer = config.model_seam()
     t = config.training
+    # one thread, as each process of the swarm (model.threads): on 2 shared cores torch's
+    # default two threads spin-wait for each other, 30x slower under load
+    torch.set_num_threads(max(1, config.model.threads))
     torch.manual_seed(t.seed)
     model = whole_model(seam, STAGES, t.seed)
     params = [q for q in model.parameters() if q.requires_grad]

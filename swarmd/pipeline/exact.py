@@ -200,6 +200,14 @@ class StepBoard:
                     self.samples_mismatch += 1
         return entry.coefficient
 
+    def norm(self, step: int) -> float | None:
+        """The whole model's gradient norm of a complete step (before clipping), else None."""
+        entry = self._steps.get(step)
+        if entry is None or not self.complete(step):
+            return None
+        assert entry.own is not None
+        return math.sqrt(entry.own + sum(v[0] for v in entry.stages.values()))
+
     def expire(self, step: int) -> None:
         """The wait for ``step``'s reports is over: it is answered None (each part clips its
         own), and the stages' next steps are not known any more."""

@@ -103,6 +103,8 @@ class TrainStats:
     #: the whole model's clipping coefficient of the last step (exact steps; None: each part
     #: clipped its own, or not exact)
     clip_coefficient: float | None = None
+    #: the whole model's gradient norm of the last step, before clipping (exact steps)
+    grad_norm: float | None = None
     losses: list[float] = field(default_factory=list)
     #: per stage, how many microbatches each peer served (route statistics)
     routes: list[Counter[str]] = field(default_factory=list)
@@ -339,6 +341,7 @@ class Trainer(TrainerCompute):
                 self.counters["steps_clipped"] += 1
         self._reports_missed = not self.board.answered(step) or coefficient is None
         self.stats.clip_coefficient = coefficient
+        self.stats.grad_norm = self.board.norm(step)
         answer = self._answers.pop(step, None)
         if answer is not None and not answer.done():
             answer.set_result(coefficient)

@@ -255,6 +255,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
             "round_trip_ms": s.round_trip_ms, "data_shard": str(batches.shard),
             "data_epoch": batches.epoch, "lr": trainer.optimizer.last_lr,
             "grad_norm_trainer": trainer.optimizer.last_grad_norm,
+            "grad_norm": s.grad_norm, "clip_coefficient": s.clip_coefficient,
             "time": time.time()}  # a record's timestamp for people, not a timer
         _write_metrics(plan.metrics_file, line)
         board.log_step(step, line)

@@ -31,6 +31,7 @@ STEP_SERIES: dict[str, str] = {
     "loss": "train/loss",
     "lr": "train/lr",
     "grad_norm_trainer": "train/grad_norm_trainer",
+    "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
     "rerouted": "microbatches/rerouted",
     "restarted": "microbatches/restarted",
