@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -6,6 +7,12 @@ import pytest
 
 # test helpers (daemon_harness, transport_peer) are imported as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Tests train small steps: every process of a test swarm is on this machine, where a step's
+# round trip costs nothing, and the default (64 microbatches a step, sized for a WAN: docs/
+# pipeline.md, "Exact steps") would make every training test 16 times longer. Daemons and
+# trainers started by tests inherit it; a test that sets its own value keeps it.
+os.environ.setdefault("SWARMD_TRAINING_MICROBATCHES", "4")
 
 
 @pytest.fixture

@@ -167,11 +167,15 @@ class TrainingConfig(_Section):
         "an integer from 1 to 65536", _int_range(1, 65536),
     )
     microbatches: int = _opt(
-        4, "Microbatches per optimizer step of a trainer.", "an integer from 1 to 65536",
-        _int_range(1, 65536),
+        64, "Microbatches per optimizer step of a trainer. A step's last microbatch must come "
+        "back before the next step starts (training.schedule = \"sync\"), so each step "
+        "pays one round trip through the pipeline: 64 keeps that under a tenth of a step on "
+        "a 50 ms link (docs/pipeline.md, \"Exact steps\"); on one machine a few suffice.",
+        "an integer from 1 to 65536", _int_range(1, 65536),
     )
     in_flight: int = _opt(
-        0, "Microbatches a trainer keeps in the pipeline at once (0: training.microbatches).",
+        0, "Most microbatches a trainer keeps in the pipeline at once (0: as many as the "
+        "measured round trip calls for, at most 32 and, with the sync schedule, a step's).",
         "an integer from 0 to 4096", _int_range(0, 4096),
     )
     schedule: str = _opt(
