@@ -35,8 +35,10 @@ the run: ``reference_settled``), else the run was too short to say anything.
 Presets: ``demo`` (the built-in GPT of ``swarmd demo``: width 128, 4 layers, 64-token
 sequences, batch 8, lr 3e-3) and ``llama`` (the ~19M-parameter Llama of
 ``tools/bench_pipeline.py``, from a ``LlamaConfig``: width 512, 6 layers; seq 64, batch 4,
-lr 1e-3). Both use a cosine schedule that ends at the run's last step
-(``training.decay_steps`` = steps), so the reference settles within the run. Every daemon is
+lr 1e-3). Both warm up over the run's first tenth and then follow a cosine schedule that
+ends at its last step (``training.warmup_steps``, ``training.decay_steps``: the run's length),
+so the reference settles within the run; everything else is the configuration's default
+(64 microbatches a step, exact steps, int8 on the wire, the whole model's clipping). Every daemon is
 stopped in a ``finally``; the lab tears itself down.
 """
 
@@ -65,7 +67,7 @@ TARGETS = {"loopback": 1.01, "far": 1.02}
 SETTLED = 0.01
 STAGES = 2
 #: (steps, evaluate every) of each preset
-RUN = {"demo": (300, 30), "llama": (150, 25)}
+RUN = {"demo": (60, 6), "llama": (40, 4)}
 #: a swarm run is stopped after this long
 TRAIN_LIMIT_S = 3600.0
 
@@ -97,6 +99,7 @@ def preset(name: str, root: Path, steps: int | None, seed: int,
     env.update({"SWARMD_SWARM_STAGES": str(STAGES), "SWARMD_TRAINING_SEED": str(seed),
                 "SWARMD_TRAINING_LR_SCHEDULE": "cosine",
                 "SWARMD_TRAINING_DECAY_STEPS": str(steps),
+                "SWARMD_TRAINING_WARMUP_STEPS": str(max(1, steps // 10)),
                 "SWARMD_TRAINING_EVAL_EVERY": str(min(every, steps)),
                 "SWARMD_SWARM_NAME": f"bench-quality-{secrets.token_hex(4)}", **overrides})
     return Preset(name, env, steps, min(every, steps))
