@@ -22,17 +22,21 @@ class _Trainer:
         self.evaluated: list[int] = []
         self.stats = SimpleNamespace(tokens=0, rerouted=0, restarted=0, lost=0, in_flight=0,
                                      in_flight_target=0, round_trip_ms=None,
-                                     peers_used=lambda: [1])
-        self.optimizer = SimpleNamespace(skipped=0)
+                                     peers_used=lambda: [1], grad_norm=None,
+                                     clip_coefficient=None)
+        self.optimizer = SimpleNamespace(skipped=0, last_lr=1e-3, last_grad_norm=None)
 
     async def evaluate(self, batches: list[Any]) -> float:
         self.evaluated.append(self.step)
         return 10.0 - self.step
 
-    async def train_step(self, batches: list[Any], concurrency: int) -> float:
-        self.seen += batches
-        self.step += 1
-        return 1.0
+    async def train(self, next_batch: Any, *, steps: int, microbatches: int, window: Any,
+                    on_step: Any, barrier: bool = False) -> None:
+        for _ in range(steps):
+            self.seen += [next_batch() for _ in range(microbatches)]
+            self.step += 1
+            if await on_step(self.step, 1.0):
+                return
 
 
 def test_evaluations_at_the_start_every_eval_every_steps_and_at_the_end(tmp_path) -> None:

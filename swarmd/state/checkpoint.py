@@ -84,7 +84,7 @@ def checkpoint_path(dir: Path, stage: int) -> Path:
 
 def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
                     abort: Callable[[], bool] | None = None,
-                    piece: int = WRITE_CHUNK) -> Path:
+                    piece: int | None = None) -> Path:
     """Write ``state`` as the checkpoint of its stage, atomically; returns its path.
 
     The encoding is written from the state's own tensors ``piece`` bytes at a time (its
@@ -101,6 +101,7 @@ def save_checkpoint(dir: Path, state: StageState, *, data: bytes | None = None,
             raise SaveAborted(f"saving the checkpoint of stage {state.stage} was abandoned; "
                               f"the previous checkpoint is kept")
 
+    piece = piece or WRITE_CHUNK  # read when called: WRITE_CHUNK is this module's setting
     dir = Path(dir)
     dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = checkpoint_path(dir, state.stage)
