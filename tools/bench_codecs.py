@@ -37,8 +37,15 @@ from transport.codecs import CodecSpec, decode, encode  # noqa: E402
 from transport.limits import Limits  # noqa: E402
 from transport.memory import keep_freed_memory  # noqa: E402
 
-CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd")
+CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd", "int4", "int2", "int4:stochastic",
+               "int2:stochastic")
 DEFAULT_SHAPE = (8, 512, 1024)
+
+
+def spec_of(name: str) -> CodecSpec:
+    """``"int2:stochastic"`` -> the int2 spec with stochastic rounding; else ``parse(name)``."""
+    base, _, rounding = name.partition(":")
+    return CodecSpec.parse(base, **({"rounding": rounding} if rounding else {}))
 
 
 def steady_allocator() -> bool:
@@ -100,7 +107,7 @@ def measure_codecs(shape: tuple[int, ...] = DEFAULT_SHAPE, repeats: int = 7,
     results: dict[str, dict[str, float]] = {}
     with _threads(threads):
         for name in names:
-            spec = CodecSpec.parse(name)
+            spec = spec_of(name)
             encoded = encode(x, spec)
             meta = encoded.meta()
             payload = memoryview(bytearray(b"".join(encoded.parts)))

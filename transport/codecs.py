@@ -37,6 +37,7 @@ from typing import Any, Mapping, NamedTuple, Protocol
 import torch
 import zstandard
 
+from . import lowbit
 from .errors import CodecError, LimitExceeded, LocalUsageError, UnknownCodec
 from .limits import Limits
 
@@ -52,6 +53,11 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
 _DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in DTYPES.items()})
 _FLOATING = frozenset({"float32", "float16", "bfloat16", "float64"})
 _SCALE_DTYPES = MappingProxyType({"float16": torch.float16, "float32": torch.float32})
+_LOWBIT_SCALE_DTYPES = MappingProxyType({**_SCALE_DTYPES, "bfloat16": torch.bfloat16})
+#: the packed low-bit codecs and their bit widths
+_LOWBIT = MappingProxyType({"int4": 4, "int2": 2})
+#: a codec's block size when the spec names none
+DEFAULT_BLOCKS: Mapping[str, int] = MappingProxyType({"int8": 64, "int4": 64, "int2": 256})
 _ZSTD = "zstd"
 #: float32 values per quantisation chunk: the temporary (1 MiB) stays in L2 and is reused
 _CHUNK_ELEMS = 1 << 18
@@ -97,22 +103,34 @@ class CodecSpec:
 
     #: ``"none" | "fp16" | "int8"``, optionally with a ``"+zstd"`` suffix, e.g. ``"int8+zstd"``
     name: str
-    #: int8: values per absmax block (power of two, 16..65536)
-    block_size: int = 64
-    #: int8: ``"float16"`` or ``"float32"``
-    scale_dtype: str = "float16"
+    #: int8, int4, int2: values per scale block (power of two, 16..65536); None: the codec's
+    #: own (``DEFAULT_BLOCKS``: 64, or 256 for int2)
+    block_size: int = None  # type: ignore[assignment]  # resolved in __post_init__
+    #: int8: ``"float16"`` or ``"float32"``; int4, int2: also ``"bfloat16"`` (their default)
+    scale_dtype: str = None  # type: ignore[assignment]  # resolved in __post_init__
     #: zstd level (1..22) when ``name`` ends with ``"+zstd"``
     zstd_level: int = 1
+    #: int4, int2: ``"nearest"`` or ``"stochastic"`` (unbiased; see ``transport.lowbit``)
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or _split_name(self.name) is None:
             raise ValueError(f"unknown codec {self.name!r}: expected one of "
                              f"{sorted(CODECS)}, optionally followed by '+zstd'")
+        lowbit = self.base in _LOWBIT
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", DEFAULT_BLOCKS.get(self.base, 64))
+        if self.scale_dtype is None:
+            object.__setattr__(self, "scale_dtype", "bfloat16" if lowbit else "float16")
         if not _valid_block_size(self.block_size):
             raise ValueError(f"block_size must be a power of two in 16..65536, "
                              f"got {self.block_size!r}")
-        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in _SCALE_DTYPES:
-            raise ValueError(f"scale_dtype must be float16 or float32, got {self.scale_dtype!r}")
+        allowed = _LOWBIT_SCALE_DTYPES if lowbit else _SCALE_DTYPES
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in allowed:
+            raise ValueError(f"scale_dtype must be one of {sorted(allowed)} for {self.base}, "
+                             f"got {self.scale_dtype!r}")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be nearest or stochastic, got {self.rounding!r}")
         if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
             raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
 
@@ -294,6 +312,64 @@ class _Int8Codec:
         return out if dtype == "float32" else out.to(DTYPES[dtype])
 
 
+class _LowBitCodec:
+    """Packed 4-bit or 2-bit blockwise quantisation of floating tensors (``transport.lowbit``).
+
+    Params: ``{"mode": "packed", "bits": 4|2, "block_size": B, "scale_dtype": ...}``; payload:
+    the block steps, then the packed codes. A step that is NaN, infinite or negative is the
+    sender's fault (``CodecError``, raised before the output is allocated): so a tensor holding
+    NaN or inf cannot be sent this way, the receiver refuses it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bits = _LOWBIT[name]
+
+    def encode(self, x: torch.Tensor, spec: CodecSpec) -> tuple[Params, tuple[torch.Tensor, ...]]:
+        if _DTYPE_NAMES[x.dtype] not in _FLOATING:
+            return {"mode": "raw"}, (x,)
+        block, scale_dtype = spec.block_size, spec.scale_dtype
+        if x.numel() == 0:
+            return self._params(block, scale_dtype), ()
+        x = x.float()
+        step = lowbit.steps(x, block, self.bits)
+        wire = step.to(_LOWBIT_SCALE_DTYPES[scale_dtype])
+        wide = wire.float()
+        if scale_dtype != "float32" and bool((wide.isinf() & step.isfinite()).any()):
+            scale_dtype, wire, wide = "float32", step, step  # a step beyond the scale dtype
+        packed = lowbit.encode(x, wide, block, self.bits, spec.rounding == "stochastic")
+        return self._params(block, scale_dtype), (wire, packed)
+
+    def _params(self, block: int, scale_dtype: str) -> Params:
+        return {"mode": "packed", "bits": self.bits, "block_size": block,
+                "scale_dtype": scale_dtype}
+
+    def payload_bytes(self, dtype: str, numel: int, params: Params) -> int:
+        if dtype not in _FLOATING:
+            return _raw_payload_bytes(dtype, numel, params, mode="raw")
+        bits, block, scale_dtype = (params.get("bits"), params.get("block_size"),
+                                    params.get("scale_dtype"))
+        if bits != self.bits or not _is_int(bits):
+            raise CodecError(f"{self.name} carries {self.bits}-bit codes, params say {bits!r}")
+        if not _valid_block_size(block) or scale_dtype not in _LOWBIT_SCALE_DTYPES:
+            raise CodecError(f"bad {self.name} params {params!r}")
+        _expect_params(params, self._params(block, scale_dtype))  # type: ignore[arg-type]
+        blocks = -(-numel // block)  # type: ignore[operator]
+        return (blocks * _LOWBIT_SCALE_DTYPES[scale_dtype].itemsize  # type: ignore[index]
+                + lowbit.packed_bytes(numel, self.bits))
+
+    def decode(self, payload: memoryview, dtype: str, numel: int, params: Params) -> torch.Tensor:
+        if dtype not in _FLOATING:
+            return _raw_tensor(payload, dtype)
+        scale_bytes = len(payload) - lowbit.packed_bytes(numel, self.bits)
+        scale = _raw_tensor(payload[:scale_bytes], str(params["scale_dtype"]))
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise CodecError(f"{self.name} block scales must be finite and non-negative")
+        packed = torch.frombuffer(payload[scale_bytes:], dtype=torch.uint8)
+        out = torch.empty(numel, dtype=torch.float32)
+        lowbit.decode_into(packed, scale.float(), int(params["block_size"]), self.bits, out)
+        return out if dtype == "float32" else out.to(DTYPES[dtype])
+
+
 def _absmax(rows: torch.Tensor) -> torch.Tensor:
     """Per-row max of |x| (NaN where the row holds a NaN) of a float32 (rows, block) view.
 
@@ -333,7 +409,8 @@ def _quantize_rows(x: torch.Tensor, inverse: torch.Tensor, q: torch.Tensor) -> N
 
 
 #: the registered codecs by base name; ``+zstd`` applies on top of any of them
-CODECS: dict[str, Codec] = {c.name: c for c in (_NoneCodec(), _Fp16Codec(), _Int8Codec())}
+CODECS: dict[str, Codec] = {c.name: c for c in (_NoneCodec(), _Fp16Codec(), _Int8Codec(),
+                                                 _LowBitCodec("int4"), _LowBitCodec("int2"))}
 
 
 def encode(tensor: torch.Tensor, spec: CodecSpec) -> EncodedTensor:
