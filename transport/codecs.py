@@ -37,7 +37,10 @@ from typing import Any, Mapping, NamedTuple, Protocol
 import torch
 import zstandard
 
-from . import lowbit
+from .lowbit import decode_into as _unpack_into
+from .lowbit import encode as _pack
+from .lowbit import packed_bytes as _packed_bytes
+from .lowbit import steps as _steps
 from .errors import CodecError, LimitExceeded, LocalUsageError, UnknownCodec
 from .limits import Limits
 
@@ -331,12 +334,12 @@ class _LowBitCodec:
         if x.numel() == 0:
             return self._params(block, scale_dtype), ()
         x = x.float()
-        step = lowbit.steps(x, block, self.bits)
+        step = _steps(x, block, self.bits)
         wire = step.to(_LOWBIT_SCALE_DTYPES[scale_dtype])
         wide = wire.float()
         if scale_dtype != "float32" and bool((wide.isinf() & step.isfinite()).any()):
             scale_dtype, wire, wide = "float32", step, step  # a step beyond the scale dtype
-        packed = lowbit.encode(x, wide, block, self.bits, spec.rounding == "stochastic")
+        packed = _pack(x, wide, block, self.bits, spec.rounding == "stochastic")
         return self._params(block, scale_dtype), (wire, packed)
 
     def _params(self, block: int, scale_dtype: str) -> Params:
@@ -355,18 +358,18 @@ class _LowBitCodec:
         _expect_params(params, self._params(block, scale_dtype))  # type: ignore[arg-type]
         blocks = -(-numel // block)  # type: ignore[operator]
         return (blocks * _LOWBIT_SCALE_DTYPES[scale_dtype].itemsize  # type: ignore[index]
-                + lowbit.packed_bytes(numel, self.bits))
+                + _packed_bytes(numel, self.bits))
 
     def decode(self, payload: memoryview, dtype: str, numel: int, params: Params) -> torch.Tensor:
         if dtype not in _FLOATING:
             return _raw_tensor(payload, dtype)
-        scale_bytes = len(payload) - lowbit.packed_bytes(numel, self.bits)
+        scale_bytes = len(payload) - _packed_bytes(numel, self.bits)
         scale = _raw_tensor(payload[:scale_bytes], str(params["scale_dtype"]))
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
             raise CodecError(f"{self.name} block scales must be finite and non-negative")
         packed = torch.frombuffer(payload[scale_bytes:], dtype=torch.uint8)
         out = torch.empty(numel, dtype=torch.float32)
-        lowbit.decode_into(packed, scale.float(), int(params["block_size"]), self.bits, out)
+        _unpack_into(packed, scale.float(), int(params["block_size"]), self.bits, out)
         return out if dtype == "float32" else out.to(DTYPES[dtype])
 
 

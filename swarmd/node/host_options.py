@@ -24,6 +24,9 @@ def codec_spec(config: Config) -> CodecSpec:
     from transport.codecs import CodecSpec
 
     w = config.wire
+    if w.codec.split("+")[0] in ("int4", "int2"):
+        return CodecSpec.parse(w.codec, block_size=w.lowbit_block_size or None,
+                               rounding=w.lowbit_rounding, zstd_level=w.zstd_level)
     return CodecSpec.parse(w.codec, block_size=w.int8_block_size,
                            scale_dtype=w.int8_scale_dtype, zstd_level=w.zstd_level)
 
@@ -86,8 +89,10 @@ def upload_bytes_per_sample(config: Config, seam: Any) -> float:
 
     w = config.wire
     tokens = min(int(getattr(seam, "max_seq_len", config.model.seq_len)), config.model.seq_len)
+    lowbit = w.codec.split("+")[0] in ("int4", "int2")
     return per_sample(tokens=tokens, width=int(seam.width), bytes_per_value=wire_bytes_per_value(
-        w.codec, block_size=w.int8_block_size, scale_dtype=w.int8_scale_dtype))
+        w.codec, block_size=(w.lowbit_block_size or None) if lowbit else w.int8_block_size,
+        scale_dtype="bfloat16" if lowbit else w.int8_scale_dtype))
 
 
 def announced_throughput(config: Config, server: Any, host: Any = None,
