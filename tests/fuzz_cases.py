@@ -117,7 +117,7 @@ def _lowbit_meta(codec: str = "int2", shape: tuple[int, ...] = (2, 16, 64),
     numel = math.prod(shape)
     nbytes = -(-numel // max(block, 1)) * 2 + -(-numel * bits // 8)
     merged = {"mode": "packed", "bits": bits, "block_size": block, "scale_dtype": "bfloat16",
-              **params}
+              "channels": 0, **params}
     return {"codec": codec, "dtype": "float32", "shape": list(shape), "params": merged,
             "nbytes": nbytes}
 
@@ -142,6 +142,12 @@ def _lowbit_frames(kind: str) -> Iterator[tuple[str, bytes]]:
         yield f"lowbit_block_{block}", _with_payload(kind, _lowbit_meta(block_size=block),
                                                      payload)
     yield "lowbit_scale_dtype", _with_payload(kind, _lowbit_meta(scale_dtype="int8"), payload)
+    for channels in (-1, 7, 2048, 2**40, "64"):  # negative, not dividing, all, huge, a string
+        yield f"lowbit_channels_{channels}", _with_payload(kind, _lowbit_meta(
+            channels=channels, mean_dtype="float16"), payload)
+    centred = dict(_lowbit_meta(channels=64, mean_dtype="float16"))
+    centred["nbytes"] += 128
+    yield "lowbit_nan_mean", _with_payload(kind, centred, struct.pack("<H", 0x7E00) * 64 + payload)
     yield "lowbit_short_payload", _with_payload(kind, dict(good, nbytes=good["nbytes"] - 1),
                                                 payload[:-1])
     yield "lowbit_long_payload", _with_payload(kind, dict(good, nbytes=good["nbytes"] + 7),

@@ -547,12 +547,14 @@ PARAM_VALUES = (st.sampled_from(["int8", "half", "raw", "packed", "float16", "fl
 PARAMS = (st.sampled_from([{}, {"mode": "raw"}, {"mode": "half"}])
           | st.builds(lambda b, s: {"mode": "int8", "block_size": b, "scale_dtype": s},
                       st.sampled_from([16, 64, 48, 0]), st.sampled_from(["float16", "float32", "x"]))
-          | st.builds(lambda bits, b, s: {"mode": "packed", "bits": bits, "block_size": b,
-                                          "scale_dtype": s},
+          | st.builds(lambda bits, b, s, c: {"mode": "packed", "bits": bits, "block_size": b,
+                                             "scale_dtype": s, "channels": c,
+                                             **({"mean_dtype": "float16"} if c else {})},
                       st.sampled_from([2, 4, 3, 8, 0, -4, 2**40]), st.sampled_from([16, 256, 48, 0]),
-                      st.sampled_from(["bfloat16", "float16", "float32", "x"]))
+                      st.sampled_from(["bfloat16", "float16", "float32", "x"]),
+                      st.sampled_from([0, 1, 2, 3, 12, -1, 2**40]))
           | st.dictionaries(st.sampled_from(["mode", "bits", "block_size", "scale_dtype",
-                                             "raw_nbytes", "x"]),
+                                             "channels", "mean_dtype", "raw_nbytes", "x"]),
                             PARAM_VALUES, max_size=5))
 METAS = st.fixed_dictionaries({
     "codec": CODEC_NAMES | ANY,
@@ -632,7 +634,7 @@ def test_fuzz_consistent_metas_with_random_payloads(codec, dtype, shape, block, 
         params = {"mode": "half"}
     elif base in ("int4", "int2"):
         params = {"mode": "packed", "bits": int(base[3]), "block_size": block,
-                  "scale_dtype": scale_dtype}
+                  "scale_dtype": scale_dtype, "channels": 0}
     else:
         params = {"mode": "int8", "block_size": block, "scale_dtype": scale_dtype}
     meta = {"codec": codec, "dtype": dtype, "shape": shape, "params": params, "nbytes": 0}
@@ -646,7 +648,7 @@ def test_fuzz_consistent_metas_with_random_payloads(codec, dtype, shape, block, 
        size=st.integers(0, 200),
        key=st.none() | st.sampled_from(["codec", "dtype", "shape", "params", "nbytes", "p_mode",
                                         "p_block_size", "p_scale_dtype", "p_raw_nbytes",
-                                        "p_bits"]),
+                                        "p_bits", "p_channels", "p_mean_dtype"]),
        value=ANY | PARAM_VALUES,
        flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
        cut=st.just(0) | st.integers(-3, 3))

@@ -159,7 +159,9 @@ def meta_and_payload(name: str = "int2", shape=(4, 100)):
     {"bits": 3}, {"bits": 4}, {"bits": 8}, {"bits": 0}, {"bits": -2}, {"bits": "2"},
     {"bits": True}, {"bits": None}, {"block_size": 8}, {"block_size": 48},
     {"block_size": 1 << 17}, {"block_size": 0}, {"scale_dtype": "int8"},
-    {"mode": "int8"}, {"extra": 1},
+    {"mode": "int8"}, {"extra": 1}, {"channels": -1}, {"channels": 7}, {"channels": 400},
+    {"channels": 4, "mean_dtype": "bfloat16"}, {"channels": 4}, {"channels": "4"},
+    {"channels": 0, "mean_dtype": "float16"}, {"channels": 2**40, "mean_dtype": "float16"},
 ])
 def test_bad_params_are_codec_errors_before_decoding(params, monkeypatch):
     meta, data = meta_and_payload()
@@ -219,7 +221,7 @@ def test_decode_past_max_tensor_bytes_is_refused_from_the_header():
     numel = (1 << 18) + 256  # 1 MiB + 1 KiB decoded, ~66 KiB on the wire
     meta = {"codec": "int2", "dtype": "float32", "shape": [numel],
             "params": {"mode": "packed", "bits": 2, "block_size": 256,
-                       "scale_dtype": "bfloat16"},
+                       "scale_dtype": "bfloat16", "channels": 0},
             "nbytes": numel // 256 * 2 + numel // 4}
     assert expected_payload_bytes(meta, Limits()) == meta["nbytes"]
     with pytest.raises(LimitExceeded):
@@ -228,9 +230,40 @@ def test_decode_past_max_tensor_bytes_is_refused_from_the_header():
 
 # ------------------------------------------------------------------------- specs
 
+# ------------------------------------------------------------------------- centring
+
+def test_centring_sends_channel_means_and_removes_a_shared_offset():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 64, 128, generator=gen) * 0.05 + torch.randn(128, generator=gen) * 3
+    plain = CodecSpec(name="int2")
+    centred = CodecSpec(name="int2", center=True)
+    encoded = encode(x, centred)
+    assert encoded.params["channels"] == 128 and encoded.params["mean_dtype"] == "float16"
+    assert encoded.nbytes == encode(x, plain).nbytes + 128 * 2
+    assert encoded.nbytes <= encode(x, CodecSpec(name="int8")).nbytes / 4
+    err = {s.center: float((roundtrip(x, s) - x).norm() / x.norm()) for s in (plain, centred)}
+    assert err[True] < 0.01 < 0.3 < err[False]
+
+
+def test_centring_is_skipped_where_there_are_no_rows():
+    for x in (torch.randn(100), torch.randn(1, 100)):
+        encoded = encode(x, CodecSpec(name="int4", center=True))
+        assert encoded.params["channels"] == 0 and "mean_dtype" not in encoded.params
+
+
+def test_nan_channel_means_are_refused(monkeypatch):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(8))
+    encoded = encode(x, CodecSpec(name="int2", center=True, block_size=16))
+    data = bytearray(b"".join(encoded.parts))
+    data[0:2] = (0x7E00).to_bytes(2, "little")
+    monkeypatch.setattr(codecs, "_unpack_into", lambda *a: pytest.fail("decoded"))
+    with pytest.raises(CodecError, match="means"):
+        decode(encoded.meta(), memoryview(data), LIMITS)
+
+
 def test_spec_defaults_and_validation():
     assert (CodecSpec(name="int2").block_size, CodecSpec(name="int2").scale_dtype) == (
-        256, "bfloat16")
+        512, "bfloat16")
     assert (CodecSpec(name="int4").block_size, CodecSpec(name="int8").scale_dtype) == (
         64, "float16")
     assert CodecSpec.parse("int4+zstd", block_size="128").block_size == 128

@@ -28,14 +28,15 @@ OPTIMIZER_STATE_FACTOR = {"adamw": 2, "lamb": 2}
 
 
 #: bits per value of the packed codecs, and their block size when none is set
-_LOWBIT = {"int4": (4, 64), "int2": (2, 256)}
+_LOWBIT = {"int4": (4, 64), "int2": (2, 512)}
 
 
 def wire_bytes_per_value(codec: str, *, block_size: int | None = 64,
                          scale_dtype: str = "float16") -> float:
     """Bytes one activation value takes on the wire with ``codec`` (``"int8+zstd"`` etc.;
     zstd is counted as no gain, so a cap is never overestimated). ``block_size`` None: the
-    codec's own."""
+    codec's own. The channel means of centring (``wire.lowbit_center``: two bytes per channel
+    and message, 2 / tokens per value) are left out."""
     base = codec.split("+", 1)[0]
     if base == "none":
         return float(_WIRE_FLOAT_BYTES)

@@ -26,7 +26,8 @@ def codec_spec(config: Config) -> CodecSpec:
     w = config.wire
     if w.codec.split("+")[0] in ("int4", "int2"):
         return CodecSpec.parse(w.codec, block_size=w.lowbit_block_size or None,
-                               rounding=w.lowbit_rounding, zstd_level=w.zstd_level)
+                               rounding=w.lowbit_rounding, center=w.lowbit_center,
+                               zstd_level=w.zstd_level)
     return CodecSpec.parse(w.codec, block_size=w.int8_block_size,
                            scale_dtype=w.int8_scale_dtype, zstd_level=w.zstd_level)
 
