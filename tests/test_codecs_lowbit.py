@@ -271,3 +271,23 @@ def test_spec_defaults_and_validation():
         CodecSpec(name="int8", scale_dtype="bfloat16")
     with pytest.raises(ValueError, match="rounding"):
         CodecSpec(name="int2", rounding="up")
+
+
+def test_a_message_kind_can_have_its_own_rounding():
+    from transport.frames import Message, encode_message
+
+    spec = CodecSpec(name="int4", kind_rounding=(("backward", "stochastic"),))
+    assert spec.for_kind("backward").rounding == "stochastic" and spec.for_kind("x") is spec
+    block = torch.full((64,), 0.37)
+    block[0] = 1.0
+    x = block.repeat(64)
+
+    def sent(kind: str) -> bytes:
+        frame = encode_message(Message(kind=kind, tensors=(x,)), spec)
+        return b"".join(bytes(p) for p in frame.parts)
+
+    assert sent("backward") != sent("forward")
+    assert sent("backward")[-100:] == b"".join(
+        encode(x, CodecSpec(name="int4", rounding="stochastic")).parts)[-100:]
+    with pytest.raises(ValueError, match="kind_rounding"):
+        CodecSpec(name="int2", kind_rounding=(("grad", "up"),))

@@ -30,7 +30,7 @@ Adding a codec means registering one object with the :class:`Codec` methods in `
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Protocol
 
@@ -118,6 +118,9 @@ class CodecSpec:
     #: int4, int2: subtract each channel's mean over the rows (the last dimension's values)
     #: before quantising and send the means (float16); ignored by the other codecs
     center: bool = False
+    #: ``((message kind, rounding), ...)``: the rounding of the tensors of those kinds (e.g.
+    #: stochastic for gradients, nearest for activations); ``for_kind`` applies it
+    kind_rounding: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or _split_name(self.name) is None:
@@ -139,6 +142,18 @@ class CodecSpec:
             raise ValueError(f"rounding must be nearest or stochastic, got {self.rounding!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"center must be true or false, got {self.center!r}")
+        if not isinstance(self.kind_rounding, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and pair[1] in ("nearest", "stochastic") for pair in self.kind_rounding):
+            raise ValueError(f"kind_rounding must be ((kind, 'nearest' | 'stochastic'), ...), "
+                             f"got {self.kind_rounding!r}")
+
+    def for_kind(self, kind: str) -> CodecSpec:
+        """The spec for a message of ``kind``: its rounding from ``kind_rounding``, if named."""
+        for named, rounding in self.kind_rounding:
+            if named == kind and rounding != self.rounding:
+                return replace(self, rounding=rounding, kind_rounding=())
+        return self
         if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
             raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
 

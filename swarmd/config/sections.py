@@ -448,8 +448,9 @@ class WireConfig(_Section):
         "0 or a power of two from 16 to 65536", _zero_or(_power_of_two(16, 65536)),
     )
     lowbit_rounding: str = _opt(
-        "nearest", "Rounding of the int4 and int2 codecs: nearest, or stochastic (unbiased).",
-        '"nearest" or "stochastic"', _one_of(("nearest", "stochastic")),
+        "nearest", "Rounding of the int4 and int2 codecs: nearest, stochastic (unbiased), or "
+        "gradients (stochastic for gradients, nearest for activations).",
+        '"nearest", "stochastic" or "gradients"', _one_of(("nearest", "stochastic", "gradients")),
     )
     lowbit_center: bool = _opt(
         True, "int4 and int2: subtract each channel's mean over the tokens before quantising, "

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmd.node.limits")
 
+#: the pipeline messages that carry gradients (swarmd.pipeline.messages)
+GRADIENT_KINDS = ("backward", "grad")
+
 
 def codec_spec(config: Config) -> CodecSpec:
     """The tensor codec that ``[wire]`` selects, with its parameters."""
@@ -25,9 +28,12 @@ def codec_spec(config: Config) -> CodecSpec:
 
     w = config.wire
     if w.codec.split("+")[0] in ("int4", "int2"):
-        return CodecSpec.parse(w.codec, block_size=w.lowbit_block_size or None,
-                               rounding=w.lowbit_rounding, center=w.lowbit_center,
-                               zstd_level=w.zstd_level)
+        gradients = w.lowbit_rounding == "gradients"
+        return CodecSpec.parse(
+            w.codec, block_size=w.lowbit_block_size or None, center=w.lowbit_center,
+            rounding="nearest" if gradients else w.lowbit_rounding, zstd_level=w.zstd_level,
+            kind_rounding=tuple((kind, "stochastic") for kind in GRADIENT_KINDS) if gradients
+            else ())
     return CodecSpec.parse(w.codec, block_size=w.int8_block_size,
                            scale_dtype=w.int8_scale_dtype, zstd_level=w.zstd_level)
 
