@@ -362,21 +362,19 @@ class _LowBitCodec:
             return self._params(block, scale_dtype, 0, None), ()
         x = x.float()
         parts: tuple[torch.Tensor, ...] = ()
-        mean_dtype = None
+        mean_dtype, mean = None, None
         if channels:
-            mean = x.view(-1, channels).mean(0)
-            mean_dtype = "float16"
-            sent = mean.to(torch.float16)
-            if bool((sent.isinf() & mean.isfinite()).any()):
-                mean_dtype, sent = "float32", mean
-            x = (x.view(-1, channels) - sent.float()).view(-1)
-            parts = (sent,)
-        step = _steps(x, block, self.bits)
+            exact = x.view(-1, channels).mean(0)
+            mean_dtype, sent = "float16", exact.to(torch.float16)
+            if bool((sent.isinf() & exact.isfinite()).any()):
+                mean_dtype, sent = "float32", exact
+            mean, parts = sent.float(), (sent,)
+        step = _steps(x, block, self.bits, mean)
         wire = step.to(_LOWBIT_SCALE_DTYPES[scale_dtype])
         wide = wire.float()
         if scale_dtype != "float32" and bool((wide.isinf() & step.isfinite()).any()):
             scale_dtype, wire, wide = "float32", step, step  # a step beyond the scale dtype
-        packed = _pack(x, wide, block, self.bits, spec.rounding == "stochastic")
+        packed = _pack(x, wide, block, self.bits, spec.rounding == "stochastic", mean)
         return self._params(block, scale_dtype, channels, mean_dtype), (*parts, wire, packed)
 
     def _params(self, block: int, scale_dtype: str, channels: int,
@@ -423,9 +421,8 @@ class _LowBitCodec:
             raise CodecError(f"{self.name} channel means must be finite")
         packed = torch.frombuffer(payload[scale_end:], dtype=torch.uint8)
         out = torch.empty(numel, dtype=torch.float32)
-        _unpack_into(packed, scale.float(), int(params["block_size"]), self.bits, out)
-        if mean is not None:
-            out.view(-1, channels).add_(mean.float())
+        _unpack_into(packed, scale.float(), int(params["block_size"]), self.bits, out,
+                     None if mean is None else mean.float())
         return out if dtype == "float32" else out.to(DTYPES[dtype])
 
 

@@ -65,9 +65,21 @@ def _rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     return rows
 
 
-def steps(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+def steps(x: torch.Tensor, block: int, bits: int, mean: torch.Tensor | None = None
+          ) -> torch.Tensor:
     """Per-block float32 steps of a flat float32 tensor (NaN or inf for a block holding NaN
-    or inf)."""
+    or inf); with ``mean`` (one value per channel), of ``x`` less its channels' means."""
+    if mean is None:
+        return _steps(x, block, bits)
+    buf, tiled = torch.empty(min(x.numel(), GROUP)), _tiled(mean, min(x.numel(), GROUP))
+    out = []
+    for start in range(0, x.numel(), GROUP):
+        chunk = _centred(x, start, mean.numel(), tiled, buf)
+        out.append(_steps(chunk, block, bits))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _steps(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     out = []
     for r in _rows(x, block):
         if bits == 4:
@@ -78,6 +90,21 @@ def steps(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
             norm = torch.linalg.vector_norm(r, dim=1)
             out.append(norm.mul_(CLIP[bits] / math.sqrt(r.shape[1])))
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _tiled(mean: torch.Tensor, size: int) -> torch.Tensor:
+    """``mean`` repeated to cover ``size`` values from any channel on: the per-value means of
+    a group are one contiguous slice of it."""
+    channels = mean.numel()
+    return mean.repeat(-(-size // channels) + 1)
+
+
+def _centred(x: torch.Tensor, start: int, channels: int, tiled: torch.Tensor,
+             buf: torch.Tensor) -> torch.Tensor:
+    """The group of ``x`` at ``start`` less its values' channel means, in ``buf``."""
+    size = min(x.numel(), start + GROUP) - start
+    at = start % channels
+    return torch.sub(x[start:start + size], tiled[at:at + size], out=buf[:size])
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,9 +129,10 @@ def _scaled_rows(x: torch.Tensor, factor: torch.Tensor, block: int, out: torch.T
 
 
 def encode(x: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
-           stochastic: bool = False) -> torch.Tensor:
-    """The packed codes of flat float32 ``x`` under per-block steps ``scale`` (float32, as the
-    receiver will see them: already rounded to the wire's scale dtype)."""
+           stochastic: bool = False, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed codes of flat float32 ``x`` (less its channels' ``mean``, if given) under
+    per-block steps ``scale`` (float32, as the receiver will see them: already rounded to the
+    wire's scale dtype)."""
     n, levels = x.numel(), 1 << bits
     per_byte = 8 // bits
     inverse = torch.where(scale > 0, scale.reciprocal(), 0.0)
@@ -119,12 +147,17 @@ def encode(x: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
     clamp_ints = bits == 4 or block <= _INT8_CLAMP_BLOCK
     clamp_floats = not clamp_ints
     buf = torch.empty(min(n, GROUP))
+    tiled = None if mean is None else _tiled(mean, buf.numel())
     codes = torch.zeros(-(-buf.numel() // per_byte) * per_byte, dtype=torch.int8)
     tmp = torch.empty(codes.numel() // per_byte, dtype=torch.int8)
     for start in range(0, n, GROUP):
         size = min(n, start + GROUP) - start
         chunk = buf[:size]
-        _scaled_rows(x[start:start + size], inverse[start // block:], block, chunk)
+        if tiled is None:
+            _scaled_rows(x[start:start + size], inverse[start // block:], block, chunk)
+        else:
+            _centred(x, start, mean.numel(), tiled, buf)  # type: ignore[union-attr]
+            _scaled_rows(chunk, inverse[start // block:], block, chunk)
         if dither is not None:
             at = offset % _DITHER
             chunk.add_(dither[at:at + size])
@@ -156,8 +189,9 @@ def _pack(q: torch.Tensor, bits: int, tmp: torch.Tensor, out: torch.Tensor) -> N
 
 
 def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
-                out: torch.Tensor) -> torch.Tensor:
-    """Dequantise packed codes into the flat float32 ``out`` (``out.numel()`` values)."""
+                out: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantise packed codes into the flat float32 ``out`` (``out.numel()`` values), adding
+    each value's channel ``mean`` if given."""
     n = out.numel()
     per_byte = 8 // bits
     field = 1 << (8 - bits)  # a field in the top bits, read as int8, is field * c
@@ -165,6 +199,7 @@ def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int
     factor = scale * (1 / field)
     codes = torch.empty(-(-min(n, GROUP) // per_byte) * per_byte, dtype=torch.int8)
     mask = -field  # the top bits, as an int8
+    tiled = None if mean is None else _tiled(mean, min(n, GROUP))
     for start in range(0, n, GROUP):
         size = min(n, start + GROUP) - start
         nbytes = -(-size // per_byte)
@@ -178,7 +213,12 @@ def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int
         codes[:nbytes * per_byte].bitwise_or_(low)
         chunk = out[start:start + size]
         chunk.copy_(codes[:size])
+        if tiled is not None:
+            at = start % mean.numel()  # type: ignore[union-attr]
+            centre = tiled[at:at + size]
         for r in _rows(chunk, block):
             r.mul_(factor[start // block:start // block + r.shape[0], None])
             start += r.numel()
+        if tiled is not None:
+            chunk.add_(centre)
     return out
