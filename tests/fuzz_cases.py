@@ -187,7 +187,7 @@ def cases(swarm: str, model_hash: str, *, per_kind: int = 6, seed: int = 1) -> I
                 meta = (_plausible(kind, model_hash, rng) if i % 2 else
                         {rng.choice(KEYS): _value(rng) for _ in range(rng.randrange(6))})
                 yield Case(protocol, f"random_{i}", kind=kind, meta=meta, tensors=_tensors(rng))
-            for frame_name, data in _lowbit_frames(kind):
-                yield Case(protocol, frame_name, raw=data)
         for raw_name, data in _raw_frames():
             yield Case(protocol, f"raw_{raw_name}", raw=data)
+        for frame_name, data in _lowbit_frames(kinds[0]):  # decoded before any handler looks
+            yield Case(protocol, frame_name, raw=data)
