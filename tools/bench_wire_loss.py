@@ -8,7 +8,8 @@ passed through a codec's encode and decode, in one process.
 A variant is a codec name (``transport/codecs.py``, e.g. ``int2``, ``int4+zstd``), optionally
 followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochastic``
 (stochastic rounding for the gradients only), ``:center`` (the codec's channel centring),
-``:block=N`` (the codec's block size), and by ``:channels`` (each channel divided by its
+``:block=N`` (the codec's block size), ``:forward-only`` or ``:backward-only`` (the codec on
+one direction, float32 on the other), and by ``:channels`` (each channel divided by its
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
 sends such scales). Hops: trainer -> stage 0 -> ... -> last stage -> trainer, as
 ``bench_quality``'s swarm (``STAGES`` stages); validation goes through the forward hops too,
@@ -71,7 +72,8 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
 
     name, *options = variant.split(":")
     blocks = [o for o in options if o.startswith("block=")]
-    unknown = set(options) - {"stochastic", "grad-stochastic", "channels", "center"} - set(blocks)
+    unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
+                                "forward-only", "backward-only"} - set(blocks))
     if unknown:
         raise SystemExit(f"unknown variant options {sorted(unknown)} in {variant!r}")
     if name == "none":
@@ -83,6 +85,10 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     forward = CodecSpec.parse(name, **common, **({"rounding": "stochastic"} if stochastic else {}))
     backward = CodecSpec.parse(name, **common, **(
         {"rounding": "stochastic"} if stochastic or "grad-stochastic" in options else {}))
+    if "forward-only" in options:
+        backward = None
+    if "backward-only" in options:
+        forward = None
     return forward, backward, "channels" in options
 
 
@@ -105,7 +111,7 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
     model = whole_model(seam, STAGES, t.seed)
     forward_spec, backward_spec, channels = variant_specs(variant)
     hop = (wire_function(forward_spec, backward_spec, channels)
-           if forward_spec or channels else (lambda h: h))
+           if forward_spec or backward_spec or channels else (lambda h: h))
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:
         h = hop(model.parts.embed(x))
