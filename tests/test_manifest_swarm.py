@@ -58,8 +58,18 @@ def text_data(directory: Path) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_inherited_settings() -> Any:
+    """A volunteer sets nothing of the swarm's: not even the tests' small step, which
+    conftest puts in the environment every test process inherits."""
+    inherited = os.environ.pop("SWARMD_TRAINING_MICROBATCHES", None)
+    yield
+    if inherited is not None:
+        os.environ["SWARMD_TRAINING_MICROBATCHES"] = inherited
+
+
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def swarm(tmp_path_factory: pytest.TempPathFactory, _no_inherited_settings: Any) -> Any:
     """The founder (stage 0) and a stage-1 daemon, both with the model's settings; the data."""
     root = tmp_path_factory.mktemp("manifest-swarm")
     data = text_data(root / "data")

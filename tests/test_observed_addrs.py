@@ -83,6 +83,29 @@ def test_hosts_on_loopback_pass_identify_observations_on() -> None:
 
 
 
+def test_a_report_made_before_the_callback_is_set_reaches_it_when_set() -> None:
+    """A daemon dials its bootstrap peers (the swarm manifest) before its NAT service sets
+    ``on_observed``: what those peers said is kept for it, not dropped."""
+    from transport.host import Host
+    from transport.identity import generate
+    from transport.options import HostOptions
+
+    async def main() -> None:
+        async with Host(generate(), HostOptions()) as a, Host(generate(), HostOptions()) as b:
+            await a.dial(b.addrs[0])
+            for _ in range(250):
+                if b.counters.get("observed_addrs.reports"):
+                    break
+                await asyncio.sleep(0.02)
+            got: list[tuple[str, str]] = []
+            b.on_observed = lambda peer, addr: got.append((peer, addr))
+            assert got == [(a.peer_id, b.addrs[0].split("/p2p/")[0])]
+            b.on_observed = lambda peer, addr: got.append((peer, addr))
+            assert len(got) == 1  # given once
+
+    asyncio.run(main())
+
+
 def test_a_new_direct_connection_to_a_known_peer_reports_again() -> None:
     """py-libp2p identifies a peer once; after a reconnection (a router restart, a first
     connection through a relay) ``transport.observed.reidentify`` asks again."""

@@ -51,6 +51,8 @@ PING_PROTOCOL = "/ipfs/ping/1.0.0"
 Handler = Callable[[Stream], Awaitable[None]]
 #: most addresses of one peer tried by ``ensure_connected`` (an announcement may list more)
 MAX_DIAL_ADDRS = 8
+#: observed-address reports kept for an ``on_observed`` set later (the latest ones)
+EARLY_OBSERVED_MAX = 16
 
 
 class Host(RequestReply):
@@ -79,8 +81,22 @@ class Host(RequestReply):
         self.write_chunk_bytes = self.options.limits.chunk_bytes
         #: ``on_observed(peer_id, multiaddr)``, on the asyncio side: a peer connected directly
         #: said (identify's ``observed_addr``) it sees us at that address. Unchecked: one peer
-        #: can say anything, believe an address only when several agree
-        self.on_observed: Callable[[str, str], None] | None = None
+        #: can say anything, believe an address only when several agree. Reports made before
+        #: it is set (a daemon dials its bootstrap peers before its NAT service starts) are
+        #: kept, the last ``EARLY_OBSERVED_MAX``, and given to it when it is set
+        self._on_observed: Callable[[str, str], None] | None = None
+        self._early_observed: list[tuple[str, str]] = []
+
+    @property
+    def on_observed(self) -> Callable[[str, str], None] | None:
+        return self._on_observed
+
+    @on_observed.setter
+    def on_observed(self, callback: Callable[[str, str], None] | None) -> None:
+        self._on_observed = callback
+        early, self._early_observed = self._early_observed, []
+        for peer_id, addr in early if callback is not None else ():
+            self._tell_observed(callback, peer_id, addr)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def __aenter__(self) -> Host:
@@ -340,9 +356,14 @@ class Host(RequestReply):
 
     def _observed(self, peer_id: str, addr: str) -> None:
         self.counters.add("observed_addrs.reports")
-        callback = self.on_observed
+        callback = self._on_observed
         if callback is None:
+            self._early_observed = [*self._early_observed, (peer_id, addr)][-EARLY_OBSERVED_MAX:]
             return
+        self._tell_observed(callback, peer_id, addr)
+
+    def _tell_observed(self, callback: Callable[[str, str], None], peer_id: str,
+                       addr: str) -> None:
         try:
             callback(peer_id, addr)
         except Exception:

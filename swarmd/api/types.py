@@ -12,7 +12,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-PEER_STATES = ("joining", "online", "migrating", "leaving")
+from swarmd.peer_states import PeerState
+
+#: every lifecycle state a peer announces (``swarmd.peer_states``), in the page's order
+PEER_STATES = tuple(s.value for s in PeerState)
 
 
 def to_json(value: Any) -> Any:

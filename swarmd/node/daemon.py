@@ -32,6 +32,7 @@ from swarmd.node.caps import UploadLeft
 from swarmd.node.host_options import announced_throughput, limits_status, stages_that_fit
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
+from swarmd.peer_states import PeerState, transition
 
 log = logging.getLogger("swarmd.node.daemon")
 
@@ -68,7 +69,8 @@ class Daemon:
         self.options = options
         self.config = options.config
         self.started_at = time.monotonic()
-        self.state = "joining"
+        #: the lifecycle state (``swarmd.peer_states``), moved only through ``_enter``
+        self.peer_state = PeerState.JOINING
         self.stage = options.stage
         self.host: Any = None
         self.membership: Any = None
@@ -195,7 +197,7 @@ class Daemon:
             self.budget = plan_stop(self.config.node.shutdown_grace_s, now=now,
                                     save_estimate_s=keeper.last_save_s if keeper else None)
             log.info("stop requested: leaving within %.1f s", self.budget.left(now))
-            self.state = "leaving"
+            self._enter(PeerState.LEAVING)
             self._stop.set()
         elif what == HURRY and self.budget is not None:
             log.warning("a second stop request: stopping at once")
@@ -321,16 +323,32 @@ class Daemon:
         from swarmd.node.stopping import leave_stage
 
         assert self.budget is not None
-        self.state = "leaving"
+        self._enter(PeerState.LEAVING)
         await leave_stage(server=self.stage_server, membership=self.membership,
                           budget=self.budget, hurry=self._hurry, stage=self.stage)
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state's name, as announced and shown by the API."""
+        return self.peer_state.value
+
+    def _enter(self, new: PeerState, *, unless_leaving: bool = False) -> bool:
+        """Move to ``new`` (``swarmd.peer_states.transition``: an illegal move raises). With
+        ``unless_leaving``, a peer already leaving stays so (a stop asked meanwhile wins) and
+        False is returned."""
+        if unless_leaving and self.peer_state is PeerState.LEAVING:
+            log.debug("stays leaving rather than going %s (a stop was asked)", new.value)
+            return False
+        self.peer_state = transition(self.peer_state, new)
+        return True
 
     def _since_stop(self) -> float:
         return time.monotonic() - self.budget.started_at if self.budget is not None else 0.0
 
     def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
                    on_started: Callable[[Started], None] | None) -> None:
-        self.state = "online"
+        if not self._enter(PeerState.ONLINE, unless_leaving=True):
+            return
         self.membership.changed()  # announce "online" now
         if self.config.balancing.enabled:
             tasks.create_task(self._balance())
@@ -361,7 +379,8 @@ class Daemon:
         seam, _ = c.model_seam()
         stage = self.stage
         assert stage is not None
-        self.state = "syncing"
+        if not self._enter(PeerState.SYNCING, unless_leaving=True):
+            return  # a stop came while migrating: nothing new is loaded
         self.membership.changed()
         await self._wait_for_view()  # a peer of the stage must be known before we decide
         self._spawn(self._warn_other_models())
@@ -498,7 +517,7 @@ class Daemon:
         while True:
             now = time.monotonic()
             await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
-            if self.state != "online" or self.stage_server is None:
+            if self.peer_state is not PeerState.ONLINE or self.stage_server is None:
                 self.balancer.reset()
                 continue
             load = SwarmLoad.from_view(self.config.swarm.stages, self.membership.swarm_info())
@@ -518,7 +537,8 @@ class Daemon:
         old = self.stage
         log.info("moving from stage %s to stage %d (the bottleneck)", old, target)
         self.balance_counters["migrations"] += 1
-        self.state, self.stage = "migrating", target
+        self._enter(PeerState.MIGRATING)
+        self.stage = target
         self.membership.changed()
         t0 = time.monotonic()
         if self.stage_server is not None:
@@ -528,7 +548,8 @@ class Daemon:
         await self._stop_serving()
         self.stage_server = self.keeper = None
         await self._serve_stage()
-        self.state = "online"
+        if not self._enter(PeerState.ONLINE, unless_leaving=True):
+            return
         self.membership.changed()
         self.last_migration = {"from": old, "to": target, "at": time.monotonic(),
                                "seconds": time.monotonic() - t0}
