@@ -60,7 +60,7 @@ _LOWBIT_SCALE_DTYPES = MappingProxyType({**_SCALE_DTYPES, "bfloat16": torch.bflo
 #: the packed low-bit codecs and their bit widths
 _LOWBIT = MappingProxyType({"int4": 4, "int2": 2})
 #: a codec's block size when the spec names none
-DEFAULT_BLOCKS: Mapping[str, int] = MappingProxyType({"int8": 64, "int4": 64, "int2": 512})
+DEFAULT_BLOCKS: Mapping[str, int] = MappingProxyType({"int8": 64, "int4": 64, "int2": 256})
 _ZSTD = "zstd"
 #: float32 values per quantisation chunk: the temporary (1 MiB) stays in L2 and is reused
 _CHUNK_ELEMS = 1 << 18
@@ -107,7 +107,7 @@ class CodecSpec:
     #: ``"none" | "fp16" | "int8"``, optionally with a ``"+zstd"`` suffix, e.g. ``"int8+zstd"``
     name: str
     #: int8, int4, int2: values per scale block (power of two, 16..65536); None: the codec's
-    #: own (``DEFAULT_BLOCKS``: 64, or 512 for int2)
+    #: own (``DEFAULT_BLOCKS``: 64, or 256 for int2)
     block_size: int = None  # type: ignore[assignment]  # resolved in __post_init__
     #: int8: ``"float16"`` or ``"float32"``; int4, int2: also ``"bfloat16"`` (their default)
     scale_dtype: str = None  # type: ignore[assignment]  # resolved in __post_init__

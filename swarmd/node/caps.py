@@ -28,7 +28,7 @@ OPTIMIZER_STATE_FACTOR = {"adamw": 2, "lamb": 2}
 
 
 #: bits per value of the packed codecs, and their block size when none is set
-_LOWBIT = {"int4": (4, 64), "int2": (2, 512)}
+_LOWBIT = {"int4": (4, 64), "int2": (2, 256)}
 
 
 def wire_bytes_per_value(codec: str, *, block_size: int | None = 64,
