@@ -17,6 +17,7 @@ Routes::
     GET  /api/v0/peers    [ConnectedPeer]: connected peers and those our router knows, with
                           how it treats them (ok/paused/slow/banned, a ban's reason and time
                           left, protocol violations) and their budget refusals here
+    GET  /api/v0/training TrainingInfo: the trainers this stage serves, with their loss curves
     POST /api/v0/stop     202, then the daemon shuts down; needs ``Authorization: Bearer <token>``
     GET  /metrics         Prometheus text format 0.0.4
     GET  /                the page (swarmd/api/page.html), which polls status and swarm every 2 s
@@ -290,6 +291,7 @@ class HttpApi:
         app.router.add_get("/api/v0/swarm", self._swarm)
         app.router.add_get("/api/v0/stage", self._stage)
         app.router.add_get("/api/v0/peers", self._peers)
+        app.router.add_get("/api/v0/training", self._training)
         app.router.add_post("/api/v0/stop", self._stop)
         runner = web.AppRunner(
             app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
@@ -376,7 +378,8 @@ class HttpApi:
             return self._error_response(
                 404, "not_found",
                 f"no endpoint {request.path}: the API is /api/v0/id, /api/v0/status, "
-                f"/api/v0/swarm, /api/v0/peers and POST /api/v0/stop; metrics are at /metrics "
+                f"/api/v0/swarm, /api/v0/stage, /api/v0/peers, /api/v0/training and POST "
+                f"/api/v0/stop; metrics are at /metrics "
                 f"and the status page at /")
         if exc.status < 400:
             raise exc
@@ -422,6 +425,9 @@ class HttpApi:
 
     async def _peers(self, request: web.Request) -> web.Response:
         return _json_response(to_json(await self._call("peer list", self._api.peers())))
+
+    async def _training(self, request: web.Request) -> web.Response:
+        return _json_response(to_json(self._api.training()))
 
     async def _stop(self, request: web.Request) -> web.Response:
         self._check_token(request)

@@ -41,8 +41,9 @@ from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdErro
 from swarmd.pipeline.exact import Posted, StepBoard
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
-from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, parse_grad,
-                                      parse_result, parse_step_report)
+from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, TrainerProgress,
+                                      parse_grad, parse_result, parse_step_report,
+                                      progress_meta)
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
@@ -166,6 +167,8 @@ class Trainer(TrainerCompute):
         self._overflow = False
         self.step = 0
         self.stats = TrainStats()
+        #: how the run goes, told to the stage peers in every reply (``swarmd train`` sets it)
+        self.progress: TrainerProgress | None = None
         #: refused arrivals and other events, by reason
         self.counters: Counter[str] = Counter()
         self.router = Router(host, stage=0, protocol=self.proto["forward"], peers_of=peers_of,
@@ -236,7 +239,7 @@ class Trainer(TrainerCompute):
             raise
         if not expected.future.done():
             expected.future.set_result(tensor)
-        return Message(kind="ok")
+        return Message(kind="ok", meta=progress_meta(self.progress))
 
     # ---- the pipelined schedule ------------------------------------------------------------
     async def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
@@ -362,13 +365,14 @@ class Trainer(TrainerCompute):
         if not self.exact or self.others() or not (
                 self.step - self.board.keep < report.step <= self.step):
             self.counters["reports_not_exact"] += 1
-            return Message(**StepAnswer(coefficient=None).wire())
+            return Message(**StepAnswer(coefficient=None, progress=self.progress).wire())
         posted = (self.board.fail(report.step) if report.failed else self.board.post(
             report.step, report.stage, report.sqnorm, report.stage_step, report.samples))
         self.counters[f"reports_{posted}"] += 1
         self._report_came.set()
         if posted == Posted.NOT_OPEN or self.board.answered(report.step):
-            return Message(**StepAnswer(coefficient=self.board.answer(report.step)).wire())
+            return Message(**StepAnswer(coefficient=self.board.answer(report.step),
+                                        progress=self.progress).wire())
         answer = self._answers.get(report.step)
         if answer is None:
             answer = self._answers[report.step] = asyncio.get_running_loop().create_future()
@@ -377,7 +381,7 @@ class Trainer(TrainerCompute):
                 coefficient = await asyncio.shield(answer)
         except TimeoutError:
             coefficient = None
-        return Message(**StepAnswer(coefficient=coefficient).wire())
+        return Message(**StepAnswer(coefficient=coefficient, progress=self.progress).wire())
 
     def _show(self, window: InFlight, running: int) -> None:
         self.stats.in_flight, self.stats.in_flight_target = running, window.target
