@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -177,10 +178,8 @@ def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
         assert len(rows) == 2, rows
         for row in rows:
             assert row["step"] >= last and row["loss"] > 0 and row["val_loss"] > 0, row
-        # the first started alone (it owns every window), the second beside it
-        shards = {r["shard"] for r in rows}
-        assert len(shards) == 2 and "0/1" in shards and shards - {"0/1"} <= {"0/2", "1/2"}, \
-            rows
+        # each trainer's data shard (swarmd.data.order: "auto" from the trainers it saw)
+        assert all(re.fullmatch(r"\d+/\d+", r["shard"]) and r["epoch"] == 0 for r in rows), rows
     curves = d1.get("/api/v0/training")["trainers"]
     assert all(len(t["losses"]) >= 14 and t["val_losses"] for t in curves), curves
     from swarmd.api.types import StatusInfo
