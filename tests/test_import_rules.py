@@ -61,6 +61,7 @@ CORES = frozenset({
     "swarmd.manifest.document",
     "swarmd.manifest.settle",
     "swarmd.manifest.wire",
+    "swarmd.peer_states",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

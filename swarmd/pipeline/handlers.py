@@ -408,9 +408,6 @@ class PipelineHandlers:
         if samples:
             self.gate.uncount(samples)
 
-    def forget_all(self) -> None:
-        self._routes.clear()
-
 
 def _poison(module: torch.nn.Module) -> None:
     """Make the accumulated gradient non-finite, so the step (alone, or averaged with the

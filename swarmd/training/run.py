@@ -436,7 +436,3 @@ def _mismatch_explainer(host: Any, m: Any, config: Any) -> Callable[[], Awaitabl
                                       config.model_fingerprint(), peers)
 
     return explain
-
-
-def result_json(result: TrainResult) -> dict[str, Any]:
-    return asdict(result)
