@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmd.api.token import token_path
-from swarmd.api.types import ConnectedPeer, IdInfo, StatusInfo, SwarmInfo, TrainingInfo
+from swarmd.api.types import ConnectedPeer, IdInfo, StatusInfo, SwarmInfo
 from swarmd.errors import DaemonReplyError, DaemonUnreachable, HomeError
 from swarmd.node.runfiles import API_FILE
 
@@ -76,9 +76,6 @@ class DaemonClient:
 
     def peers(self) -> list[ConnectedPeer]:
         return [ConnectedPeer.from_json(p) for p in self._request("GET", "/api/v0/peers")]
-
-    def training(self) -> TrainingInfo:
-        return TrainingInfo.from_json(self._request("GET", "/api/v0/training"))
 
     def stop(self, token: str) -> None:
         """Ask the daemon to shut down (it answers at once and exits shortly after)."""
