@@ -219,7 +219,8 @@ SUMMARY = """(() => {
     trainers: [...document.querySelectorAll('#trainers .trainer')].map((t) => ({
       peer: t.dataset.peer, text: t.textContent,
       train: t.querySelectorAll('svg path.train').length,
-      trainPoints: (t.querySelector('svg path.train').getAttribute('d').match(/[ML]/g) || []).length,
+      trainPoints: (t.querySelector('svg path.train').getAttribute('d')
+                    .match(/[ML]/g) || []).length,
       valDots: t.querySelectorAll('svg circle.val-dot').length,
       width: t.querySelector('svg').getBoundingClientRect().width,
     })),

@@ -23,9 +23,10 @@ import torch
 from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 
 __all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "Abandon", "HopReply",
-           "StepReport", "StepAnswer", "TrainerProgress", "parse_forward", "parse_backward", "parse_result",
-           "parse_grad", "parse_abandon", "parse_hop_reply", "parse_step_report",
-           "parse_step_answer", "parse_progress", "progress_meta", "is_shard", "hop_seconds"]
+           "StepReport", "StepAnswer", "TrainerProgress", "parse_forward", "parse_backward",
+           "parse_result", "parse_grad", "parse_abandon", "parse_hop_reply",
+           "parse_step_report", "parse_step_answer", "parse_progress", "progress_meta",
+           "is_shard", "hop_seconds"]
 
 #: most characters of a microbatch id and of a peer id
 MAX_MB_CHARS = 160
