@@ -397,16 +397,22 @@ def test_metrics_expose_the_daemon_state() -> None:
             info = [k for k in m if k[0] == "swarmd_info"]
             assert info == [("swarmd_info", (("peer_id", ME), ("swarm", "demo"),
                                              ("version", "0.1.0.dev0")))]
+            # what each trainer told: its step, loss and validation loss
+            assert m[("swarmd_trainer_step", (("trainer", TRAINER),))] == 40
+            assert m[("swarmd_trainer_loss", (("trainer", TRAINER),))] == 2.0
+            assert m[("swarmd_trainer_val_loss", (("trainer", TRAINER),))] == 3.9
 
             # no stage, no bottleneck: -1; an unlisted state still gets its own series
             fake.status_value = StatusInfo(**{**to_json(sample_status()), "stage": None,
-                                              "state": "draining", "counters": {}})
+                                              "state": "draining", "counters": {},
+                                              "trainers": ()})
             fake.swarm_value = SwarmInfo(swarm="demo", num_stages=0, stages=(), bottleneck=None)
             m = await scrape(s, http.url)
             assert m[("swarmd_stage", ())] == -1
             assert m[("swarmd_bottleneck_stage", ())] == -1
             assert m[("swarmd_state", (("state", "draining"),))] == 1
             assert m[("swarmd_state", (("state", "online"),))] == 0
+            assert not [k for k in m if k[0].startswith("swarmd_trainer_")]
 
     run(body)
 
