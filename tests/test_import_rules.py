@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the pure decision cores (module names)
 CORES = frozenset({
     "swarmd.protocols",
+    "transport.lowbit",
     "transport.relay.policy",
     "swarmd.links",
     "swarmd.node.addresses",
