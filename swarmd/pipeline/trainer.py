@@ -71,11 +71,16 @@ MISSING_POLL_S = 1.0
 #: what a failed microbatch may raise; anything else is a bug and ends the run
 RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
 #: how long a step waits for every stage's report (``swarmd.pipeline.exact``): at most
-#: ``REPORTS_MAX_S``, and ``REPORTS_AFTER_MISS_S`` after a step whose reports did not all come
-#: (a stage that does not report must not stall every step); a report comes after the
-#: stage's own round, so it follows the stage's averaging, not only the link
+#: ``REPORTS_MAX_S``; after a step whose reports did not all come (a stage that does not
+#: report must not stall every step), ``REPORTS_AFTER_MISS_S`` or ``REPORTS_LAG_FACTOR`` times
+#: the lag reports had (the slowest of the last ones, decaying; a report that came after the
+#: trainer stopped waiting counts too), whichever is longer: on a loaded machine reports
+#: come seconds after the trainer's own part, and a fixed second would leave every step
+#: after one miss clipped part by part. A report comes after the stage's own round, so it
+#: follows the stage's averaging, not only the link
 REPORTS_MAX_S = 60.0
 REPORTS_AFTER_MISS_S = 1.0
+REPORTS_LAG_FACTOR = 3.0
 
 
 @dataclass(slots=True, eq=False)
@@ -162,6 +167,11 @@ class Trainer(TrainerCompute):
         self._answers: dict[int, asyncio.Future[float | None]] = {}
         self._report_came = asyncio.Event()
         self._reports_missed = False
+        #: how long whole steps' reports came after the trainer's own part (seconds; the
+        #: slowest lately: each step's lag, or 0.9 of the last, whichever is larger)
+        self._report_lag_s = 0.0
+        #: step -> when the trainer began waiting for its reports, for the last missed steps
+        self._missed_at: dict[int, float] = {}
         self.scaler = LossScaler() if dtype == torch.float16 else None
         #: a gradient overflowed during this step (float16): the step is skipped
         self._overflow = False
@@ -323,7 +333,11 @@ class Trainer(TrainerCompute):
         in time (each part clips its own; ``reports_missed``)."""
         self.board.open(step, samples)
         self.board.own(step, sqnorm if math.isfinite(sqnorm) else 0.0)
-        wait_s = REPORTS_AFTER_MISS_S if self._reports_missed else REPORTS_MAX_S
+        wait_s = REPORTS_MAX_S
+        if self._reports_missed:
+            wait_s = min(REPORTS_MAX_S, max(REPORTS_AFTER_MISS_S,
+                                            REPORTS_LAG_FACTOR * self._report_lag_s))
+        t0 = time.monotonic()
         try:
             async with asyncio.timeout(wait_s):
                 while not self.board.complete(step) and not self.board.answered(step):
@@ -331,6 +345,12 @@ class Trainer(TrainerCompute):
                     self._report_came.clear()
         except TimeoutError:
             pass
+        if self.board.complete(step):
+            self._report_lag_s = max(time.monotonic() - t0, 0.9 * self._report_lag_s)
+        else:  # a report that comes later still tells the lag (``_on_step_report``)
+            self._missed_at[step] = t0
+            while len(self._missed_at) > self.board.keep:
+                del self._missed_at[min(self._missed_at)]
         coefficient = self.board.answer(step)
         if not self.board.answered(step) or coefficient is None:
             self.board.expire(step)
@@ -370,6 +390,9 @@ class Trainer(TrainerCompute):
             report.step, report.stage, report.sqnorm, report.stage_step, report.samples))
         self.counters[f"reports_{posted}"] += 1
         self._report_came.set()
+        began = self._missed_at.get(report.step)
+        if began is not None:  # a report the trainer stopped waiting for: how late it was
+            self._report_lag_s = max(self._report_lag_s, time.monotonic() - began)
         if posted == Posted.NOT_OPEN or self.board.answered(report.step):
             return Message(**StepAnswer(coefficient=self.board.answer(report.step),
                                         progress=self.progress).wire())
