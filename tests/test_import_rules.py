@@ -50,6 +50,7 @@ CORES = frozenset({
     "swarmd.models.seam",
     "swarmd.pipeline.inflight",
     "swarmd.pipeline.held",
+    "swarmd.pipeline.progress",
     "transport.ratelimit",
     "transport.liveness_policy",
     "swarmd.node.caps",

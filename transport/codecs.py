@@ -147,6 +147,8 @@ class CodecSpec:
                 and pair[1] in ("nearest", "stochastic") for pair in self.kind_rounding):
             raise ValueError(f"kind_rounding must be ((kind, 'nearest' | 'stochastic'), ...), "
                              f"got {self.kind_rounding!r}")
+        if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
+            raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
 
     def for_kind(self, kind: str) -> CodecSpec:
         """The spec for a message of ``kind``: its rounding from ``kind_rounding``, if named."""
@@ -154,8 +156,6 @@ class CodecSpec:
             if named == kind and rounding != self.rounding:
                 return replace(self, rounding=rounding, kind_rounding=())
         return self
-        if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
-            raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
 
     @property
     def base(self) -> str:

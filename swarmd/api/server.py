@@ -17,8 +17,10 @@ Routes::
     GET  /api/v0/peers    [ConnectedPeer]: connected peers and those our router knows, with
                           how it treats them (ok/paused/slow/banned, a ban's reason and time
                           left, protocol violations) and their budget refusals here
+    GET  /api/v0/training TrainingInfo: the trainers this stage serves, with their loss curves
     POST /api/v0/stop     202, then the daemon shuts down; needs ``Authorization: Bearer <token>``
-    GET  /metrics         Prometheus text format 0.0.4
+    GET  /metrics         Prometheus text format 0.0.4 (with each trainer's step, loss and
+                          validation loss: ``swarmd_trainer_*{trainer=...}``)
     GET  /                the page (swarmd/api/page.html), which polls status and swarm every 2 s
 
 Every error is JSON ``{"error": {"code": ..., "message": ...}}``: 404 ``not_found``, 405
@@ -196,6 +198,7 @@ class _DaemonCollector:
         yield gauge("swarmd_queue_length", "Microbatches waiting for this peer's compute",
                     status.queue)
         yield from _reachability_metrics(status)
+        yield from _trainer_metrics(status)
         counters = CounterMetricFamily("swarmd_counter", "The daemon's error and traffic "
                                        "counters, by dotted name", labels=["name"])
         for name, value in sorted(status.counters.items()):
@@ -290,6 +293,7 @@ class HttpApi:
         app.router.add_get("/api/v0/swarm", self._swarm)
         app.router.add_get("/api/v0/stage", self._stage)
         app.router.add_get("/api/v0/peers", self._peers)
+        app.router.add_get("/api/v0/training", self._training)
         app.router.add_post("/api/v0/stop", self._stop)
         runner = web.AppRunner(
             app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
@@ -376,7 +380,8 @@ class HttpApi:
             return self._error_response(
                 404, "not_found",
                 f"no endpoint {request.path}: the API is /api/v0/id, /api/v0/status, "
-                f"/api/v0/swarm, /api/v0/peers and POST /api/v0/stop; metrics are at /metrics "
+                f"/api/v0/swarm, /api/v0/stage, /api/v0/peers, /api/v0/training and POST "
+                f"/api/v0/stop; metrics are at /metrics "
                 f"and the status page at /")
         if exc.status < 400:
             raise exc
@@ -423,6 +428,9 @@ class HttpApi:
     async def _peers(self, request: web.Request) -> web.Response:
         return _json_response(to_json(await self._call("peer list", self._api.peers())))
 
+    async def _training(self, request: web.Request) -> web.Response:
+        return _json_response(to_json(self._api.training()))
+
     async def _stop(self, request: web.Request) -> web.Response:
         self._check_token(request)
         log.info("stop requested through the HTTP API by %s", request.remote)
@@ -447,6 +455,20 @@ class HttpApi:
 
     async def _favicon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)
+
+
+def _trainer_metrics(status: Any) -> Iterator[Metric]:
+    """Per trainer this stage serves (at most ``swarmd.pipeline.progress.MAX_TRAINERS``), what
+    it last told: its step, its last step's loss, its latest validation loss."""
+    families = {name: GaugeMetricFamily(f"swarmd_trainer_{name}", doc, labels=["trainer"])
+                for name, doc in (("step", "Steps a trainer this stage serves took, as it told"),
+                                  ("loss", "The mean loss of a trainer's last step, as it told"),
+                                  ("val_loss", "A trainer's latest validation loss, as it told"))}
+    for t in status.trainers:
+        for name, value in (("step", t.step), ("loss", t.loss), ("val_loss", t.val_loss)):
+            if value is not None:
+                families[name].add_metric([t.peer_id], value)
+    yield from families.values()
 
 
 def _reachability_metrics(status: Any) -> Iterator[Metric]:

@@ -46,6 +46,12 @@ MAX_BACKGROUND = 8
 MAX_PAGES = 256
 #: a peer whose pull failed is not picked again for this long (while others can be)
 PULL_FAILED_SKIP_S = 10.0
+#: a joiner deciding where its stage's state comes from reads the view as of this long ago:
+#: entries expire only when the loop ticks (every TICK_S), so this changes nothing while the
+#: loop runs, but after the loop was held (a stage built on a loaded machine: 10 s measured)
+#: every entry, its mates' included, has timed out and the joiner would take initial weights
+#: while its mates are alive; a peer really gone costs a failed dial (``state_sources``)
+STATE_SOURCE_GRACE_S = 30.0
 
 
 class LocalState(NamedTuple):
@@ -351,7 +357,8 @@ class MembershipService:
     def stage_has_state(self, stage: int) -> bool:
         """Whether the view shows another peer holding ``stage``'s state (online, or at a
         step > 0): a joiner of the stage waits for it rather than start from scratch."""
-        return self.view.stage_has_state(stage, time.time(), besides=self.host.peer_id)
+        return self.view.stage_has_state(stage, time.time() - STATE_SOURCE_GRACE_S,
+                                         besides=self.host.peer_id)
 
     def trainers(self) -> dict[str, tuple[str, ...]]:
         """The other trainers: {peer_id: addrs} of peers announced online with no stage and
@@ -366,13 +373,15 @@ class MembershipService:
         """Peers to ask for ``stage``'s state: online peers of the stage with our model, even
         ones whose next announcement is overdue (a fresh view is often a little stale, and
         asking a dead peer costs only a failed dial). Freshest first."""
-        found = self._others_of(stage, {None, "overdue"})
+        found = self._others_of(stage, {None, "overdue"},
+                                now=time.time() - STATE_SOURCE_GRACE_S)
         return [(a.peer_id, a.addrs) for a in sorted(found, key=lambda a: -a.timestamp)]
 
-    def _others_of(self, stage: int, reasons: set[str | None]) -> list[Announcement]:
+    def _others_of(self, stage: int, reasons: set[str | None],
+                   now: float | None = None) -> list[Announcement]:
         """The other peers of ``stage`` whose reason to be kept out of routing (None: none)
-        is one of ``reasons``."""
-        now = time.time()
+        is one of ``reasons``, as of ``now`` (wall clock; default: now)."""
+        now = time.time() if now is None else now
         return [a for a in self.view.announcements(now)
                 if a.stage == stage and a.peer_id != self.host.peer_id
                 and self.view.why_not(a.peer_id, now) in reasons]

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from swarmd import __version__
 from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo,
-                              peer_rows)
+                              TrainingInfo, peer_rows, trainer_rows)
 from swarmd.config import Config
 from swarmd.errors import SwarmdError
 from swarmd.node.connectivity import keep_connected
@@ -33,6 +33,7 @@ from swarmd.node.host_options import announced_throughput, limits_status, stages
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 from swarmd.peer_states import PeerState, transition
+from swarmd.pipeline.progress import TrainerBook
 
 log = logging.getLogger("swarmd.node.daemon")
 
@@ -101,6 +102,9 @@ class Daemon:
         self.manifest_counters: Counter[str] = Counter()
         #: what offering a checkpoint of a stage it no longer serves did (``swarmd.state.offer``)
         self.offer_counters: dict[str, int] = {}
+        #: what the trainers this daemon's stage serves told of their runs (kept across
+        #: stage moves; ``swarmd.pipeline.progress``)
+        self.trainers = TrainerBook()
 
     # ---- DaemonApi ---------------------------------------------------------------------
     def id_info(self) -> IdInfo:
@@ -143,6 +147,7 @@ class Daemon:
             limits=limits_status(self.config, self.host, self.stage_server,
                                  self._upload_left),
             grace_left_s=self.budget.left(time.monotonic()) if self.budget else None,
+            trainers=trainer_rows(self.trainers.series(), time.monotonic(), curves=False),
             **self._manifest_status())
 
     def _manifest_status(self) -> dict[str, str]:
@@ -184,6 +189,10 @@ class Daemon:
                          wiring.snapshot(time.monotonic()) if wiring is not None else [],
                          server.handlers.budgets.refused_by_peer if server is not None else {},
                          addrs_of=self._addrs_of)
+
+    def training(self) -> TrainingInfo:
+        return TrainingInfo(trainers=trainer_rows(self.trainers.series(), time.monotonic(),
+                                                  curves=True))
 
     async def stop(self) -> None:
         self.request_stop()
@@ -391,7 +400,8 @@ class Daemon:
         server = build_server(c, self.host, stage=stage, seam=seam, module=module,
                               device=self._device, dtype=self._dtype,
                               membership=self.membership, averager=self.averager,
-                              keeper=lambda: self.keeper, addrs_of=self._addrs_of)
+                              keeper=lambda: self.keeper, addrs_of=self._addrs_of,
+                              trainers=self.trainers)
         keeper = build_keeper(c, self.host, server, home=self.options.home,
                               membership=self.membership, stage=stage,
                               bootstrapping=self._bootstrapping())
