@@ -550,7 +550,8 @@ PARAMS = (st.sampled_from([{}, {"mode": "raw"}, {"mode": "half"}])
           | st.builds(lambda bits, b, s, c: {"mode": "packed", "bits": bits, "block_size": b,
                                              "scale_dtype": s, "channels": c,
                                              **({"mean_dtype": "float16"} if c else {})},
-                      st.sampled_from([2, 4, 3, 8, 0, -4, 2**40]), st.sampled_from([16, 256, 48, 0]),
+                      st.sampled_from([2, 4, 3, 8, 0, -4, 2**40]),
+                      st.sampled_from([16, 256, 48, 0]),
                       st.sampled_from(["bfloat16", "float16", "float32", "x"]),
                       st.sampled_from([0, 1, 2, 3, 12, -1, 2**40]))
           | st.dictionaries(st.sampled_from(["mode", "bits", "block_size", "scale_dtype",

@@ -3,7 +3,7 @@ every pipeline hop's tensors (forward activations and their gradients, both dire
 passed through a codec's encode and decode, in one process.
 
     python tools/bench_wire_loss.py --json --variants none,int8,int2
-    python tools/bench_wire_loss.py --preset demo --variants int2,int2:stochastic,int2:grad-stochastic
+    python tools/bench_wire_loss.py --preset demo --variants int2,int2:grad-stochastic
 
 A variant is a codec name (``transport/codecs.py``, e.g. ``int2``, ``int4+zstd``), optionally
 followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochastic``
