@@ -227,7 +227,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     result["receiver_peak_rss_growth_vs_max_message"] = wire.pop(
         "receiver_peak_rss_growth_vs_max_message")
     result["memcpy_MBps"] = bench_codecs.measure_memcpy(SHAPE)
-    micro = bench_codecs.measure_codecs(SHAPE, threads=1)
+    micro = bench_codecs.measure_codecs(SHAPE, threads=1, names=CODEC_NAMES)
     result["codecs"] = {name: {**wire[name], **micro[name]} for name in CODEC_NAMES}
     result["int8_outlier_rel_rms_error"] = bench_codecs.outlier_error()
     c, lib, mem = result["codecs"], result["libp2p_MBps"], result["memcpy_MBps"]
