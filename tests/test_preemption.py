@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
 from swarmd.state.checkpoint import load_checkpoint
 from swarmd.training.run import train
+from swarmd.local.zygote import swarmd_popen
 
 pytestmark = pytest.mark.integration
 
@@ -171,8 +171,8 @@ def test_a_peer_whose_trainer_froze_leaves_at_the_drain_deadline_and_the_run_goe
     wait_until(lambda: d0.get("/api/v0/swarm")["stages"][1]["routable_peers"] == 2, 30,
                "two stage-1 peers routable")
     home = tmp_path / "trainer"
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "train", "--json", "--home", str(home), "--steps", "10",
+    trainer = swarmd_popen(
+        ["train", "--json", "--home", str(home), "--steps", "10",
          "--bootstrap", d0.addr], env={**os.environ, **ENV}, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
     try:
