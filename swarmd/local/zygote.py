@@ -23,6 +23,7 @@ it (tests/conftest.py); ``swarmd demo`` and the benchmarks run real interpreters
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -330,6 +331,10 @@ def serve(path: str) -> None:
     """Import everything, listen at ``path``, fork each command asked for, report each exit;
     return when stdin closes (the process that started the zygote is gone)."""
     _preload()
+    # the children's garbage collections leave the preloaded objects alone: their pages stay
+    # shared with the zygote instead of being copied into every child on its first collection
+    gc.collect()
+    gc.freeze()
     if _threads() != 1:
         raise SystemExit(f"zygote: {_threads()} threads after the imports; cannot fork safely")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
