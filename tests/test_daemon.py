@@ -51,9 +51,9 @@ def test_a_second_daemon_on_the_same_home_refuses_to_start(tmp_path: Path) -> No
     try:
         first.wait_started()
         second = swarmd_run(["join", "--home",
-                                 str(tmp_path / "home"), "--listen", "/ip4/127.0.0.1/tcp/0",
-                                 "--http", "127.0.0.1:0"],
-                                capture_output=True, text=True, cwd=ROOT, timeout=60)
+                             str(tmp_path / "home"), "--listen", "/ip4/127.0.0.1/tcp/0",
+                             "--http", "127.0.0.1:0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert second.returncode == 1
         assert f"pid {first.proc.pid}" in second.stderr and "already running" in second.stderr
         assert "Traceback" not in second.stderr
@@ -97,11 +97,11 @@ def test_unreachable_bootstrap_is_retried_and_reported_not_fatal(tmp_path: Path)
 def test_bad_config_key_stops_join_with_a_clear_message(tmp_path: Path) -> None:
     home = tmp_path / "home"
     swarmd_run(["init", "--home", str(home)], check=True,
-                   capture_output=True, cwd=ROOT, timeout=60)
+               capture_output=True, cwd=ROOT, timeout=60)
     bad = tmp_path / "bad.toml"
     bad.write_text("[network]\nlisn = []\n")
     out = swarmd_run(["join", "--home", str(home), "--config",
-                          str(bad)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                      str(bad)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
     assert "network.lisn" in out.stderr and str(bad) in out.stderr
     assert not (home / "api").exists()

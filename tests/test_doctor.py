@@ -17,8 +17,8 @@ DEAD = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWQuErpa7G8FnZpiSzZ3TutpbLuMtSpfNWAxSUdah
 
 def doctor(home: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     out = swarmd_run(["doctor", "--home", str(home), "--json",
-                          *args], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **(env or {})})
+                      *args], capture_output=True, text=True, timeout=120,
+                     env={**os.environ, **(env or {})})
     checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]} if out.stdout else {}
     return out.returncode, checks
 

@@ -395,8 +395,8 @@ def test_a_stage_over_the_device_memory_cap_is_refused_with_the_numbers(tmp_path
 def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path) -> None:
     home = tmp_path / "home"
     out = swarmd_run(["join", "--home", str(home)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         env={**os.environ, "SWARMD_LIMITS_UPLOAD_BYTES_S": "0"})
+                     capture_output=True, text=True, cwd=ROOT, timeout=60,
+                     env={**os.environ, "SWARMD_LIMITS_UPLOAD_BYTES_S": "0"})
     assert out.returncode == 2
     assert "SWARMD_LIMITS_UPLOAD_BYTES_S" in out.stderr and 'write "off"' in out.stderr
     assert "Traceback" not in out.stderr

@@ -130,7 +130,7 @@ def test_a_volunteer_with_only_a_bootstrap_address_serves_the_swarms_model(
         assert training.thread.is_alive(), training.error
         home = tmp_path / "volunteer"
         init = swarmd_run(["init", "--home", str(home)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert init.returncode == 0, init.stderr
         t0 = time.monotonic()
         volunteer = DaemonProcess(home, "--bootstrap", first.addr, env=VOLUNTEER_ENV)
@@ -194,8 +194,8 @@ def test_doctor_says_what_a_volunteer_would_take(
 
     def doctor(env: dict[str, str]) -> tuple[int, dict[str, Any]]:
         out = swarmd_run(["doctor", "--home", str(home),
-                              "--json", "--bootstrap", addr], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120, env={**os.environ, **env})
+                          "--json", "--bootstrap", addr], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, env={**os.environ, **env})
         return out.returncode, {c["name"]: c for c in json.loads(out.stdout)["checks"]}
 
     status, checks = doctor(VOLUNTEER_ENV)  # (own settings that differ: tests/test_doctor.py)

@@ -49,9 +49,9 @@ def test_swarmd_train_from_python_inside_an_event_loop(tmp_path: Path) -> None:
 def test_swarmd_demo_trains_a_hugging_face_model_directory(tmp_path: Path) -> None:
     model = tiny_llama(tmp_path / "llama")
     out = swarmd_run(["demo", "--model", str(model),
-                          "--steps", "20", "--json"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=400, env={**__import__("os").environ,
-                                                     "HF_HUB_OFFLINE": "1"})
+                      "--steps", "20", "--json"], capture_output=True, text=True,
+                     cwd=ROOT, timeout=400, env={**__import__("os").environ,
+                                                 "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["final_val_loss"] < result["initial_val_loss"] and result["lost"] == 0
@@ -59,8 +59,8 @@ def test_swarmd_demo_trains_a_hugging_face_model_directory(tmp_path: Path) -> No
 
 def test_swarmd_demo_names_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
     out = swarmd_run(["demo", "--model", str(tmp_path),
-                          "--steps", "2"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
+                      "--steps", "2"], capture_output=True, text=True, cwd=ROOT,
+                     timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"swarmd: error: {tmp_path}/config.json: cannot read the model config")

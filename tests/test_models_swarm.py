@@ -179,7 +179,7 @@ def test_bad_model_settings_reach_the_user_as_one_line(tmp_path: Path, env: dict
                  "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--steps", "1"],
                 ["join", "--stage", "0", "--listen", "/ip4/127.0.0.1/tcp/0"])
     swarmd_run(["init", "--home", str(tmp_path / "join")],
-                   check=True, capture_output=True, cwd=ROOT)  # a trainer makes its own
+               check=True, capture_output=True, cwd=ROOT)  # a trainer makes its own
     running = [swarmd_popen(  # both at once
         [command[0], "--home", str(tmp_path / command[0]),
          *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

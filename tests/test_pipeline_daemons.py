@@ -31,7 +31,7 @@ ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
 
 def test_demo_trains_and_reports_one_json_line() -> None:
     out = swarmd_run(["demo", "--steps", "30", "--json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+                     capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["final_val_loss"] <= 0.8 * result["initial_val_loss"]
