@@ -166,12 +166,13 @@ class Forked:
     """A ``swarmd`` command forked from the zygote, with the part of ``subprocess.Popen``'s
     interface the launcher and the tests use (``pid``, ``returncode``, ``stdin``/``stdout``/
     ``stderr``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate``,
-    ``kill``)."""
+    ``kill``). ``netns``: the path of a network namespace (``/run/netns/NAME``) the command
+    runs in, as under ``ip netns exec NAME`` (the WAN lab's hosts)."""
 
     def __init__(self, args: list[str], *, stdin: Any = None, stdout: Any = None,
                  stderr: Any = None, env: dict[str, str] | None = None,
                  cwd: str | Path | None = None, text: bool = False,
-                 universal_newlines: bool = False) -> None:
+                 universal_newlines: bool = False, netns: str | None = None) -> None:
         self.args = [sys.executable, "-m", "swarmd", *args]
         self.returncode: int | None = None
         text = text or universal_newlines
@@ -189,7 +190,7 @@ class Forked:
             path = _zygote_path()  # first: sets SOCKET_ENV, which the command inherits
             request = json.dumps({
                 "args": list(args), "cwd": str(cwd) if cwd is not None else os.getcwd(),
-                "env": dict(os.environ if env is None else env)}).encode()
+                "env": dict(os.environ if env is None else env), "netns": netns}).encode()
             self._report, theirs = socket.socketpair()
             control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
@@ -402,6 +403,8 @@ def _child(request: dict[str, Any], stdio: list[int]) -> None:
     """In the forked process: become ``python -m swarmd *args`` and exit as it would."""
     code = 1
     try:
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         for target, fd in enumerate(stdio):
             if fd != target:
                 os.dup2(fd, target)
@@ -418,6 +421,20 @@ def _child(request: dict[str, Any], stdio: list[int]) -> None:
         code = _run(request["args"])
     finally:
         os._exit(code)
+
+
+def _enter_netns(path: str) -> None:
+    """This process into the network namespace at ``path`` (interfaces, routes and
+    ``/proc/net`` follow it), what ``ip netns exec`` does for the network."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns {path}")
+    finally:
+        os.close(fd)
 
 
 def _run(args: list[str]) -> int:
