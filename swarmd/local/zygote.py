@@ -385,7 +385,10 @@ def serve(path: str) -> None:
                 pidfd = os.pidfd_open(pid)
                 children[pidfd] = (pid, report)
                 sel.register(pidfd, selectors.EVENT_READ, "child")
-                report.sendall(f"pid {pid}\n".encode())
+                try:
+                    report.sendall(f"pid {pid}\n".encode())
+                except OSError:
+                    pass  # the asker is gone; the child is reaped all the same
             else:
                 pidfd = key.fd
                 pid, report = children.pop(pidfd)
