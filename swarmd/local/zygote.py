@@ -199,8 +199,8 @@ class Forked:
             finally:
                 control.close()
                 theirs.close()
-            self._reader = self._report.makefile("r")
-            line = self._reader.readline()
+            self._buffer = b""
+            line = self._line(None) or ""
             if not line.startswith("pid "):
                 raise RuntimeError(f"the zygote did not start {args[:1]}: {line.strip()}")
             self.pid = int(line.split()[1])
@@ -218,27 +218,43 @@ class Forked:
                 streams.append(open(mine, mode + "b", buffering=0 if mode == "w" else -1))
         self.stdin, self.stdout, self.stderr = streams
 
+    def _line(self, timeout: float | None) -> str | None:
+        """The zygote's next line about this process; None when none came within
+        ``timeout`` (its "pid" and "exit" lines may arrive in one read: kept in a buffer of
+        our own, which a select on the socket cannot see into)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self._report], [], [], left)
+            if not readable:
+                return None
+            data = self._report.recv(4096)
+            if not data:  # the zygote is gone
+                line, self._buffer = self._buffer, b""
+                return line.decode()
+            self._buffer += data
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
     def poll(self) -> int | None:
         if self.returncode is None:
-            readable, _, _ = select.select([self._report], [], [], 0)
-            if readable:
-                self._read_exit()
+            line = self._line(0)
+            if line is not None:
+                self._exited(line)
         return self.returncode
 
-    def _read_exit(self) -> None:
-        line = self._reader.readline()
+    def _exited(self, line: str) -> None:
         if not line.startswith("exit "):
             raise RuntimeError(f"the zygote lost process {self.pid}: {line.strip()!r}")
         self.returncode = int(line.split()[1])
-        self._reader.close()
         self._report.close()
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            readable, _, _ = select.select([self._report], [], [], timeout)
-            if not readable:
+            line = self._line(timeout)
+            if line is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-            self._read_exit()
+            self._exited(line)
         assert self.returncode is not None
         return self.returncode
 
