@@ -109,6 +109,60 @@ def _raw_frames() -> Iterator[tuple[str, bytes]]:
     yield "http", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
+def _lowbit_meta(codec: str = "int2", shape: tuple[int, ...] = (2, 16, 64),
+                 **params: Any) -> dict[str, Any]:
+    """The tensor meta of a packed low-bit tensor (transport.lowbit), with ``params`` changed."""
+    bits = 2 if codec.startswith("int2") else 4
+    block = params.get("block_size", 256 if bits == 2 else 64)
+    numel = math.prod(shape)
+    nbytes = -(-numel // max(block, 1)) * 2 + -(-numel * bits // 8)
+    merged = {"mode": "packed", "bits": bits, "block_size": block, "scale_dtype": "bfloat16",
+              "channels": 0, **params}
+    return {"codec": codec, "dtype": "float32", "shape": list(shape), "params": merged,
+            "nbytes": nbytes}
+
+
+def _with_payload(kind: str, meta: dict[str, Any], payload: bytes, n: int | None = None) -> bytes:
+    return _frame({"k": kind, "m": {}, "t": [meta], "n": len(payload) if n is None else n}
+                  ) + payload
+
+
+def _lowbit_frames(kind: str) -> Iterator[tuple[str, bytes]]:
+    """Packed low-bit tensors that lie: bit width, block count, payload length, NaN or
+    negative scales, a decode past ``wire.max_tensor_bytes`` (each refused, typed, before the
+    receiver allocates the decoded tensor)."""
+    good = _lowbit_meta()
+    codes = bytes(range(256)) * (good["nbytes"] // 256 + 1)
+    payload = (struct.pack("<H", 0x3F80) * 8 + codes)[:good["nbytes"]]  # bfloat16 1.0 scales
+    for bits in (3, 8, 0, -2, 2**40, "2"):
+        yield f"lowbit_bits_{bits}", _with_payload(kind, dict(good, params={
+            **good["params"], "bits": bits}), payload)
+    yield "lowbit_int4_claims_2_bits", _with_payload(kind, dict(good, codec="int4"), payload)
+    for block in (8, 48, 0, 1 << 17, 2**62):
+        yield f"lowbit_block_{block}", _with_payload(kind, _lowbit_meta(block_size=block),
+                                                     payload)
+    yield "lowbit_scale_dtype", _with_payload(kind, _lowbit_meta(scale_dtype="int8"), payload)
+    for channels in (-1, 7, 2048, 2**40, "64"):  # negative, not dividing, all, huge, a string
+        yield f"lowbit_channels_{channels}", _with_payload(kind, _lowbit_meta(
+            channels=channels, mean_dtype="float16"), payload)
+    centred = dict(_lowbit_meta(channels=64, mean_dtype="float16"))
+    centred["nbytes"] += 128
+    yield "lowbit_nan_mean", _with_payload(kind, centred, struct.pack("<H", 0x7E00) * 64 + payload)
+    yield "lowbit_short_payload", _with_payload(kind, dict(good, nbytes=good["nbytes"] - 1),
+                                                payload[:-1])
+    yield "lowbit_long_payload", _with_payload(kind, dict(good, nbytes=good["nbytes"] + 7),
+                                               payload + bytes(7))
+    yield "lowbit_frame_longer", _with_payload(kind, good, payload + bytes(5))
+    for name, scale in (("nan", 0x7FC0), ("inf", 0x7F80), ("negative", 0xBF80)):
+        bad = struct.pack("<H", scale) + payload[2:]
+        yield f"lowbit_{name}_scale", _with_payload(kind, good, bad)
+    # 2**28 + 4096 float32 values: past the default 1 GiB decoded, its payload only ~64 MiB
+    # (the header alone is sent: the receiver must refuse before reading the payload)
+    huge = _lowbit_meta(shape=(2**28 + 4096,))
+    yield "lowbit_expands_past_limit", _frame({"k": kind, "m": {}, "t": [huge],
+                                               "n": huge["nbytes"]})
+
+
 def cases(swarm: str, model_hash: str, *, per_kind: int = 6, seed: int = 1) -> Iterator[Case]:
     """Every case for every protocol of ``swarm``: named cases first, then ``per_kind`` random
     ones per kind (seeded), then malformed raw frames."""
@@ -135,3 +189,5 @@ def cases(swarm: str, model_hash: str, *, per_kind: int = 6, seed: int = 1) -> I
                 yield Case(protocol, f"random_{i}", kind=kind, meta=meta, tensors=_tensors(rng))
         for raw_name, data in _raw_frames():
             yield Case(protocol, f"raw_{raw_name}", raw=data)
+        for frame_name, data in _lowbit_frames(kinds[0]):  # decoded before any handler looks
+            yield Case(protocol, frame_name, raw=data)

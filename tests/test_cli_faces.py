@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_http_api import ME, FakeDaemon, peer_id, run, serving
+from test_http_api import ME, TRAINER, FakeDaemon, peer_id, run, serving
 
 from swarmd.api.client import find_daemon
 from swarmd.api.token import create_token, read_token
@@ -103,6 +103,11 @@ def test_status_peers_and_swarm_as_text_and_json(home: Path) -> None:
             assert "throughput  7.25 samples/s" in lines
             assert "counters    protocol_errors.truncated  2" in lines
             assert any(line.split() == ["streams.opened", "41"] for line in lines)
+            # one line a trainer: short id, step, loss, validation loss (its step), shard
+            (trainer,) = [line for line in lines if TRAINER[-8:] in line]
+            assert trainer.split()[0] == "trainers"
+            assert ("step 40  loss 2.0000  val 3.9000 (step 30)  shard 1/2  epoch 0  1s ago"
+                    in trainer)
 
             done = await swarmd(home, "peers")
             assert done.returncode == 0, done

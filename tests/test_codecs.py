@@ -24,7 +24,8 @@ from transport.limits import Limits
 LIMITS = Limits()
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 INTEGERS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
-ALL_CODECS = ["none", "fp16", "int8", "none+zstd", "fp16+zstd", "int8+zstd"]
+ALL_CODECS = ["none", "fp16", "int8", "int4", "int2", "none+zstd", "fp16+zstd", "int8+zstd",
+              "int4+zstd", "int2+zstd"]
 
 
 def payload_of(encoded: EncodedTensor) -> memoryview:
@@ -163,7 +164,7 @@ def test_floats_roundtrip_every_codec(codec, dtype, shape):
     if x.numel() == 0 or codec.startswith("none"):
         assert torch.equal(bits(out), bits(x))
         return
-    bound = {"fp16": 1e-3, "int8": 0.012}[codec.split("+")[0]]
+    bound = {"fp16": 1e-3, "int8": 0.012, "int4": 0.13, "int2": 0.5}[codec.split("+")[0]]
     if dtype == torch.bfloat16 and codec.startswith("fp16"):
         bound = 1e-2  # bfloat16 -> float16 -> bfloat16 may round twice
     assert rel_rms(out, x) <= bound
@@ -420,7 +421,7 @@ def with_(meta: dict, **changes) -> dict:
     return out
 
 
-@pytest.mark.parametrize("codec", ["int4", "int8+lz4", "zstd", "INT8", "int8+", "+zstd"])
+@pytest.mark.parametrize("codec", ["int3", "int8+lz4", "zstd", "INT8", "int8+", "+zstd"])
 def test_unknown_codec(codec):
     meta, payload = good_meta()
     with pytest.raises(UnknownCodec):
@@ -540,12 +541,20 @@ ANY = st.recursive(
     lambda inner: (st.lists(inner, max_size=4)
                    | st.dictionaries(st.text(max_size=5), inner, max_size=3)),
     max_leaves=8)
-PARAM_VALUES = (st.sampled_from(["int8", "half", "raw", "float16", "float32"])
+PARAM_VALUES = (st.sampled_from(["int8", "half", "raw", "packed", "float16", "float32",
+                                 "bfloat16"])
                 | st.integers(-2, 2**17))
 PARAMS = (st.sampled_from([{}, {"mode": "raw"}, {"mode": "half"}])
           | st.builds(lambda b, s: {"mode": "int8", "block_size": b, "scale_dtype": s},
                       st.sampled_from([16, 64, 48, 0]), st.sampled_from(["float16", "float32", "x"]))
-          | st.dictionaries(st.sampled_from(["mode", "block_size", "scale_dtype", "raw_nbytes", "x"]),
+          | st.builds(lambda bits, b, s, c: {"mode": "packed", "bits": bits, "block_size": b,
+                                             "scale_dtype": s, "channels": c,
+                                             **({"mean_dtype": "float16"} if c else {})},
+                      st.sampled_from([2, 4, 3, 8, 0, -4, 2**40]), st.sampled_from([16, 256, 48, 0]),
+                      st.sampled_from(["bfloat16", "float16", "float32", "x"]),
+                      st.sampled_from([0, 1, 2, 3, 12, -1, 2**40]))
+          | st.dictionaries(st.sampled_from(["mode", "bits", "block_size", "scale_dtype",
+                                             "channels", "mean_dtype", "raw_nbytes", "x"]),
                             PARAM_VALUES, max_size=5))
 METAS = st.fixed_dictionaries({
     "codec": CODEC_NAMES | ANY,
@@ -623,6 +632,9 @@ def test_fuzz_consistent_metas_with_random_payloads(codec, dtype, shape, block, 
         params = {"mode": "raw"}
     elif base == "fp16":
         params = {"mode": "half"}
+    elif base in ("int4", "int2"):
+        params = {"mode": "packed", "bits": int(base[3]), "block_size": block,
+                  "scale_dtype": scale_dtype, "channels": 0}
     else:
         params = {"mode": "int8", "block_size": block, "scale_dtype": scale_dtype}
     meta = {"codec": codec, "dtype": dtype, "shape": shape, "params": params, "nbytes": 0}
@@ -635,7 +647,8 @@ def test_fuzz_consistent_metas_with_random_payloads(codec, dtype, shape, block, 
 @given(codec=st.sampled_from(ALL_CODECS), dtype=st.sampled_from(FLOATS + INTEGERS),
        size=st.integers(0, 200),
        key=st.none() | st.sampled_from(["codec", "dtype", "shape", "params", "nbytes", "p_mode",
-                                        "p_block_size", "p_scale_dtype", "p_raw_nbytes"]),
+                                        "p_block_size", "p_scale_dtype", "p_raw_nbytes",
+                                        "p_bits", "p_channels", "p_mean_dtype"]),
        value=ANY | PARAM_VALUES,
        flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
        cut=st.just(0) | st.integers(-3, 3))

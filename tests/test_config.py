@@ -259,7 +259,7 @@ def test_nested_table_is_unknown_key(tmp_path):
     ("http.listen", '"127.0.0.1:99999"', "port out of range"),
     ("http.listen", '"example.com:80"', "not an IP address"),
     ("http.listen", '"::1:80"', "brackets"),
-    ("wire.codec", '"int4"', None),
+    ("wire.codec", '"int3"', None),
     ("wire.codec", '"int8+zstb"', 'did you mean "int8+zstd"'),
     ("wire.int8_block_size", "48", "not a power of two"),
     ("wire.int8_block_size", "8", "out of range"),
@@ -310,7 +310,7 @@ def test_bad_env_value_names_variable_and_key():
     ("SWARMD_HTTP_ALLOW_NON_LOOPBACK", "maybe", "not a boolean"),
     ("SWARMD_NETWORK_DIAL_TIMEOUT_S", "soon", "not a number"),
     ("SWARMD_NETWORK_DIAL_TIMEOUT_S", "nan", "not a finite number"),
-    ("SWARMD_WIRE_CODEC", "int4", None),
+    ("SWARMD_WIRE_CODEC", "int3", None),
     ("SWARMD_NETWORK_LISTEN", "/ip4/0.0.0.0/tcp/1,garbage", "entry 2"),
 ])
 def test_bad_env_values(var, value, needle):

@@ -25,3 +25,17 @@ def test_listen_override_wins() -> None:
     config = load_config(None, env={})
     assert host_options(config, ["/ip4/127.0.0.1/tcp/0"]).listen == ("/ip4/127.0.0.1/tcp/0",)
     assert codec_spec(config).name == config.wire.codec
+
+
+def test_lowbit_codecs_take_their_own_settings() -> None:
+    config = load_config(None, env={"SWARMD_WIRE_CODEC": "int2",
+                                    "SWARMD_WIRE_LOWBIT_ROUNDING": "gradients"})
+    spec = codec_spec(config)
+    assert (spec.block_size, spec.scale_dtype, spec.center, spec.rounding) == (
+        256, "bfloat16", False, "nearest")
+    assert spec.for_kind("backward").rounding == spec.for_kind("grad").rounding == "stochastic"
+    assert spec.for_kind("forward") is spec
+    spec = codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int4+zstd",
+                                             "SWARMD_WIRE_LOWBIT_BLOCK_SIZE": "128",
+                                             "SWARMD_WIRE_LOWBIT_CENTER": "true"}))
+    assert (spec.block_size, spec.center, spec.kind_rounding) == (128, True, ())

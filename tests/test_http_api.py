@@ -20,7 +20,7 @@ import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmd.api.types import (ConnectedPeer, IdInfo, PeerRow, StageRow, StatusInfo, SwarmInfo,
-                              to_json)
+                              TrainerRow, TrainingInfo, to_json)
 from swarmd.errors import ConfigError, ListenError, SwarmdError
 from swarmd.api.server import HttpApi
 
@@ -41,10 +41,27 @@ def peer_id(n: int) -> str:
 ME = peer_id(1)
 
 
+TRAINER = peer_id(8)
+
+
+def sample_trainer(*, curves: bool) -> TrainerRow:
+    """A trainer at step 40 of shard 1/2, validated at step 30 (with its curves when asked)."""
+    losses = tuple((s, 6.0 - s / 10) for s in range(1, 41)) if curves else ()
+    val_losses = ((0, 6.2), (10, 5.1), (20, 4.4), (30, 3.9)) if curves else ()
+    return TrainerRow(peer_id=TRAINER, step=40, loss=2.0, val_loss=3.9, val_step=30,
+                      shard="1/2", epoch=0, heard_s=1.25, losses=losses,
+                      val_losses=val_losses)
+
+
 def sample_status() -> StatusInfo:
     return StatusInfo(peer_id=ME, swarm="demo", version="0.1.0.dev0", stage=1, state="online",
                       uptime_s=3723.5, connected_peers=5, throughput=7.25, queue=3,
-                      counters={"protocol_errors.truncated": 2, "streams.opened": 41})
+                      counters={"protocol_errors.truncated": 2, "streams.opened": 41},
+                      trainers=(sample_trainer(curves=False),))
+
+
+def sample_training() -> TrainingInfo:
+    return TrainingInfo(trainers=(sample_trainer(curves=True),))
 
 
 def sample_swarm() -> SwarmInfo:
@@ -86,6 +103,7 @@ class FakeDaemon:
         self.status_value = sample_status()
         self.swarm_value = sample_swarm()
         self.peers_value = sample_peers()
+        self.training_value = sample_training()
         self.fail: dict[str, BaseException] = {}
         self.calls: dict[str, int] = {}
         #: called by stop() (the test's stand-in for the daemon's shutdown)
@@ -111,6 +129,10 @@ class FakeDaemon:
     async def peers(self) -> list[ConnectedPeer]:
         self._enter("peers")
         return self.peers_value
+
+    def training(self) -> TrainingInfo:
+        self._enter("training")
+        return self.training_value
 
     async def stop(self) -> None:
         self._enter("stop")
@@ -148,11 +170,17 @@ def test_every_route_serves_the_daemon_values() -> None:
             for path, expected in [("/api/v0/id", fake.id_value),
                                    ("/api/v0/status", fake.status_value),
                                    ("/api/v0/swarm", fake.swarm_value),
-                                   ("/api/v0/peers", fake.peers_value)]:
+                                   ("/api/v0/peers", fake.peers_value),
+                                   ("/api/v0/training", fake.training_value)]:
                 status, data, response = await get_json(s, http.url + path)
                 assert status == 200, (path, data)
                 assert response.content_type == "application/json"
                 assert data == to_json(expected), path
+            # what the CLI reads back is the value served
+            _, data, _ = await get_json(s, http.url + "/api/v0/training")
+            assert TrainingInfo.from_json(data) == fake.training_value
+            _, data, _ = await get_json(s, http.url + "/api/v0/status")
+            assert StatusInfo.from_json(data) == fake.status_value
             async with s.get(http.url + "/") as response:
                 assert response.status == 200
                 assert response.content_type == "text/html"
@@ -356,8 +384,9 @@ def test_metrics_expose_the_daemon_state() -> None:
             assert m[("swarmd_connected_peers", ())] == 5
             assert m[("swarmd_throughput_samples_per_second", ())] == 7.25
             assert m[("swarmd_queue_length", ())] == 3
-            assert m[("swarmd_counter_total", (("name", "protocol_errors.truncated"),))] == 2
-            assert m[("swarmd_counter_total", (("name", "streams.opened"),))] == 41
+            assert m[("swarmd_protocol_errors_truncated_total", ())] == 2
+            assert m[("swarmd_streams_opened_total", ())] == 41
+            assert m[("process_resident_memory_bytes", ())] > 0  # the process collector
             for stage, tp, peers in [("0", 40.5, 2), ("1", 11.25, 2), ("2", 30.0, 2)]:
                 assert m[("swarmd_stage_throughput", (("stage", stage),))] == tp
                 assert m[("swarmd_stage_peers", (("stage", stage),))] == peers
@@ -369,16 +398,22 @@ def test_metrics_expose_the_daemon_state() -> None:
             info = [k for k in m if k[0] == "swarmd_info"]
             assert info == [("swarmd_info", (("peer_id", ME), ("swarm", "demo"),
                                              ("version", "0.1.0.dev0")))]
+            # what each trainer told: its step, loss and validation loss
+            assert m[("swarmd_trainer_step", (("trainer", TRAINER),))] == 40
+            assert m[("swarmd_trainer_loss", (("trainer", TRAINER),))] == 2.0
+            assert m[("swarmd_trainer_val_loss", (("trainer", TRAINER),))] == 3.9
 
             # no stage, no bottleneck: -1; an unlisted state still gets its own series
             fake.status_value = StatusInfo(**{**to_json(sample_status()), "stage": None,
-                                              "state": "draining", "counters": {}})
+                                              "state": "draining", "counters": {},
+                                              "trainers": ()})
             fake.swarm_value = SwarmInfo(swarm="demo", num_stages=0, stages=(), bottleneck=None)
             m = await scrape(s, http.url)
             assert m[("swarmd_stage", ())] == -1
             assert m[("swarmd_bottleneck_stage", ())] == -1
             assert m[("swarmd_state", (("state", "draining"),))] == 1
             assert m[("swarmd_state", (("state", "online"),))] == 0
+            assert not [k for k in m if k[0].startswith("swarmd_trainer_")]
 
     run(body)
 

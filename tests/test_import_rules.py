@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the pure decision cores (module names)
 CORES = frozenset({
     "swarmd.protocols",
+    "transport.lowbit",
     "transport.relay.policy",
     "swarmd.links",
     "swarmd.node.addresses",
@@ -49,6 +50,7 @@ CORES = frozenset({
     "swarmd.models.seam",
     "swarmd.pipeline.inflight",
     "swarmd.pipeline.held",
+    "swarmd.pipeline.progress",
     "transport.ratelimit",
     "transport.liveness_policy",
     "swarmd.node.caps",
@@ -60,6 +62,7 @@ CORES = frozenset({
     "swarmd.manifest.document",
     "swarmd.manifest.settle",
     "swarmd.manifest.wire",
+    "swarmd.peer_states",
 })
 #: what a core may import from swarmd/transport besides other cores
 CORE_MAY_IMPORT = frozenset({"swarmd.errors", "transport.errors", "transport.limits",

@@ -65,3 +65,57 @@ def test_a_peer_everyone_expired_while_its_pulls_failed_comes_back() -> None:
                 assert has(mb, a.peer_id) and has(mb, c.peer_id)
 
     asyncio.run(main())
+
+
+def test_a_joiner_whose_loop_was_held_still_finds_its_stages_mates() -> None:
+    """A stage built on a loaded machine can hold the event loop for longer than entries
+    live (3 periods, 6 s): when the keeper then asks for state sources, before the
+    membership loop ticked, its mates' entries have all timed out. They must still be
+    named (the keeper took initial weights while its mate was alive: test_replay_daemons,
+    test_state_caps on CI)."""
+
+    async def main() -> None:
+        ids = [identity.generate() for _ in range(2)]
+        opts = HostOptions(pubsub=None)
+        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b:
+            mss = [MembershipService(h, i, CONFIG, lambda: LocalState(0, "online"))
+                   for h, i in zip((a, b), ids)]
+            async with mss[0] as ma, mss[1]:
+                await a.dial(b.addrs[0])
+                await until("B in A's view", 30, lambda: ma.view.get(b.peer_id) is not None
+                            and b.peer_id in ma.view.peer_ids(time.time()))
+                assert [p for p, _ in ma.state_sources(0)] == [b.peer_id]
+                assert ma.stage_has_state(0)
+                # the loop held 10 s: B's entry timed out, not yet removed by a tick
+                entry = ma.view._entries[b.peer_id]
+                entry.expires_at = time.time() - 10.0
+                assert b.peer_id not in ma.view.peer_ids(time.time())
+                assert [p for p, _ in ma.state_sources(0)] == [b.peer_id]
+                assert ma.stage_has_state(0)
+                entry.expires_at = time.time() - 120.0  # long gone: not a source
+                assert ma.state_sources(0) == [] and not ma.stage_has_state(0)
+
+    asyncio.run(main())
+
+
+def test_a_wall_clock_step_does_not_move_the_announcement_schedule() -> None:
+    """The schedule runs on the monotonic clock; the wall clock is only what announcements
+    carry. A wall clock set back an hour once left a peer silent for that hour (its next
+    announcement was due at a wall time an hour ahead), so every view expired it."""
+
+    async def main() -> None:
+        offset = [0.0]
+        ids = [identity.generate()]
+        async with Host(ids[0], HostOptions(pubsub=None)) as a:
+            m = MembershipService(a, ids[0], CONFIG, lambda: LocalState(0, "online"),
+                                  wall=lambda: time.time() + offset[0])
+            async with m:
+                await until("a first announcement", 30,
+                            lambda: m.counters().get("announcements_made", 0) >= 1)
+                offset[0] = -3600.0  # the wall clock set back an hour
+                made = m.counters()["announcements_made"]
+                period = m.config_period_hint()
+                await until("announcements going on", 4 * period + 5,
+                            lambda: m.counters().get("announcements_made", 0) >= made + 2)
+
+    asyncio.run(main())

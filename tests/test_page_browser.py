@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from test_http_api import ME, FakeDaemon, peer_id, run, sample_status, serving
+from test_http_api import (ME, TRAINER, FakeDaemon, peer_id, run, sample_status, serving)
 
 from swarmd.api.types import StatusInfo, to_json
 
@@ -215,6 +215,15 @@ SUMMARY = """(() => {
     scrollWidth: document.documentElement.scrollWidth,
     dotColours: Object.fromEntries([...document.querySelectorAll('.peer')].map(
       (p) => [p.dataset.peer, getComputedStyle(p.querySelector('.dot')).backgroundColor])),
+    trainingShown: !document.getElementById('training-section').hidden,
+    trainers: [...document.querySelectorAll('#trainers .trainer')].map((t) => ({
+      peer: t.dataset.peer, text: t.textContent,
+      train: t.querySelectorAll('svg path.train').length,
+      trainPoints: (t.querySelector('svg path.train').getAttribute('d')
+                    .match(/[ML]/g) || []).length,
+      valDots: t.querySelectorAll('svg circle.val-dot').length,
+      width: t.querySelector('svg').getBoundingClientRect().width,
+    })),
   };
 })()"""
 
@@ -256,6 +265,14 @@ def test_page_renders_the_pipeline_refreshes_and_reports_an_unreachable_daemon(
                 assert page["uptime"] == "1h 02m 03s"
                 assert page["updated"].startswith("last updated ")
                 assert page["bannerHidden"]
+                # each trainer's loss curves: one line of its steps, a dot per validation
+                assert page["trainingShown"]
+                (trainer,) = page["trainers"]
+                assert trainer["peer"] == TRAINER
+                assert "shard 1/2" in trainer["text"] and "2.0000" in trainer["text"]
+                assert "3.9000" in trainer["text"] and "(step 30)" in trainer["text"]
+                assert (trainer["train"], trainer["trainPoints"], trainer["valDots"]) == (1, 40, 4)
+                assert trainer["width"] > 200
                 await cdp.screenshot(tmp_path / "page.png")
 
                 # it polls: a change in the daemon shows up without reloading

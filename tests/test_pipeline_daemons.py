@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -166,9 +167,23 @@ def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
     # and they averaged their embedding and head with each other while both trained
     assert first.trainer_rounds >= 1 and second.trainer_rounds >= 1, results
     # the last stage served both trainers' microbatches and stepped on them
-    counters = d1.get("/api/v0/status")["counters"]
+    status = d1.get("/api/v0/status")
+    counters = status["counters"]
     assert counters["stage.backward"] >= 2 * 15 * config.training.microbatches
     assert d1.get("/api/v0/stage")["step"] >= 10
+    # what each trainer told the stages of its run: loss, validation loss, shard
+    for d, last in ((d0, 10), (d1, 15)):  # the last stage hears the final evaluation's step
+        rows = d.get("/api/v0/status")["trainers"]
+        assert len(rows) == 2, rows
+        for row in rows:
+            assert row["step"] >= last and row["loss"] > 0 and row["val_loss"] > 0, row
+        # each trainer's data shard (swarmd.data.order: "auto" from the trainers it saw)
+        assert all(re.fullmatch(r"\d+/\d+", r["shard"]) and r["epoch"] == 0 for r in rows), rows
+    curves = d1.get("/api/v0/training")["trainers"]
+    assert all(len(t["losses"]) >= 14 and t["val_losses"] for t in curves), curves
+    from swarmd.api.types import StatusInfo
+    from swarmd.cli.client import text_status
+    assert text_status(StatusInfo.from_json(status)).count("  shard ") == 2
 
 
 def test_batched_forwards_train_the_same_way(tmp_path: Any) -> None:

@@ -25,6 +25,8 @@ class _Trainer:
                                      peers_used=lambda: [1], grad_norm=None,
                                      clip_coefficient=None)
         self.optimizer = SimpleNamespace(skipped=0, last_lr=1e-3, last_grad_norm=None)
+        #: what it told the stage peers after each step (``Trainer.progress``)
+        self.told: list[Any] = []
 
     async def evaluate(self, batches: list[Any]) -> float:
         self.evaluated.append(self.step)
@@ -35,7 +37,9 @@ class _Trainer:
         for _ in range(steps):
             self.seen += [next_batch() for _ in range(microbatches)]
             self.step += 1
-            if await on_step(self.step, 1.0):
+            stop = await on_step(self.step, 1.0)
+            self.told.append(getattr(self, "progress", None))
+            if stop:
                 return
 
 
@@ -60,6 +64,12 @@ def test_evaluations_at_the_start_every_eval_every_steps_and_at_the_end(tmp_path
         "step 6 validation loss 4.0000", "final validation loss 3.0000"]
     assert (result.initial_val_loss, result.final_val_loss) == (10.0, 3.0)
     assert len(trainer.seen) == 14 and data.state()["index"] == 14 * 2  # windows drawn
+    # what the stage peers are told: the step's loss, the latest validation, shard and epoch
+    told = [(p.step, p.loss, p.val_step, p.val_loss, p.shard, p.epoch) for p in trainer.told]
+    assert told[0] == (1, 1.0, 0, 10.0, "1/2", 0)
+    assert told[2] == (3, 1.0, 3, 7.0, "1/2", 0) and told[3][2:4] == (3, 7.0)
+    last = trainer.progress
+    assert (last.step, last.loss, last.val_step, last.val_loss) == (7, 1.0, 7, 3.0)
     data.close()
 
 

@@ -342,7 +342,12 @@ def test_a_peer_never_measured_follows_the_others_and_is_not_starved() -> None:
             w.success(p, 8, 0.08, "forward", 1.0)  # 100 samples/s
     w.update_peers(peers, 1.0)
     picks = Counter(w.choose("forward", 8, 1.0, rng) for _ in range(30))
-    assert picks["c"] >= 5, picks
+    # tried at once, up to its probing share while unanswered (measured beats claimed)
+    assert picks["c"] == w.config.probe_tasks, picks
+    for _ in range(picks["c"]):
+        w.success("c", 8, 0.08, "forward", 1.5)
+    picks = Counter(w.choose("forward", 8, 1.5, rng) for _ in range(30))
+    assert 7 <= picks["c"] <= 13, picks  # answered as fast as the others: a third
 
 
 # ---- busy: backpressure, not a fault ---------------------------------------------------------
@@ -415,3 +420,51 @@ def test_excluded_peers_are_not_chosen_and_nobody_left_means_none() -> None:
     w.update_peers({"a": (100.0, 0), "b": (1.0, 0)}, 0.0)
     assert {w.choose("forward", 1, 0.0, rng, exclude={"a"}) for _ in range(5)} == {"b"}
     assert w.choose("forward", 1, 0.0, rng, exclude={"a", "b"}) is None
+
+
+# ---- measured beats claimed (issue 28) ------------------------------------------------------
+@given(claim=st.floats(min_value=1e-3, max_value=1e300, allow_nan=False),
+       honest=st.floats(min_value=1.0, max_value=1e4), tasks=st.integers(1, 200),
+       seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_no_claim_gets_an_unanswering_peer_more_than_its_probes_or_its_cap(
+        claim: float, honest: float, tasks: int, seed: int) -> None:
+    w = Wiring()
+    rng = random.Random(seed)
+    w.update_peers({"honest": (honest, 0)}, 0.0)
+    w.success("honest", 8, 8 / honest, "forward", 0.0)  # measured at `honest` samples/s
+    w.update_peers({"honest": (honest, 0), "liar": (claim, 0)}, 1.0)
+    picks = Counter(w.choose("forward", 8, 1.0, rng) for _ in range(tasks))
+    # before it answered anything: its probes at most, whatever it announced
+    assert picks["liar"] <= w.config.probe_tasks
+    assert picks["honest"] == tasks - picks["liar"]  # the rest went to the measured peer
+
+
+def test_a_liar_claiming_1e12_gets_its_probes_then_nothing_until_it_answers() -> None:
+    w = Wiring()
+    rng = random.Random(RNG_SEED)
+    w.update_peers({"honest": (100.0, 0)}, 0.0)
+    w.success("honest", 8, 0.08, "forward", 0.0)
+    w.update_peers({"honest": (100.0, 0), "liar": (1e12, 0)}, 1.0)
+    picks = [w.choose("forward", 8, 1.0, rng) for _ in range(50)]
+    assert picks.count("liar") == w.config.probe_tasks
+    assert picks[-10:] == ["honest"] * 10
+    for _ in range(w.config.probe_tasks):  # its probes time out: slow, and probes again
+        w.timeout("liar", 70.0)
+    picks = [w.choose("forward", 8, 70.0, rng) for _ in range(50)]
+    assert picks.count("liar") <= w.config.probe_tasks
+    # alone in its stage, a claim is all there is: it gets the work
+    w.update_peers({"liar": (1e12, 0)}, 80.0)
+    assert w.choose("forward", 8, 80.0, rng) == "liar"
+
+
+def test_a_claim_counts_at_most_claim_multiple_times_the_best_measured_peer() -> None:
+    cfg = WiringConfig(probe_tasks=1000)
+    w = Wiring(cfg)
+    rng = random.Random(RNG_SEED)
+    w.update_peers({"honest": (100.0, 0)}, 0.0)
+    w.success("honest", 8, 0.08, "forward", 0.0)
+    w.update_peers({"honest": (100.0, 0), "big": (1e12, 0)}, 1.0)
+    picks = Counter(w.choose("forward", 8, 1.0, rng) for _ in range(300))
+    share = picks["big"] / 300  # 2 : 1 at most, not a million to one
+    assert 0.55 <= share <= 0.72, picks

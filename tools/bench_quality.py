@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import secrets
 import subprocess
@@ -332,6 +331,10 @@ def _swarm_result(p: Preset, result: dict[str, Any], counters: list[dict[str, in
             "export_val_loss": swarm_weights_loss(p, stage_homes, trainer_home),
             "train_loss_last_tenth": _mean(train[-max(1, len(train) // 10):]),
             "trainer_steps": result["steps"],
+            # steps every part took with the whole model's clipping coefficient (the others
+            # clipped per part: a stage's report came too late, or samples were mixed)
+            "exact_steps": sum(1 for x in lines
+                               if "loss" in x and x.get("clip_coefficient") is not None),
             "stage_optimizer_steps": [c["optimizer_steps"] for c in counters],
             "stage_lateness_steps": [c["late_samples"] / max(1, c["stepped_samples"])
                                      for c in counters],
@@ -367,7 +370,8 @@ def one_repeat(name: str, seed: int, links: list[str], steps: int | None,
                                  / max(1e-9, consumed)}})
             say(f"{name} seed {seed} {link}: swarm {run['final_val_loss']:.4f} (exported "
                 f"weights {run['export_val_loss']:.4f}), ratio {run['ratio']:.4f}; stage steps "
-                f"{run['stage_optimizer_steps']} for {run['trainer_steps']} trainer steps")
+                f"{run['stage_optimizer_steps']} for {run['trainer_steps']} trainer steps, "
+                f"{run['exact_steps']} exact; restarted {run['restarted']}, lost {run['lost']}")
             runs.append(run)
         return runs
 

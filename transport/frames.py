@@ -84,7 +84,9 @@ class OutgoingFrame:
 
 
 def encode_message(message: Message, spec: codecs.CodecSpec) -> OutgoingFrame:
-    """Encode ``message`` with ``spec`` for its tensors. CPU-bound for large tensors."""
+    """Encode ``message`` with ``spec`` for its tensors (``spec.for_kind(message.kind)``: a
+    rounding of its own for some kinds). CPU-bound for large tensors."""
+    spec = spec.for_kind(message.kind) if message.tensors else spec
     encoded = [codecs.encode(t, spec) for t in message.tensors]
     parts = tuple(p for e in encoded for p in e.parts)
     payload_bytes = sum(e.nbytes for e in encoded)

@@ -17,8 +17,10 @@ Routes::
     GET  /api/v0/peers    [ConnectedPeer]: connected peers and those our router knows, with
                           how it treats them (ok/paused/slow/banned, a ban's reason and time
                           left, protocol violations) and their budget refusals here
+    GET  /api/v0/training TrainingInfo: the trainers this stage serves, with their loss curves
     POST /api/v0/stop     202, then the daemon shuts down; needs ``Authorization: Bearer <token>``
-    GET  /metrics         Prometheus text format 0.0.4
+    GET  /metrics         Prometheus text format 0.0.4 (with each trainer's step, loss and
+                          validation loss: ``swarmd_trainer_*{trainer=...}``)
     GET  /                the page (swarmd/api/page.html), which polls status and swarm every 2 s
 
 Every error is JSON ``{"error": {"code": ..., "message": ...}}``: 404 ``not_found``, 405
@@ -43,10 +45,11 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from swarmd.api.metrics import counter_families
 from swarmd.api.types import PEER_STATES, DaemonApi, StatusInfo, SwarmInfo, to_json
 from swarmd.errors import ConfigError, InternalError, ListenError, SwarmdError
 
@@ -196,11 +199,8 @@ class _DaemonCollector:
         yield gauge("swarmd_queue_length", "Microbatches waiting for this peer's compute",
                     status.queue)
         yield from _reachability_metrics(status)
-        counters = CounterMetricFamily("swarmd_counter", "The daemon's error and traffic "
-                                       "counters, by dotted name", labels=["name"])
-        for name, value in sorted(status.counters.items()):
-            counters.add_metric([name], value)
-        yield counters
+        yield from _trainer_metrics(status)
+        yield from counter_families(status.counters)
 
         stage_tp = GaugeMetricFamily("swarmd_stage_throughput",
                                      "Sum of a stage's routable peers' throughput, samples per "
@@ -260,6 +260,8 @@ class HttpApi:
         self._registry = CollectorRegistry(auto_describe=False)
         self._collector = _DaemonCollector()
         self._registry.register(self._collector)  # type: ignore[arg-type]
+        # the daemon's own CPU seconds, memory and open files (process_*; Linux only)
+        ProcessCollector(registry=self._registry)
         self._http_errors = Counter("swarmd_http_errors", "HTTP error responses of the local "
                                     "API, by status", ["status"], registry=self._registry)
         self._runner: web.AppRunner | None = None
@@ -290,6 +292,7 @@ class HttpApi:
         app.router.add_get("/api/v0/swarm", self._swarm)
         app.router.add_get("/api/v0/stage", self._stage)
         app.router.add_get("/api/v0/peers", self._peers)
+        app.router.add_get("/api/v0/training", self._training)
         app.router.add_post("/api/v0/stop", self._stop)
         runner = web.AppRunner(
             app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
@@ -376,7 +379,8 @@ class HttpApi:
             return self._error_response(
                 404, "not_found",
                 f"no endpoint {request.path}: the API is /api/v0/id, /api/v0/status, "
-                f"/api/v0/swarm, /api/v0/peers and POST /api/v0/stop; metrics are at /metrics "
+                f"/api/v0/swarm, /api/v0/stage, /api/v0/peers, /api/v0/training and POST "
+                f"/api/v0/stop; metrics are at /metrics "
                 f"and the status page at /")
         if exc.status < 400:
             raise exc
@@ -423,6 +427,9 @@ class HttpApi:
     async def _peers(self, request: web.Request) -> web.Response:
         return _json_response(to_json(await self._call("peer list", self._api.peers())))
 
+    async def _training(self, request: web.Request) -> web.Response:
+        return _json_response(to_json(self._api.training()))
+
     async def _stop(self, request: web.Request) -> web.Response:
         self._check_token(request)
         log.info("stop requested through the HTTP API by %s", request.remote)
@@ -447,6 +454,20 @@ class HttpApi:
 
     async def _favicon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)
+
+
+def _trainer_metrics(status: Any) -> Iterator[Metric]:
+    """Per trainer this stage serves (at most ``swarmd.pipeline.progress.MAX_TRAINERS``), what
+    it last told: its step, its last step's loss, its latest validation loss."""
+    families = {name: GaugeMetricFamily(f"swarmd_trainer_{name}", doc, labels=["trainer"])
+                for name, doc in (("step", "Steps a trainer this stage serves took, as it told"),
+                                  ("loss", "The mean loss of a trainer's last step, as it told"),
+                                  ("val_loss", "A trainer's latest validation loss, as it told"))}
+    for t in status.trainers:
+        for name, value in (("step", t.step), ("loss", t.loss), ("val_loss", t.val_loss)):
+            if value is not None:
+                families[name].add_metric([t.peer_id], value)
+    yield from families.values()
 
 
 def _reachability_metrics(status: Any) -> Iterator[Metric]:

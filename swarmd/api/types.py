@@ -12,7 +12,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-PEER_STATES = ("joining", "online", "migrating", "leaving")
+from swarmd.peer_states import PeerState
+
+#: every lifecycle state a peer announces (``swarmd.peer_states``), in the page's order
+PEER_STATES = tuple(s.value for s in PeerState)
 
 
 def to_json(value: Any) -> Any:
@@ -184,6 +187,56 @@ def _wiring_fields(r: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerRow:
+    """A trainer this daemon's stage serves, as it last told (``swarmd.pipeline.progress``)."""
+
+    peer_id: str
+    #: steps it took, and the mean loss of the last one (None: none yet)
+    step: int
+    loss: float | None = None
+    #: its latest validation loss and the step it was measured at
+    val_loss: float | None = None
+    val_step: int | None = None
+    #: its data shard ("i/n") and epoch
+    shard: str | None = None
+    epoch: int | None = None
+    #: seconds since it last told
+    heard_s: float = 0.0
+    #: (step, loss) and (step, validation loss), oldest first: in ``TrainingInfo`` only
+    losses: tuple[tuple[int, float], ...] = ()
+    val_losses: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainerRow:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        for key in ("losses", "val_losses"):
+            data[key] = tuple((int(s), float(v)) for s, v in data.get(key, ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingInfo:
+    """The trainers' progress with their loss curves (``GET /api/v0/training``)."""
+
+    trainers: tuple[TrainerRow, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainingInfo:
+        return cls(trainers=tuple(TrainerRow.from_json(t) for t in data.get("trainers", ())))
+
+
+def trainer_rows(series: Sequence[Any], now: float, *, curves: bool) -> tuple[TrainerRow, ...]:
+    """``TrainerBook.series()`` as rows (with their curves when ``curves``)."""
+    return tuple(TrainerRow(
+        peer_id=s.peer_id, step=s.latest.step, loss=s.latest.loss, val_loss=s.latest.val_loss,
+        val_step=s.latest.val_step, shard=s.latest.shard, epoch=s.latest.epoch,
+        heard_s=round(max(0.0, now - s.heard_at), 3),
+        losses=tuple(s.losses) if curves else (),
+        val_losses=tuple(s.val_losses) if curves else ()) for s in series)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StatusInfo:
     peer_id: str
     swarm: str
@@ -219,6 +272,8 @@ class StatusInfo:
     manifest: str = ""
     model: str = ""
     manifest_from: str = ""
+    #: the trainers this daemon's stage serves, as they last told (curves: ``TrainingInfo``)
+    trainers: tuple[TrainerRow, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:
@@ -227,6 +282,8 @@ class StatusInfo:
         for key in ("relays", "observed_addrs", "announced_addrs"):
             if key in data:
                 data[key] = tuple(data[key])
+        if "trainers" in data:
+            data["trainers"] = tuple(TrainerRow.from_json(t) for t in data["trainers"])
         return cls(**data)
 
 
@@ -274,6 +331,8 @@ class DaemonApi(Protocol):
     async def stage_info(self) -> StageInfo: ...
 
     async def peers(self) -> list[ConnectedPeer]: ...
+
+    def training(self) -> TrainingInfo: ...
 
     async def stop(self) -> None:
         """Begin a graceful shutdown (returns at once; the daemon exits shortly after)."""

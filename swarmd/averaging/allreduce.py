@@ -99,8 +99,11 @@ def bytes_per_value(codec: CodecSpec) -> float:
     base = codec.name.split("+")[0]
     if base == "fp16":
         return 2.0
+    scale = 4.0 if codec.scale_dtype == "float32" else 2.0
     if base == "int8":
-        return 1.0 + (2.0 if codec.scale_dtype == "float16" else 4.0) / codec.block_size
+        return 1.0 + scale / codec.block_size
+    if base in ("int4", "int2"):
+        return int(base[3]) / 8 + scale / codec.block_size
     return 4.0
 
 

@@ -269,9 +269,6 @@ class _Addressed:
         if not _is_number(self.wait) or not 0 <= self.wait < math.inf:
             raise BadAllReduceMessage("bad_meta", f"wait {self.wait!r}"[:80])
 
-    def addressed(self) -> dict[str, Any]:
-        return {"r": self.round_id, "d": self.digest, "u": self.unit, "t": self.wait}
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Contribute(_Addressed):

@@ -68,11 +68,14 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from swarmd.peer_states import PeerState
+
 __all__ = ["STATES", "BalancingConfig", "PeerLoad", "Decision", "SwarmLoad", "swarm_gain",
            "decide", "Balancer"]
 
-#: peer states as membership announces them
-STATES = ("joining", "online", "migrating", "leaving")
+#: the peer states the balancer counts: membership's (``swarmd.peer_states``), a peer still
+#: syncing counted as joining (it is arriving)
+STATES = tuple(s.value for s in PeerState if s is not PeerState.SYNCING)
 
 
 def _finite(x: object) -> bool:
@@ -140,8 +143,8 @@ class Decision:
 
 
 #: an announced state as the balancer counts it ("syncing" peers are still arriving)
-_VIEW_STATES = {"online": "online", "joining": "joining", "syncing": "joining",
-                "migrating": "migrating", "leaving": "leaving"}
+_VIEW_STATES = {s.value: (s if s is not PeerState.SYNCING else PeerState.JOINING).value
+                for s in PeerState}
 
 
 class SwarmLoad:

@@ -87,6 +87,8 @@ def text_status(st) -> str:
     for i, addr in enumerate(st.announced_addrs):
         lines.append(f"{'announces' if i == 0 else '':<12}{addr}")
     lines += _limits_lines(st.limits)
+    for i, trainer in enumerate(st.trainers):
+        lines.append(f"{'trainers' if i == 0 else '':<12}{trainer_line(trainer)}")
     if st.counters:
         width = max(len(name) for name in st.counters)
         for i, (name, value) in enumerate(sorted(st.counters.items())):
@@ -94,6 +96,18 @@ def text_status(st) -> str:
     else:
         lines.append("counters    (none)")
     return "\n".join(lines)
+
+
+def trainer_line(t) -> str:
+    """One trainer of ``StatusInfo.trainers``: short peer id, step, loss, validation loss
+    (and its step), shard and epoch, and how long ago it told."""
+    def loss(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    val = loss(t.val_loss) + (f" (step {t.val_step})" if t.val_step is not None else "")
+    return (f"…{t.peer_id[-8:]}  step {t.step}  loss {loss(t.loss)}  val {val}  "
+            f"shard {t.shard or '-'}  epoch {'-' if t.epoch is None else t.epoch}  "
+            f"{_duration(t.heard_s)} ago")
 
 
 def _size(n: float) -> str:

@@ -26,8 +26,18 @@ ENV_PREFIX = "SWARMD_"
 #: ``SWARMD_*`` variables that are not configuration keys; the loader ignores them
 RESERVED_ENV = frozenset({"SWARMD_HOME"})
 #: allowed values of ``wire.codec``
-CODECS = tuple(f"{base}{suffix}" for base in ("none", "fp16", "int8") for suffix in ("", "+zstd"))
+CODECS = tuple(f"{base}{suffix}" for base in ("none", "fp16", "int8", "int4", "int2")
+               for suffix in ("", "+zstd"))
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _zero_or(check: Any) -> Any:
+    """``check``, except that 0 (meaning: the default) also passes."""
+    def zero_or(value: int) -> None:
+        if value != 0:
+            check(value)
+    return zero_or
+
 #: allowed values of ``model.dtype`` (the names of ``swarmd.training.model.DTYPES``, kept torch-free here)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -419,7 +429,8 @@ class WireConfig(_Section):
 
     codec: str = _opt(
         "int8",
-        "Tensor encoding: none, fp16 or int8 (blockwise), each optionally followed by +zstd.",
+        "Tensor encoding: none, fp16, int8 (blockwise), int4 or int2 (blockwise, packed; "
+        "docs/compression.md), each optionally followed by +zstd.",
         "one of " + ", ".join(f'"{c}"' for c in CODECS),
         _one_of(CODECS),
     )
@@ -430,6 +441,21 @@ class WireConfig(_Section):
     int8_scale_dtype: str = _opt(
         "float16", "Type of the per-block scales of the int8 codec.",
         '"float16" or "float32"', _one_of(("float16", "float32")),
+    )
+    lowbit_block_size: int = _opt(
+        0, "Values per scale block of the int4 and int2 codecs; 0: the codec's own (64 for "
+        "int4, 256 for int2).",
+        "0 or a power of two from 16 to 65536", _zero_or(_power_of_two(16, 65536)),
+    )
+    lowbit_rounding: str = _opt(
+        "nearest", "Rounding of the int4 and int2 codecs: nearest, stochastic (unbiased), or "
+        "gradients (stochastic for gradients, nearest for activations).",
+        '"nearest", "stochastic" or "gradients"', _one_of(("nearest", "stochastic", "gradients")),
+    )
+    lowbit_center: bool = _opt(
+        False, "int4 and int2: subtract each channel's mean over the tokens before quantising, "
+        "and send the means (two bytes a channel).",
+        "true or false",
     )
     zstd_level: int = _opt(
         1, "zstd level of the +zstd codecs: 1 is fastest, 22 smallest.",

@@ -23,7 +23,8 @@ from swarmd.export.target import check_target
 __all__ = ["export_from_swarm", "VIEW_TIMEOUT_S"]
 
 VIEW_TIMEOUT_S = 30.0
-DIAL_TIMEOUT_S = 10.0
+#: a dial to a peer holding a stage to export
+EXPORT_DIAL_TIMEOUT_S = 10.0
 
 
 async def export_from_swarm(config: Any, *, bootstrap: Sequence[str], out: Path,
@@ -78,7 +79,7 @@ async def _dial(host: Any, bootstrap: Sequence[str], say: Callable[[str], None])
     reached, failures = 0, []
     for addr in bootstrap:
         try:
-            await host.dial(addr, timeout=DIAL_TIMEOUT_S)
+            await host.dial(addr, timeout=EXPORT_DIAL_TIMEOUT_S)
             reached += 1
         except Exception as exc:  # the transport's many failures: the next address may work
             failures.append(f"{addr}: {exc}")

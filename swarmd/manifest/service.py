@@ -29,12 +29,13 @@ from transport.codecs import CodecSpec
 from transport.errors import LocalUsageError, RemoteError, TransportClosed, TransportError
 from transport.frames import Message
 
-__all__ = ["ManifestServer", "Fetched", "fetch_manifest", "ask_manifest", "FETCH_TIMEOUT_S"]
+__all__ = ["ManifestServer", "Fetched", "fetch_manifest", "ask_manifest",
+           "MANIFEST_FETCH_TIMEOUT_S"]
 
 log = logging.getLogger("swarmd.manifest")
 
 #: each dial and each request of a fetch, at most
-FETCH_TIMEOUT_S = 10.0
+MANIFEST_FETCH_TIMEOUT_S = 10.0
 _NONE = CodecSpec(name="none")
 
 
@@ -117,7 +118,7 @@ class Fetched:
     peer: str
 
 
-async def ask_manifest(host: Any, peer: str, *, timeout_s: float = FETCH_TIMEOUT_S,
+async def ask_manifest(host: Any, peer: str, *, timeout_s: float = MANIFEST_FETCH_TIMEOUT_S,
                        now: Callable[[], float] = time.time) -> Manifest:
     """The manifest ``peer`` (connected) runs, checked against its signed announcement."""
     from swarmd.membership.announcement import Limits, decode_signed
@@ -159,7 +160,7 @@ async def _file(host: Any, peer: str, ref: TokenizerRef, timeout_s: float) -> by
 async def fetch_manifest(host: Any, addrs: Sequence[str], *,
                          have_file: Callable[[TokenizerRef], bytes | None] = lambda ref: None,
                          counters: Counter[str] | None = None,
-                         timeout_s: float = FETCH_TIMEOUT_S,
+                         timeout_s: float = MANIFEST_FETCH_TIMEOUT_S,
                          now: Callable[[], float] = time.time) -> Fetched | None:
     """The swarm's manifest from the first of ``addrs`` (bootstrap multiaddrs) whose answer
     passes the checks (module doc); the tokenizer it names from ``have_file`` when that has

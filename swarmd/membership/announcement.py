@@ -20,7 +20,6 @@ signature. Every failure is a :class:`~swarmd.errors.BadAnnouncement` (or
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import math
 from collections.abc import Callable, Iterable
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from swarmd.errors import BadAnnouncement, BadPullMessage
+from swarmd.peer_states import PeerState
 
 __all__ = [
     "PeerState", "Announcement", "Limits", "PullRequest", "PullPage", "DOMAIN", "DROP_REASONS",
@@ -51,14 +51,6 @@ DROP_REASONS = (
     "oversized", "malformed", "unsigned", "forged", "future", "too_old",  # decoding
     "expired", "stale", "conflict", "too_frequent", "view_full",          # against the view
 )
-
-
-class PeerState(enum.Enum):
-    JOINING = "joining"      # loading its stage; not serving yet
-    ONLINE = "online"        # serving its stage
-    MIGRATING = "migrating"  # moving to another stage
-    LEAVING = "leaving"      # going away: removed from views at once
-    SYNCING = "syncing"      # downloading its stage's state from peers; not serving yet
 
 
 _STATE_CODES = {PeerState.JOINING: 0, PeerState.ONLINE: 1, PeerState.MIGRATING: 2,

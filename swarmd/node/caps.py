@@ -27,18 +27,27 @@ MESSAGE_OVERHEAD_BYTES = 512
 OPTIMIZER_STATE_FACTOR = {"adamw": 2, "lamb": 2}
 
 
-def wire_bytes_per_value(codec: str, *, block_size: int = 64, scale_dtype: str = "float16"
-                         ) -> float:
+#: bits per value of the packed codecs, and their block size when none is set
+_LOWBIT = {"int4": (4, 64), "int2": (2, 256)}
+
+
+def wire_bytes_per_value(codec: str, *, block_size: int | None = 64,
+                         scale_dtype: str = "float16") -> float:
     """Bytes one activation value takes on the wire with ``codec`` (``"int8+zstd"`` etc.;
-    zstd is counted as no gain, so a cap is never overestimated)."""
+    zstd is counted as no gain, so a cap is never overestimated). ``block_size`` None: the
+    codec's own. The channel means of centring (``wire.lowbit_center``: two bytes per channel
+    and message, 2 / tokens per value) are left out."""
     base = codec.split("+", 1)[0]
     if base == "none":
         return float(_WIRE_FLOAT_BYTES)
     if base == "fp16":
         return 2.0
+    scale = 4 if scale_dtype == "float32" else 2
     if base == "int8":
-        scale = 2 if scale_dtype == "float16" else 4
-        return 1.0 + scale / max(1, block_size)
+        return 1.0 + scale / max(1, block_size or 64)
+    if base in _LOWBIT:
+        bits, own_block = _LOWBIT[base]
+        return bits / 8 + scale / max(1, block_size or own_block)
     raise ValueError(f"unknown codec {codec!r}")
 
 

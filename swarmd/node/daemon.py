@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from swarmd import __version__
 from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo,
-                              peer_rows)
+                              TrainingInfo, peer_rows, trainer_rows)
 from swarmd.config import Config
 from swarmd.errors import SwarmdError
 from swarmd.node.connectivity import keep_connected
@@ -32,6 +32,8 @@ from swarmd.node.caps import UploadLeft
 from swarmd.node.host_options import announced_throughput, limits_status, stages_that_fit
 from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
+from swarmd.peer_states import PeerState, transition
+from swarmd.pipeline.progress import TrainerBook
 
 log = logging.getLogger("swarmd.node.daemon")
 
@@ -68,7 +70,8 @@ class Daemon:
         self.options = options
         self.config = options.config
         self.started_at = time.monotonic()
-        self.state = "joining"
+        #: the lifecycle state (``swarmd.peer_states``), moved only through ``_enter``
+        self.peer_state = PeerState.JOINING
         self.stage = options.stage
         self.host: Any = None
         self.membership: Any = None
@@ -99,6 +102,9 @@ class Daemon:
         self.manifest_counters: Counter[str] = Counter()
         #: what offering a checkpoint of a stage it no longer serves did (``swarmd.state.offer``)
         self.offer_counters: dict[str, int] = {}
+        #: what the trainers this daemon's stage serves told of their runs (kept across
+        #: stage moves; ``swarmd.pipeline.progress``)
+        self.trainers = TrainerBook()
 
     # ---- DaemonApi ---------------------------------------------------------------------
     def id_info(self) -> IdInfo:
@@ -141,6 +147,7 @@ class Daemon:
             limits=limits_status(self.config, self.host, self.stage_server,
                                  self._upload_left),
             grace_left_s=self.budget.left(time.monotonic()) if self.budget else None,
+            trainers=trainer_rows(self.trainers.series(), time.monotonic(), curves=False),
             **self._manifest_status())
 
     def _manifest_status(self) -> dict[str, str]:
@@ -183,6 +190,10 @@ class Daemon:
                          server.handlers.budgets.refused_by_peer if server is not None else {},
                          addrs_of=self._addrs_of)
 
+    def training(self) -> TrainingInfo:
+        return TrainingInfo(trainers=trainer_rows(self.trainers.series(), time.monotonic(),
+                                                  curves=True))
+
     async def stop(self) -> None:
         self.request_stop()
 
@@ -195,7 +206,7 @@ class Daemon:
             self.budget = plan_stop(self.config.node.shutdown_grace_s, now=now,
                                     save_estimate_s=keeper.last_save_s if keeper else None)
             log.info("stop requested: leaving within %.1f s", self.budget.left(now))
-            self.state = "leaving"
+            self._enter(PeerState.LEAVING)
             self._stop.set()
         elif what == HURRY and self.budget is not None:
             log.warning("a second stop request: stopping at once")
@@ -321,16 +332,32 @@ class Daemon:
         from swarmd.node.stopping import leave_stage
 
         assert self.budget is not None
-        self.state = "leaving"
+        self._enter(PeerState.LEAVING)
         await leave_stage(server=self.stage_server, membership=self.membership,
                           budget=self.budget, hurry=self._hurry, stage=self.stage)
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state's name, as announced and shown by the API."""
+        return self.peer_state.value
+
+    def _enter(self, new: PeerState, *, unless_leaving: bool = False) -> bool:
+        """Move to ``new`` (``swarmd.peer_states.transition``: an illegal move raises). With
+        ``unless_leaving``, a peer already leaving stays so (a stop asked meanwhile wins) and
+        False is returned."""
+        if unless_leaving and self.peer_state is PeerState.LEAVING:
+            log.debug("stays leaving rather than going %s (a stop was asked)", new.value)
+            return False
+        self.peer_state = transition(self.peer_state, new)
+        return True
 
     def _since_stop(self) -> float:
         return time.monotonic() - self.budget.started_at if self.budget is not None else 0.0
 
     def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
                    on_started: Callable[[Started], None] | None) -> None:
-        self.state = "online"
+        if not self._enter(PeerState.ONLINE, unless_leaving=True):
+            return
         self.membership.changed()  # announce "online" now
         if self.config.balancing.enabled:
             tasks.create_task(self._balance())
@@ -361,7 +388,8 @@ class Daemon:
         seam, _ = c.model_seam()
         stage = self.stage
         assert stage is not None
-        self.state = "syncing"
+        if not self._enter(PeerState.SYNCING, unless_leaving=True):
+            return  # a stop came while migrating: nothing new is loaded
         self.membership.changed()
         await self._wait_for_view()  # a peer of the stage must be known before we decide
         self._spawn(self._warn_other_models())
@@ -372,7 +400,8 @@ class Daemon:
         server = build_server(c, self.host, stage=stage, seam=seam, module=module,
                               device=self._device, dtype=self._dtype,
                               membership=self.membership, averager=self.averager,
-                              keeper=lambda: self.keeper, addrs_of=self._addrs_of)
+                              keeper=lambda: self.keeper, addrs_of=self._addrs_of,
+                              trainers=self.trainers)
         keeper = build_keeper(c, self.host, server, home=self.options.home,
                               membership=self.membership, stage=stage,
                               bootstrapping=self._bootstrapping())
@@ -498,7 +527,7 @@ class Daemon:
         while True:
             now = time.monotonic()
             await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
-            if self.state != "online" or self.stage_server is None:
+            if self.peer_state is not PeerState.ONLINE or self.stage_server is None:
                 self.balancer.reset()
                 continue
             load = SwarmLoad.from_view(self.config.swarm.stages, self.membership.swarm_info())
@@ -518,7 +547,8 @@ class Daemon:
         old = self.stage
         log.info("moving from stage %s to stage %d (the bottleneck)", old, target)
         self.balance_counters["migrations"] += 1
-        self.state, self.stage = "migrating", target
+        self._enter(PeerState.MIGRATING)
+        self.stage = target
         self.membership.changed()
         t0 = time.monotonic()
         if self.stage_server is not None:
@@ -528,7 +558,8 @@ class Daemon:
         await self._stop_serving()
         self.stage_server = self.keeper = None
         await self._serve_stage()
-        self.state = "online"
+        if not self._enter(PeerState.ONLINE, unless_leaving=True):
+            return
         self.membership.changed()
         self.last_migration = {"from": old, "to": target, "at": time.monotonic(),
                                "seconds": time.monotonic() - t0}

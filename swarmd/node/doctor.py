@@ -12,7 +12,6 @@ manifest); the same page gives the peer's clock (announcements carry signed wall
 from __future__ import annotations
 
 import asyncio
-import os
 import platform
 import shutil
 import stat
@@ -28,7 +27,8 @@ __all__ = ["Check", "check_all", "local_checks", "bootstrap_checks"]
 MIN_FREE_BYTES = 2 << 30
 #: a peer's clock this far off (seconds, beyond its announcement's age) is worth a warning
 CLOCK_WARN_S = 30.0
-DIAL_TIMEOUT_S = 8.0
+#: how long each of the doctor's probes of a bootstrap peer waits (a person is waiting)
+PROBE_TIMEOUT_S = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,7 @@ async def _probe(host: Any, addr: str, config: Any) -> Check:
     if tcp is not None:
         return Check(name, "fail", tcp, _unreachable_fix(addr))
     try:
-        peer = await host.dial(addr, timeout=DIAL_TIMEOUT_S)
+        peer = await host.dial(addr, timeout=PROBE_TIMEOUT_S)
     except DeadlineExceeded:
         return Check(name, "fail", "timed out: nothing answered", _unreachable_fix(addr))
     except TransportError as exc:
@@ -164,7 +164,7 @@ async def _settle(host: Any, peer: str, config: Any) -> tuple[str, str] | Check:
     from swarmd.manifest.settle import settle
 
     try:
-        swarm = await ask_manifest(host, peer, timeout_s=DIAL_TIMEOUT_S)
+        swarm = await ask_manifest(host, peer, timeout_s=PROBE_TIMEOUT_S)
     except BadManifest as exc:
         return Check("", "fail", f"it sent an unusable swarm manifest ({exc})",
                      "join through another peer of the swarm, or tell its operator")
@@ -198,7 +198,7 @@ async def _pull(host: Any, peer: str, name: str, config: Any, swarm_name: str,
     try:
         reply = await host.request(peer, Protocols(swarm_name).view, Message(
             kind="pull", meta={"r": encode_request(view.pull_request(time.time(), None))}),
-            timeout=DIAL_TIMEOUT_S)
+            timeout=PROBE_TIMEOUT_S)
         page = reply.meta.get("p")
         view.apply_page(page if isinstance(page, bytes) else b"", time.time())
     except (RemoteError, TransportError, Exception) as exc:
@@ -240,10 +240,10 @@ async def _tcp_reason(addr: str) -> str | None:
     except OSError as exc:
         return f"{host} does not resolve ({exc.strerror or exc})"
     try:
-        async with asyncio.timeout(DIAL_TIMEOUT_S):
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
             _, writer = await asyncio.open_connection(infos[0][4][0], int(port))
     except TimeoutError:
-        return f"timed out: nothing answered at {host} port {port} within {DIAL_TIMEOUT_S:.0f} s"
+        return f"timed out: nothing answered at {host} port {port} within {PROBE_TIMEOUT_S:.0f} s"
     except ConnectionRefusedError:
         return f"refused: nothing listens at {host} port {port}"
     except OSError as exc:
@@ -314,7 +314,3 @@ def check_all(home: Path, load_config: Any) -> list[Check]:
 
 def blocking(checks: list[Check]) -> bool:
     return any(c.verdict == "fail" for c in checks)
-
-
-def environment_summary() -> str:
-    return f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs"

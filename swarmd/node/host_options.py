@@ -18,12 +18,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmd.node.limits")
 
+#: the pipeline messages that carry gradients (swarmd.pipeline.messages)
+GRADIENT_KINDS = ("backward", "grad")
+
 
 def codec_spec(config: Config) -> CodecSpec:
     """The tensor codec that ``[wire]`` selects, with its parameters."""
     from transport.codecs import CodecSpec
 
     w = config.wire
+    if w.codec.split("+")[0] in ("int4", "int2"):
+        gradients = w.lowbit_rounding == "gradients"
+        return CodecSpec.parse(
+            w.codec, block_size=w.lowbit_block_size or None, center=w.lowbit_center,
+            rounding="nearest" if gradients else w.lowbit_rounding, zstd_level=w.zstd_level,
+            kind_rounding=tuple((kind, "stochastic") for kind in GRADIENT_KINDS) if gradients
+            else ())
     return CodecSpec.parse(w.codec, block_size=w.int8_block_size,
                            scale_dtype=w.int8_scale_dtype, zstd_level=w.zstd_level)
 
@@ -86,8 +96,10 @@ def upload_bytes_per_sample(config: Config, seam: Any) -> float:
 
     w = config.wire
     tokens = min(int(getattr(seam, "max_seq_len", config.model.seq_len)), config.model.seq_len)
+    lowbit = w.codec.split("+")[0] in ("int4", "int2")
     return per_sample(tokens=tokens, width=int(seam.width), bytes_per_value=wire_bytes_per_value(
-        w.codec, block_size=w.int8_block_size, scale_dtype=w.int8_scale_dtype))
+        w.codec, block_size=(w.lowbit_block_size or None) if lowbit else w.int8_block_size,
+        scale_dtype="bfloat16" if lowbit else w.int8_scale_dtype))
 
 
 def announced_throughput(config: Config, server: Any, host: Any = None,

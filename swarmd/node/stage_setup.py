@@ -30,11 +30,11 @@ def mates_expected(membership: Any, stage: int, *, bootstrapping: bool) -> Calla
 
 def build_server(config: Config, host: Any, *, stage: int, seam: Any, module: Any, device: Any,
                  dtype: Any, membership: Any, averager: Any, keeper: Callable[[], Any],
-                 addrs_of: Callable[[str], tuple[str, ...]]) -> Any:
+                 addrs_of: Callable[[str], tuple[str, ...]], trainers: Any = None) -> Any:
     """The ``StageServer`` of ``stage`` around ``module`` (built by ``seam``); ``keeper()`` is
     the stage's keeper (built after the server), told when a mate is ahead or the stage
-    drifted. A stage that
-    does not fit this machine's limits is refused here (``apply_stage_limits``)."""
+    drifted; ``trainers`` (a ``TrainerBook``) keeps what trainers tell of their runs. A stage
+    that does not fit this machine's limits is refused here (``apply_stage_limits``)."""
     from swarmd.averaging.stage_sync import SyncSettings
     from swarmd.pipeline.server import MAX_BATCH, StageServer
     from swarmd.state.replay import ReplayLog
@@ -55,7 +55,8 @@ def build_server(config: Config, host: Any, *, stage: int, seam: Any, module: An
         on_diverged=lambda peer, step: keeper().diverged(peer, step),
         max_batch=c.serving.max_batch(device.type, MAX_BATCH),
         step_drains=c.serving.drains(stage), addrs_of=addrs_of,
-        replay=ReplayLog(max_steps=c.state.replay_steps, max_bytes=c.state.replay_max_bytes))
+        replay=ReplayLog(max_steps=c.state.replay_steps, max_bytes=c.state.replay_max_bytes),
+        trainers=trainers)
     apply_stage_limits(c, server)
     return server
 

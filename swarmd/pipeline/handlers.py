@@ -7,7 +7,9 @@ to (the trainer, at the last stage), for a microbatch kept here; an abandon only
 microbatch's trainer. Anything else is refused with a typed error, counted, and changes nothing.
 
 The output goes on through the ``Router`` (stage k+1) or, from the last stage, to the trainer
-as a ``result``; the trainer is dialed only at addresses from its signed announcement.
+as a ``result``; the trainer is dialed only at addresses from its signed announcement. What a
+trainer's replies tell of its run (``messages.TrainerProgress``) goes into the stage's
+``TrainerBook``; a malformed one is counted (``trainer_progress_refused``) and dropped.
 
 Before anything else a request is admitted by the sender's budget (``budgets.PeerBudgets``:
 requests and tensor bytes in flight per remote peer; a training forward also by its trainer's
@@ -50,7 +52,9 @@ from swarmd.pipeline.messages import (
     parse_abandon,
     parse_backward,
     parse_forward,
+    parse_progress,
 )
+from swarmd.pipeline.progress import TrainerBook
 from swarmd.links import links_for
 from swarmd.pipeline.held import HOP_TIMEOUT_S, HeldTimes
 from swarmd.pipeline.router import OUR_OUTPUT_REFUSED, Router
@@ -89,10 +93,12 @@ class PipelineHandlers:
                  progressed: Callable[[int], None], counters: Counter[str],
                  optimizer: Any = None, budgets: PeerBudgets | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 reached: Callable[[int, float], Awaitable[bool]] | None = None) -> None:
+                 reached: Callable[[int, float], Awaitable[bool]] | None = None,
+                 trainers: TrainerBook | None = None) -> None:
         """``reached(step, timeout_s)`` waits (at most ``timeout_s``) until the stage has taken
         its optimizer step ``step - 1``: a forward that names the stage step it must run on
-        (``Forward.at``) waits for it (``swarmd.pipeline.exact``)."""
+        (``Forward.at``) waits for it (``swarmd.pipeline.exact``). ``trainers`` keeps what the
+        trainers' replies tell of their runs."""
         self.host = host
         self.me: str = host.peer_id
         self.proto = proto
@@ -120,6 +126,7 @@ class PipelineHandlers:
         self.reached = reached
         #: the trainer steps of the samples accumulated since the last optimizer step
         self.sources = Sources()
+        self.trainers = trainers if trainers is not None else TrainerBook()
 
     # ---- budgets ---------------------------------------------------------------------------
     def _admit(self, message: Message, peer: str) -> Ticket:
@@ -337,8 +344,10 @@ class PipelineHandlers:
         """A request to ``trainer`` (dialed as ``to_trainer`` does) within ``timeout_s``."""
         addrs = await self._trainer_addrs(trainer)
         await self.host.connect(trainer, addrs)
-        return await self.host.request(trainer, self.proto[kind], message, codec=self.codec,
-                                       timeout=timeout_s)
+        reply = await self.host.request(trainer, self.proto[kind], message, codec=self.codec,
+                                        timeout=timeout_s)
+        self.heard_from(trainer, reply)
+        return reply
 
     async def to_trainer(self, trainer: str, kind: str, message: Message) -> None:
         """Send to ``trainer``, dialed only at the addresses of its signed announcement (an
@@ -346,7 +355,7 @@ class PipelineHandlers:
         addrs = await self._trainer_addrs(trainer)
         try:
             await self.host.connect(trainer, addrs)
-            await self._held_request(trainer, kind, message, message_bytes(message))
+            reply = await self._held_request(trainer, kind, message, message_bytes(message))
         except RemoteError as exc:
             if exc.code in OUR_OUTPUT_REFUSED or exc.code == "not_on_path":
                 raise OutputRefused(f"trainer {trainer} refused our {kind} ({exc.code}): "
@@ -355,6 +364,18 @@ class PipelineHandlers:
         except (PeerUnavailable, TransportError) as exc:
             self.counters["trainer_unreachable"] += 1
             raise TrainerUnreachable(f"trainer {trainer}: {exc}") from exc
+        self.heard_from(trainer, reply)
+
+    def heard_from(self, trainer: str, reply: Any) -> None:
+        """What ``trainer``'s reply tells of its run, into ``trainers``: a malformed one is
+        counted and dropped, and the reply still counts."""
+        try:
+            progress = parse_progress(reply)
+        except BadActivation:
+            self.counters["trainer_progress_refused"] += 1
+            return
+        if progress is not None:
+            self.trainers.heard(trainer, progress, self._clock())
 
     # ---- helpers ---------------------------------------------------------------------------
     def _refused_unless(self, build: Callable[[], Any]) -> Any:
@@ -386,9 +407,6 @@ class PipelineHandlers:
         self._routes.pop(mb, None)
         if samples:
             self.gate.uncount(samples)
-
-    def forget_all(self) -> None:
-        self._routes.clear()
 
 
 def _poison(module: torch.nn.Module) -> None:

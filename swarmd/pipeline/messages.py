@@ -23,9 +23,10 @@ import torch
 from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 
 __all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "Abandon", "HopReply",
-           "StepReport", "StepAnswer", "parse_forward", "parse_backward", "parse_result",
-           "parse_grad", "parse_abandon", "parse_hop_reply", "parse_step_report",
-           "parse_step_answer", "hop_seconds"]
+           "StepReport", "StepAnswer", "TrainerProgress", "parse_forward", "parse_backward",
+           "parse_result", "parse_grad", "parse_abandon", "parse_hop_reply",
+           "parse_step_report", "parse_step_answer", "parse_progress", "progress_meta",
+           "is_shard", "hop_seconds"]
 
 #: most characters of a microbatch id and of a peer id
 MAX_MB_CHARS = 160
@@ -36,6 +37,10 @@ MAX_STEP = 1 << 62
 MAX_SECONDS = 1e6
 #: the range of a backward's loss scale
 MIN_SCALE, MAX_SCALE = 2.0 ** -24, 2.0 ** 32
+#: a trainer's reported losses beyond this (either sign) are nonsense
+MAX_LOSS = 1e6
+#: most characters of a data shard ("i/n")
+MAX_SHARD_CHARS = 24
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,15 +185,54 @@ class StepReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerProgress:
+    """How a trainer's run goes, told to the stage peers it talks to (in its ``ok`` to a
+    ``result`` or ``grad`` and in its ``StepAnswer``; ``swarmd.pipeline.progress`` keeps it):
+    the steps it took and the mean loss of the last one, its latest validation loss and the
+    step it was measured at, its data shard (``"i/n"``) and epoch. None: not known yet."""
+
+    step: int
+    loss: float | None = None
+    val_loss: float | None = None
+    val_step: int | None = None
+    shard: str | None = None
+    epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.step < MAX_STEP:
+            raise ValueError(f"a trainer's step {self.step} is out of range")
+        for value in (self.loss, self.val_loss):
+            if value is not None and not (math.isfinite(value) and abs(value) < MAX_LOSS):
+                raise ValueError(f"a trainer's loss {value} is not a finite number")
+        if (self.val_loss is None) != (self.val_step is None):
+            raise ValueError("a validation loss goes with the step it was measured at")
+        if self.shard is not None and not is_shard(self.shard):
+            raise ValueError(f"a data shard is i/n with 0 <= i < n, not {self.shard!r}")
+
+    def wire(self) -> dict[str, Any]:
+        return {k: v for k, v in (("step", self.step), ("loss", self.loss),
+                                  ("val_loss", self.val_loss), ("val_step", self.val_step),
+                                  ("shard", self.shard), ("epoch", self.epoch))
+                if v is not None}
+
+
+def progress_meta(progress: TrainerProgress | None) -> dict[str, Any]:
+    """The ``meta`` of a trainer's ``ok`` reply that tells ``progress`` ({} when None)."""
+    return {} if progress is None else {"progress": progress.wire()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepAnswer:
     """The trainer's answer to a ``step_report``: the coefficient every part of the model
     scales that step's gradient by, None when the step's reports did not all arrive in time
-    (each part clips its own)."""
+    (each part clips its own); and the trainer's progress (read by ``parse_progress``)."""
 
     coefficient: float | None
+    progress: TrainerProgress | None = None
 
     def wire(self) -> dict[str, Any]:
-        return {"kind": "ok", "meta": {"coefficient": self.coefficient}}
+        return {"kind": "ok", "meta": {"coefficient": self.coefficient,
+                                       **progress_meta(self.progress)}}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -327,6 +371,57 @@ def parse_step_answer(message: Any) -> StepAnswer:
         raise BadActivation("malformed", "a step answer's coefficient must be a number in "
                                          "(0, 1] or null")
     return StepAnswer(coefficient=float(value))
+
+
+def parse_progress(message: Any) -> TrainerProgress | None:
+    """A trainer's progress from its ``ok`` reply (``meta["progress"]``); None when the reply
+    tells none (an older trainer). Each field is checked: a step, finite losses, a validation
+    loss with its step, a shard ``i/n`` with ``i < n``, an epoch; anything else is refused
+    (``BadActivation``, reason ``progress``) and the rest of the reply still counts."""
+    meta = getattr(message, "meta", None)
+    if not isinstance(meta, Mapping) or meta.get("progress") is None:
+        return None
+    body = meta["progress"]
+    if not isinstance(body, Mapping):
+        raise BadActivation("progress", "a trainer's progress must be a map")
+    step = _int(body, "step", 0, MAX_STEP, "progress")
+    loss, val_loss = _loss(body, "loss"), _loss(body, "val_loss")
+    val_step = body.get("val_step")
+    if val_step is not None and not (type(val_step) is int and 0 <= val_step < MAX_STEP):
+        raise BadActivation("progress", "progress 'val_step' must be a step")
+    if (val_loss is None) != (val_step is None):
+        raise BadActivation("progress", "progress 'val_loss' goes with 'val_step'")
+    epoch = body.get("epoch")
+    if epoch is not None and not (type(epoch) is int and 0 <= epoch < MAX_STEP):
+        raise BadActivation("progress", "progress 'epoch' must be an integer from 0")
+    return TrainerProgress(step=step, loss=loss, val_loss=val_loss, val_step=val_step,
+                           shard=_shard(body.get("shard")), epoch=epoch)
+
+
+def _loss(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and abs(value) < MAX_LOSS):
+        raise BadActivation("progress", f"progress {key!r} must be a finite number")
+    return float(value)
+
+
+def is_shard(value: Any) -> bool:
+    """Whether ``value`` is ``"i/n"`` with ``0 <= i < n`` (``swarmd.data.order.Shard``), in at
+    most ``MAX_SHARD_CHARS`` characters."""
+    if not isinstance(value, str) or len(value) > MAX_SHARD_CHARS:
+        return False
+    index, sep, count = value.partition("/")
+    return bool(sep) and index.isascii() and count.isascii() and index.isdigit() and \
+        count.isdigit() and int(index) < int(count)
+
+
+def _shard(value: Any) -> str | None:
+    if value is None or is_shard(value):
+        return value
+    raise BadActivation("progress", "progress 'shard' must be i/n with 0 <= i < n")
 
 
 def parse_hop_reply(message: Any) -> HopReply:

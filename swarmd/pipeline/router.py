@@ -75,7 +75,8 @@ MAX_ATTEMPTS = 16
 BUSY_WAIT_S = 2.0
 #: with ``wait`` and nobody to wait for (no peer listed): how often to look again
 POLL_S = 0.5
-DIAL_TIMEOUT_S = 5.0
+#: a dial to the next hop's peer, at most (another peer of the stage is tried next)
+HOP_DIAL_TIMEOUT_S = 5.0
 #: a peer announced only at relayed addresses (``/p2p-circuit``) counts with this share of its
 #: announced throughput: its traffic crosses a relay's links too, so peers reached directly
 #: are preferred while they have room (measured hop times then take over)
@@ -237,7 +238,7 @@ class Router:
         nbytes = _message_bytes(message)
         try:
             addrs = self.peers_of(self.stage).get(target, (0.0, 0, ()))[2]
-            await self.host.connect(target, addrs, timeout=min(DIAL_TIMEOUT_S,
+            await self.host.connect(target, addrs, timeout=min(HOP_DIAL_TIMEOUT_S,
                                                                 max(0.001, deadline - t0)))
             t1 = self._clock()
             raw = await self.host.request(target, self.protocol, message, codec=self.codec,

@@ -39,6 +39,7 @@ from swarmd.pipeline.handlers import PipelineHandlers
 from swarmd.errors import SwarmdError
 from swarmd.pipeline.messages import Expect, StepReport, hop_seconds, parse_step_answer
 from swarmd.pipeline.held import HOP_TIMEOUT_S
+from swarmd.pipeline.progress import TrainerBook
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.stepping import DRAIN_S, Gate, Stepper
 from swarmd.pipeline.worker import StageWorker
@@ -86,11 +87,12 @@ class StageServer:
                  module: torch.nn.Module | None = None, max_batch: int = 1,
                  step_drains: bool = False,
                  addrs_of: Callable[[str], tuple[str, ...]] = lambda peer: (),
-                 replay: ReplayLog | None = None) -> None:
+                 replay: ReplayLog | None = None, trainers: TrainerBook | None = None) -> None:
         """``seam`` is the model (default: the built-in GPT of ``model_config``); ``module``
         this stage's part of it when already built (else built here, randomly initialised);
         ``optim`` the ``[training]`` optimizer keys (default: ``optimizer`` at ``lr``);
-        ``replay`` logs the gradients stepped with, for mates to replay (default: none)."""
+        ``replay`` logs the gradients stepped with, for mates to replay (default: none);
+        ``trainers`` keeps what the trainers tell of their runs (default: a book of its own)."""
         from swarmd.models.builtin import BuiltinGPT
 
         if seam is None:
@@ -127,7 +129,8 @@ class StageServer:
             progressed=lambda samples: self.sync.progressed(samples),
             expect=Expect(stage=stage, num_stages=num_stages, model=model_hash,
                           width=seam.width, max_tokens=max_tokens),
-            optimizer=self.optimizer, reached=self.reached)
+            optimizer=self.optimizer, reached=self.reached,
+            trainers=trainers if trainers is not None else TrainerBook())
         #: set (and replaced) whenever the stage's step changes: ``reached`` waits on it
         self._step_changed = asyncio.Event()
         self._step_listeners: list[Callable[[], None]] = []

@@ -41,8 +41,9 @@ from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdErro
 from swarmd.pipeline.exact import Posted, StepBoard
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
-from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, parse_grad,
-                                      parse_result, parse_step_report)
+from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, TrainerProgress,
+                                      parse_grad, parse_result, parse_step_report,
+                                      progress_meta)
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
@@ -70,11 +71,16 @@ MISSING_POLL_S = 1.0
 #: what a failed microbatch may raise; anything else is a bug and ends the run
 RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
 #: how long a step waits for every stage's report (``swarmd.pipeline.exact``): at most
-#: ``REPORTS_MAX_S``, and ``REPORTS_AFTER_MISS_S`` after a step whose reports did not all come
-#: (a stage that does not report must not stall every step); a report comes after the
-#: stage's own round, so it follows the stage's averaging, not only the link
+#: ``REPORTS_MAX_S``; after a step whose reports did not all come (a stage that does not
+#: report must not stall every step), ``REPORTS_AFTER_MISS_S`` or ``REPORTS_LAG_FACTOR`` times
+#: the lag reports had (the slowest of the last ones, decaying; a report that came after the
+#: trainer stopped waiting counts too), whichever is longer: on a loaded machine reports
+#: come seconds after the trainer's own part, and a fixed second would leave every step
+#: after one miss clipped part by part. A report comes after the stage's own round, so it
+#: follows the stage's averaging, not only the link
 REPORTS_MAX_S = 60.0
 REPORTS_AFTER_MISS_S = 1.0
+REPORTS_LAG_FACTOR = 3.0
 
 
 @dataclass(slots=True, eq=False)
@@ -161,11 +167,18 @@ class Trainer(TrainerCompute):
         self._answers: dict[int, asyncio.Future[float | None]] = {}
         self._report_came = asyncio.Event()
         self._reports_missed = False
+        #: how long whole steps' reports came after the trainer's own part (seconds; the
+        #: slowest lately: each step's lag, or 0.9 of the last, whichever is larger)
+        self._report_lag_s = 0.0
+        #: step -> when the trainer began waiting for its reports, for the last missed steps
+        self._missed_at: dict[int, float] = {}
         self.scaler = LossScaler() if dtype == torch.float16 else None
         #: a gradient overflowed during this step (float16): the step is skipped
         self._overflow = False
         self.step = 0
         self.stats = TrainStats()
+        #: how the run goes, told to the stage peers in every reply (``swarmd train`` sets it)
+        self.progress: TrainerProgress | None = None
         #: refused arrivals and other events, by reason
         self.counters: Counter[str] = Counter()
         self.router = Router(host, stage=0, protocol=self.proto["forward"], peers_of=peers_of,
@@ -236,7 +249,7 @@ class Trainer(TrainerCompute):
             raise
         if not expected.future.done():
             expected.future.set_result(tensor)
-        return Message(kind="ok")
+        return Message(kind="ok", meta=progress_meta(self.progress))
 
     # ---- the pipelined schedule ------------------------------------------------------------
     async def train(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
@@ -320,7 +333,11 @@ class Trainer(TrainerCompute):
         in time (each part clips its own; ``reports_missed``)."""
         self.board.open(step, samples)
         self.board.own(step, sqnorm if math.isfinite(sqnorm) else 0.0)
-        wait_s = REPORTS_AFTER_MISS_S if self._reports_missed else REPORTS_MAX_S
+        wait_s = REPORTS_MAX_S
+        if self._reports_missed:
+            wait_s = min(REPORTS_MAX_S, max(REPORTS_AFTER_MISS_S,
+                                            REPORTS_LAG_FACTOR * self._report_lag_s))
+        t0 = time.monotonic()
         try:
             async with asyncio.timeout(wait_s):
                 while not self.board.complete(step) and not self.board.answered(step):
@@ -328,6 +345,12 @@ class Trainer(TrainerCompute):
                     self._report_came.clear()
         except TimeoutError:
             pass
+        if self.board.complete(step):
+            self._report_lag_s = max(time.monotonic() - t0, 0.9 * self._report_lag_s)
+        else:  # a report that comes later still tells the lag (``_on_step_report``)
+            self._missed_at[step] = t0
+            while len(self._missed_at) > self.board.keep:
+                del self._missed_at[min(self._missed_at)]
         coefficient = self.board.answer(step)
         if not self.board.answered(step) or coefficient is None:
             self.board.expire(step)
@@ -362,13 +385,17 @@ class Trainer(TrainerCompute):
         if not self.exact or self.others() or not (
                 self.step - self.board.keep < report.step <= self.step):
             self.counters["reports_not_exact"] += 1
-            return Message(**StepAnswer(coefficient=None).wire())
+            return Message(**StepAnswer(coefficient=None, progress=self.progress).wire())
         posted = (self.board.fail(report.step) if report.failed else self.board.post(
             report.step, report.stage, report.sqnorm, report.stage_step, report.samples))
         self.counters[f"reports_{posted}"] += 1
         self._report_came.set()
+        began = self._missed_at.get(report.step)
+        if began is not None:  # a report the trainer stopped waiting for: how late it was
+            self._report_lag_s = max(self._report_lag_s, time.monotonic() - began)
         if posted == Posted.NOT_OPEN or self.board.answered(report.step):
-            return Message(**StepAnswer(coefficient=self.board.answer(report.step)).wire())
+            return Message(**StepAnswer(coefficient=self.board.answer(report.step),
+                                        progress=self.progress).wire())
         answer = self._answers.get(report.step)
         if answer is None:
             answer = self._answers[report.step] = asyncio.get_running_loop().create_future()
@@ -377,7 +404,7 @@ class Trainer(TrainerCompute):
                 coefficient = await asyncio.shield(answer)
         except TimeoutError:
             coefficient = None
-        return Message(**StepAnswer(coefficient=coefficient).wire())
+        return Message(**StepAnswer(coefficient=coefficient, progress=self.progress).wire())
 
     def _show(self, window: InFlight, running: int) -> None:
         self.stats.in_flight, self.stats.in_flight_target = running, window.target

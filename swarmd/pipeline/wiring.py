@@ -137,6 +137,8 @@ class _Peer:
     compute_rate: float = 0.0
     #: the compute time its last reply said (None: none yet)
     compute_s: float | None = None
+    #: tasks given while not yet measured and not yet answered (its probing share)
+    probing: int = 0
 
     def compute_share(self) -> float:
         """The share of its hops' time that is its compute: ``t_p / c_p`` (1: unknown)."""
@@ -283,10 +285,15 @@ class Wiring:
         best = 0.0
         least = math.inf
         ties: list[tuple[str, _Peer, float]] = []
+        claim_cap, probing = self._claim_cap(now, exclude)
         for peer_id, p in self._peers.items():
             if p.banned_until is not None or p.busy_until > now or peer_id in exclude:
                 continue
             tput = p.rate()
+            if not p.measured and claim_cap is not None:  # measured beats claimed
+                if p.probing >= probing:
+                    continue  # its probes are out: it gets more once one answered
+                tput = min(tput, claim_cap)
             if p.slow_excess:
                 factor = self._slow_factor(p, now)
                 if factor == 1.0:
@@ -309,11 +316,26 @@ class Wiring:
         if not p.measured:
             p.unmeasured_work += work
             p.unmeasured_load += step
+            p.probing += 1
         self.chosen += 1
         if least > _RENORMALISE_AT:
             for q in self._peers.values():
                 q.load = max(0.0, q.load - least)
         return peer_id
+
+    def _claim_cap(self, now: float, exclude: Collection[str]) -> tuple[float | None, int]:
+        """(the most a peer not yet measured counts for, the tasks it may hold unanswered):
+        ``claim_multiple`` times the best measured rate among the peers in service, and
+        ``probe_tasks``; (None, 0) when no measured peer is in service (every peer is then a
+        claim, and a claim is all there is to go by)."""
+        best = 0.0
+        for peer_id, p in self._peers.items():
+            if (p.measured and p.banned_until is None and p.busy_until <= now
+                    and peer_id not in exclude):
+                best = max(best, p.rate())
+        if best <= 0.0:
+            return None, 0
+        return self.config.claim_multiple * best, self.config.probe_tasks
 
     # ---- outcomes -----------------------------------------------------------------------
 
@@ -330,6 +352,7 @@ class Wiring:
         p.slow_excess = 0.0
         p.streak = 0
         p.busy_streak, p.busy_until = 0, 0.0
+        p.probing = max(0, p.probing - 1)
         if not (_finite(seconds) and seconds > 0 and _finite(samples) and samples > 0):
             return
         if compute_s is not None and _finite(compute_s) and 0 < compute_s:
@@ -360,6 +383,7 @@ class Wiring:
         cfg = self.config
         factor = min(cfg.slow_max_factor, self._slow_factor(p, now) * cfg.slow_penalty)
         p.slow_excess, p.slow_since = factor - 1.0, now
+        p.probing = max(0, p.probing - 1)  # that probe is over, unanswered
         p.timeouts += 1
         self.timeouts += 1
 
@@ -383,6 +407,7 @@ class Wiring:
         if p is None:
             return
         p.errors += 1
+        p.probing = max(0, p.probing - 1)
         if p.banned_until is not None and now < p.banned_until:
             return  # a task sent before the ban: same failure
         p.streak += 1

@@ -43,6 +43,12 @@ class WiringConfig:
     #: first ban after a protocol violation; each further violation episode doubles it, capped
     violation_base_s: float = 60.0
     violation_max_s: float = 3600.0
+    #: a peer not yet measured counts at most this many times the stage's best measured rate,
+    #: whatever it announces (measured beats claimed)
+    claim_multiple: float = 2.0
+    #: tasks a peer not yet measured is given before its first answer, while a measured peer
+    #: of the stage is in service (its probing share: a silent liar holds this many at most)
+    probe_tasks: int = 4
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -65,6 +71,10 @@ class WiringConfig:
         need(0 < self.busy_base_s <= self.busy_max_s, "need 0 < busy_base_s <= busy_max_s")
         need(0 < self.violation_base_s <= self.violation_max_s,
              "need 0 < violation_base_s <= violation_max_s")
+        need(_finite(self.claim_multiple) and self.claim_multiple >= 1,
+             "claim_multiple must be a finite number >= 1")
+        need(type(self.probe_tasks) is int and self.probe_tasks >= 1,
+             "probe_tasks must be an int >= 1")
 
     def cost(self, kind: Kind) -> float:
         """Cost of one sample of ``kind``, in forward passes."""

@@ -50,7 +50,7 @@ log = logging.getLogger("swarmd.keeper")
 
 #: a whole download at most: each request has its own deadline derived from the link
 #: (swarmd.state.fetch), so a dead or slow source is left long before this
-FETCH_TIMEOUT_S = 3600.0
+STAGE_STATE_FETCH_TIMEOUT_S = 3600.0
 #: after a catch-up attempt, the next one waits at least this long
 CATCH_UP_GAP_S = 2.0
 #: after a drift repaired, the next repair waits at least this long: peers whose optimizer
@@ -244,7 +244,8 @@ class StageKeeper:
         low, high = state_bytes_bound(self.server.module)
         try:
             return await fetch_state(self.host, self.protocol, peers, stage=self.stage,
-                                     model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
+                                     model_hash=self.model_hash,
+                                     timeout_s=STAGE_STATE_FETCH_TIMEOUT_S,
                                      max_bytes=high, on_progress=progress,
                                      spool_dir=self.spool_dir,
                                      newer_than=newer_than, counters=self._counts,
@@ -428,7 +429,7 @@ class StageKeeper:
         try:
             state = await fetch_state(
                 self.host, Protocols(self.swarm).offered_state, [(peer, ())], stage=self.stage,
-                model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
+                model_hash=self.model_hash, timeout_s=STAGE_STATE_FETCH_TIMEOUT_S,
                 max_bytes=high, newer_than=self.server.step, spool_dir=self.spool_dir,
                 counters=self._counts, size_bound=SizeBound(low, high))
         except (StateTransferFailed, TransportError) as exc:

@@ -98,11 +98,6 @@ class StateServer:
         self.host.remove_handler(self.protocol)
         self._cache.clear()
 
-    def set_stage(self, stage: int) -> None:
-        """Serve another stage from now on (after a migration); cached snapshots are dropped."""
-        self.stage = stage
-        self._cache.clear()
-
     @property
     def cached_bytes(self) -> int:
         return sum(c.layout.total for c in self._cache.values())

@@ -6,7 +6,10 @@ peer, says which stage is missing while one is, then trains: fixed held-out batc
 (``training.val_batches``, ``swarmd.data``) measure validation loss before, every
 ``training.eval_every`` steps and after; each step sends ``microbatches`` microbatches through
 the swarm, drawn from this trainer's data shard (``data.shard``); one JSON line per step, and
-one per evaluation (``"val_loss"``), is appended to ``<home>/train-metrics.jsonl``.
+one per evaluation (``"val_loss"``), is appended to ``<home>/train-metrics.jsonl``. The last
+step's loss, the latest validation loss, the shard and the epoch are also told to the stage
+peers in the trainer's replies (``Trainer.progress``): their ``swarmd status`` and status page
+show them.
 
 The steps are pipelined (``Trainer.train``, docs/pipeline.md "Latency hiding"): the trainer
 keeps as many microbatches in flight as the measured round trip and throughput call for
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -258,6 +262,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
             "grad_norm": s.grad_norm, "clip_coefficient": s.clip_coefficient,
             "time": time.time()}  # a record's timestamp for people, not a timer
         _write_metrics(plan.metrics_file, line)
+        _tell(trainer, batches, loss=loss)
         board.log_step(step, line)
         shown.stepped(step - resumed, loss, rate, s)
         if plan.eval_every and step % plan.eval_every == 0 and step < plan.steps:
@@ -309,12 +314,39 @@ async def _evaluate(trainer: Any, batches: Any, plan: _Plan, say: Callable[[str]
     """The validation loss on the held-out batches, said, written as a metrics line
     (``"val_loss"`` and the step; step lines have ``"loss"`` instead) and to ``board``."""
     loss = await trainer.evaluate(batches.val)
+    _tell(trainer, batches, val_loss=loss)
     board.log_eval(trainer.step, loss)
     _write_metrics(plan.metrics_file, {"step": trainer.step, "val_loss": loss,
                                        "data_shard": str(batches.shard),
                                        "data_epoch": batches.epoch, "time": time.time()})
     say(f"{when} validation loss {loss:.4f}")
     return loss
+
+
+def _tell(trainer: Any, batches: Any, *, loss: float | None = None,
+          val_loss: float | None = None) -> None:
+    """The trainer's progress for the stage peers (``TrainerProgress``) after a step (its
+    ``loss``) or an evaluation (``val_loss``, at the trainer's step); a loss that is not a
+    finite number is told as not known."""
+    from swarmd.pipeline.messages import MAX_LOSS, MAX_STEP, TrainerProgress, is_shard
+
+    def usable(x: float | None) -> float | None:
+        return x if x is not None and math.isfinite(x) and abs(x) < MAX_LOSS else None
+
+    last = getattr(trainer, "progress", None)
+    step = trainer.step
+    if val_loss is None and last is not None:
+        val_loss, val_step = last.val_loss, last.val_step
+    else:
+        val_loss = usable(val_loss)
+        val_step = step if val_loss is not None else None
+    if loss is None and last is not None and last.step == step:
+        loss = last.loss
+    shard, epoch = str(getattr(batches, "shard", "")), getattr(batches, "epoch", None)
+    trainer.progress = TrainerProgress(
+        step=step, loss=usable(loss), val_loss=val_loss, val_step=val_step,
+        shard=shard if is_shard(shard) else None,
+        epoch=epoch if type(epoch) is int and 0 <= epoch < MAX_STEP else None)
 
 
 def _board(config: Any, plan: _Plan) -> Any:
@@ -404,7 +436,3 @@ def _mismatch_explainer(host: Any, m: Any, config: Any) -> Callable[[], Awaitabl
                                       config.model_fingerprint(), peers)
 
     return explain
-
-
-def result_json(result: TrainResult) -> dict[str, Any]:
-    return asdict(result)

@@ -42,7 +42,8 @@ log = logging.getLogger("swarmd.training.trainer_sync")
 
 #: the stage number the trainers' rounds and state transfers use (a stage no model has)
 TRAINERS_STAGE = (1 << 16) - 1
-FETCH_TIMEOUT_S = 120.0
+#: a joining trainer's whole download of a mate's state (its parts are small)
+TRAINER_STATE_FETCH_TIMEOUT_S = 120.0
 MAX_PARTS_BYTES = 16 << 30
 
 
@@ -99,7 +100,8 @@ class TrainerSync:
         low, high = state_bytes_bound(self.trainer.parts)
         try:
             state = await fetch_state(self.host, self.protocol, sources, stage=TRAINERS_STAGE,
-                                      model_hash=self.model_hash, timeout_s=FETCH_TIMEOUT_S,
+                                      model_hash=self.model_hash,
+                                      timeout_s=TRAINER_STATE_FETCH_TIMEOUT_S,
                                       max_bytes=MAX_PARTS_BYTES, counters=self.counters,
                                       size_bound=SizeBound(low, high))
         except (StateTransferFailed, TransportError) as exc:
