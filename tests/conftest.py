@@ -14,6 +14,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 # trainers started by tests inherit it; a test that sets its own value keeps it.
 os.environ.setdefault("SWARMD_TRAINING_MICROBATCHES", "4")
 
+# `swarmd join`, `train` and `demo` processes started by tests are forked from one preloaded
+# interpreter (swarmd.local.zygote): real processes over the real network stack, without the
+# seconds of imports each. SWARMD_LOCAL_ZYGOTE=0 starts a fresh interpreter for each instead.
+os.environ.setdefault("SWARMD_LOCAL_ZYGOTE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote() -> None:
+    """Start the zygote's imports at the first test, not at the first daemon's."""
+    from swarmd.local.zygote import prestart
+
+    prestart()
+
 
 @pytest.fixture
 def daemons(tmp_path: Path, request: pytest.FixtureRequest) -> Any:

@@ -9,7 +9,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,6 +28,7 @@ from transport import identity
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.local.zygote import swarmd_popen
 
 
 def test_requests_beyond_the_budget_are_refused_and_counted() -> None:
@@ -193,8 +193,8 @@ def test_a_flooding_peer_gets_busy_and_an_honest_trainer_beside_it_loses_nothing
     home = tmp_path / "trainer"
     init_home(home)
     log = open(tmp_path / "trainer.stderr", "w")
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--bootstrap", d0.addr,
+    trainer = swarmd_popen(
+        ["train", "--home", str(home), "--bootstrap", d0.addr,
          "--steps", "60", "--json"], stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, **ENV})
     try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import ROOT, DaemonProcess, wait_until
+from swarmd.local.zygote import swarmd_run
 
 pytestmark = pytest.mark.integration
 
@@ -51,10 +50,10 @@ def test_a_second_daemon_on_the_same_home_refuses_to_start(tmp_path: Path) -> No
     first = DaemonProcess(tmp_path / "home")
     try:
         first.wait_started()
-        second = subprocess.run([sys.executable, "-m", "swarmd", "join", "--home",
-                                 str(tmp_path / "home"), "--listen", "/ip4/127.0.0.1/tcp/0",
-                                 "--http", "127.0.0.1:0"],
-                                capture_output=True, text=True, cwd=ROOT, timeout=60)
+        second = swarmd_run(["join", "--home",
+                             str(tmp_path / "home"), "--listen", "/ip4/127.0.0.1/tcp/0",
+                             "--http", "127.0.0.1:0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert second.returncode == 1
         assert f"pid {first.proc.pid}" in second.stderr and "already running" in second.stderr
         assert "Traceback" not in second.stderr
@@ -97,12 +96,12 @@ def test_unreachable_bootstrap_is_retried_and_reported_not_fatal(tmp_path: Path)
 
 def test_bad_config_key_stops_join_with_a_clear_message(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(home)], check=True,
-                   capture_output=True, cwd=ROOT, timeout=60)
+    swarmd_run(["init", "--home", str(home)], check=True,
+               capture_output=True, cwd=ROOT, timeout=60)
     bad = tmp_path / "bad.toml"
     bad.write_text("[network]\nlisn = []\n")
-    out = subprocess.run([sys.executable, "-m", "swarmd", "join", "--home", str(home), "--config",
-                          str(bad)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = swarmd_run(["join", "--home", str(home), "--config",
+                      str(bad)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
     assert "network.lisn" in out.stderr and str(bad) in out.stderr
     assert not (home / "api").exists()

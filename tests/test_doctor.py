@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from swarmd.local.zygote import swarmd_run
 
 pytestmark = pytest.mark.integration
 ENV: dict[str, str] = {}
@@ -17,9 +16,9 @@ DEAD = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWQuErpa7G8FnZpiSzZ3TutpbLuMtSpfNWAxSUdah
 
 
 def doctor(home: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "swarmd", "doctor", "--home", str(home), "--json",
-                          *args], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **(env or {})})
+    out = swarmd_run(["doctor", "--home", str(home), "--json",
+                      *args], capture_output=True, text=True, timeout=120,
+                     env={**os.environ, **(env or {})})
     checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]} if out.stdout else {}
     return out.returncode, checks
 

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,6 +28,7 @@ from transport import identity
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.local.zygote import swarmd_popen
 
 pytestmark = pytest.mark.integration
 
@@ -130,8 +130,8 @@ def test_every_protocol_survives_the_fuzzer_while_a_trainer_trains(daemons: Any,
     home = tmp_path / "trainer"
     init_home(home)
     log = open(tmp_path / "trainer.stderr", "w")
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--bootstrap", d0.addr,
+    trainer = swarmd_popen(
+        ["train", "--home", str(home), "--bootstrap", d0.addr,
          "--steps", "60", "--json"], stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, **ENV})
     try:

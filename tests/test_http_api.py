@@ -384,8 +384,9 @@ def test_metrics_expose_the_daemon_state() -> None:
             assert m[("swarmd_connected_peers", ())] == 5
             assert m[("swarmd_throughput_samples_per_second", ())] == 7.25
             assert m[("swarmd_queue_length", ())] == 3
-            assert m[("swarmd_counter_total", (("name", "protocol_errors.truncated"),))] == 2
-            assert m[("swarmd_counter_total", (("name", "streams.opened"),))] == 41
+            assert m[("swarmd_protocol_errors_truncated_total", ())] == 2
+            assert m[("swarmd_streams_opened_total", ())] == 41
+            assert m[("process_resident_memory_bytes", ())] > 0  # the process collector
             for stage, tp, peers in [("0", 40.5, 2), ("1", 11.25, 2), ("2", 30.0, 2)]:
                 assert m[("swarmd_stage_throughput", (("stage", stage),))] == tp
                 assert m[("swarmd_stage_peers", (("stage", stage),))] == peers

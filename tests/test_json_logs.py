@@ -18,6 +18,7 @@ from daemon_harness import wait_until
 from swarmd.cli import main
 from swarmd.local.demo import DEMO_ENV
 from swarmd.node.log_streams import RecordLines
+from swarmd.local.zygote import swarmd_popen, swarmd_run
 
 ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
        "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "json-logs-test",
@@ -119,8 +120,8 @@ def test_join_and_train_in_json_mode_write_only_json_lines(tmp_path: Path) -> No
                                                 "train.err")}
     opened = {name: open(path, "w") for name, path in files.items()}
     init_home(tmp_path / "peer")
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "join", "--home", str(tmp_path / "peer"), "--listen",
+    daemon = swarmd_popen(
+        ["join", "--home", str(tmp_path / "peer"), "--listen",
          "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", "--stage", "0"],
         stdout=opened["join.out"], stderr=opened["join.err"], env=env, text=True)
     try:
@@ -134,8 +135,8 @@ def test_join_and_train_in_json_mode_write_only_json_lines(tmp_path: Path) -> No
         assert banner["addrs"] and all(a.endswith("/p2p/" + banner["peer_id"])
                                        for a in banner["addrs"])
         assert banner["http"].startswith("http://127.0.0.1:")
-        trainer = subprocess.run(
-            [sys.executable, "-m", "swarmd", "train", "--home", str(tmp_path / "trainer"),
+        trainer = swarmd_run(
+            ["train", "--home", str(tmp_path / "trainer"),
              "--bootstrap", banner["addrs"][0], "--steps", "3"],
             stdout=opened["train.out"], stderr=opened["train.err"], env=env, text=True,
             timeout=240)

@@ -15,6 +15,7 @@ from transport.codecs import CodecSpec
 from transport.errors import LocalUsageError
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.local.zygote import swarmd_run
 
 MB = 1_000_000
 ECHO = "/test/limits/sink/1"
@@ -393,9 +394,9 @@ def test_a_stage_over_the_device_memory_cap_is_refused_with_the_numbers(tmp_path
 @pytest.mark.integration
 def test_join_with_a_cap_of_0_stops_with_a_message_saying_to_write_off(tmp_path) -> None:
     home = tmp_path / "home"
-    out = subprocess.run([sys.executable, "-m", "swarmd", "join", "--home", str(home)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         env={**os.environ, "SWARMD_LIMITS_UPLOAD_BYTES_S": "0"})
+    out = swarmd_run(["join", "--home", str(home)],
+                     capture_output=True, text=True, cwd=ROOT, timeout=60,
+                     env={**os.environ, "SWARMD_LIMITS_UPLOAD_BYTES_S": "0"})
     assert out.returncode == 2
     assert "SWARMD_LIMITS_UPLOAD_BYTES_S" in out.stderr and 'write "off"' in out.stderr
     assert "Traceback" not in out.stderr

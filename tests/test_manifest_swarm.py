@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import uvloop
 
 from daemon_harness import ROOT, DaemonProcess, start_swarm, stop_all, wait_until
+from swarmd.local.zygote import swarmd_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,8 +129,8 @@ def test_a_volunteer_with_only_a_bootstrap_address_serves_the_swarms_model(
                    or not training.thread.is_alive(), 180, "the swarm training")
         assert training.thread.is_alive(), training.error
         home = tmp_path / "volunteer"
-        init = subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(home)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+        init = swarmd_run(["init", "--home", str(home)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert init.returncode == 0, init.stderr
         t0 = time.monotonic()
         volunteer = DaemonProcess(home, "--bootstrap", first.addr, env=VOLUNTEER_ENV)
@@ -164,8 +164,8 @@ def _join(home: Path, bootstrap: str, env: dict[str, str]) -> subprocess.Complet
     from swarmd.node.home import init_home
 
     init_home(home)
-    return subprocess.run(
-        [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--bootstrap", bootstrap,
+    return swarmd_run(
+        ["join", "--home", str(home), "--bootstrap", bootstrap,
          "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, **env})
 
@@ -193,9 +193,9 @@ def test_doctor_says_what_a_volunteer_would_take(
     addr = swarm["first"].addr
 
     def doctor(env: dict[str, str]) -> tuple[int, dict[str, Any]]:
-        out = subprocess.run([sys.executable, "-m", "swarmd", "doctor", "--home", str(home),
-                              "--json", "--bootstrap", addr], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120, env={**os.environ, **env})
+        out = swarmd_run(["doctor", "--home", str(home),
+                          "--json", "--bootstrap", addr], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, env={**os.environ, **env})
         return out.returncode, {c["name"]: c for c in json.loads(out.stdout)["checks"]}
 
     status, checks = doctor(VOLUNTEER_ENV)  # (own settings that differ: tests/test_doctor.py)

@@ -96,3 +96,26 @@ def test_a_joiner_whose_loop_was_held_still_finds_its_stages_mates() -> None:
                 assert ma.state_sources(0) == [] and not ma.stage_has_state(0)
 
     asyncio.run(main())
+
+
+def test_a_wall_clock_step_does_not_move_the_announcement_schedule() -> None:
+    """The schedule runs on the monotonic clock; the wall clock is only what announcements
+    carry. A wall clock set back an hour once left a peer silent for that hour (its next
+    announcement was due at a wall time an hour ahead), so every view expired it."""
+
+    async def main() -> None:
+        offset = [0.0]
+        ids = [identity.generate()]
+        async with Host(ids[0], HostOptions(pubsub=None)) as a:
+            m = MembershipService(a, ids[0], CONFIG, lambda: LocalState(0, "online"),
+                                  wall=lambda: time.time() + offset[0])
+            async with m:
+                await until("a first announcement", 30,
+                            lambda: m.counters().get("announcements_made", 0) >= 1)
+                offset[0] = -3600.0  # the wall clock set back an hour
+                made = m.counters()["announcements_made"]
+                period = m.config_period_hint()
+                await until("announcements going on", 4 * period + 5,
+                            lambda: m.counters().get("announcements_made", 0) >= made + 2)
+
+    asyncio.run(main())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import pytest
 
 from daemon_harness import ROOT, start_swarm, stop_all
 from test_models_swarm import ENV, text_data, tiny_llama
+from swarmd.local.zygote import swarmd_run
 
 pytest.importorskip("transformers")
 
@@ -49,19 +48,19 @@ def test_swarmd_train_from_python_inside_an_event_loop(tmp_path: Path) -> None:
 
 def test_swarmd_demo_trains_a_hugging_face_model_directory(tmp_path: Path) -> None:
     model = tiny_llama(tmp_path / "llama")
-    out = subprocess.run([sys.executable, "-m", "swarmd", "demo", "--model", str(model),
-                          "--steps", "20", "--json"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=400, env={**__import__("os").environ,
-                                                     "HF_HUB_OFFLINE": "1"})
+    out = swarmd_run(["demo", "--model", str(model),
+                      "--steps", "20", "--json"], capture_output=True, text=True,
+                     cwd=ROOT, timeout=400, env={**__import__("os").environ,
+                                                 "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["final_val_loss"] < result["initial_val_loss"] and result["lost"] == 0
 
 
 def test_swarmd_demo_names_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "swarmd", "demo", "--model", str(tmp_path),
-                          "--steps", "2"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
+    out = swarmd_run(["demo", "--model", str(tmp_path),
+                      "--steps", "2"], capture_output=True, text=True, cwd=ROOT,
+                     timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"swarmd: error: {tmp_path}/config.json: cannot read the model config")

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from daemon_harness import ROOT, start_swarm, stop_all, wait_until
+from swarmd.local.zygote import swarmd_popen, swarmd_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,8 +50,8 @@ def text_data(directory: Path) -> Path:
 
 def swarmd_train(home: Path, env: dict[str, str], *args: str,
                  timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json", *args],
+    return swarmd_run(
+        ["train", "--home", str(home), "--json", *args],
         capture_output=True, text=True, cwd=ROOT, timeout=timeout,
         env={**os.environ, **env})
 
@@ -123,8 +123,8 @@ def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(
     env = BF16_ENV
     home = tmp_path / "trainer"
     first, _ = bf16_swarm
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json",
+    proc = swarmd_popen(
+        ["train", "--home", str(home), "--json",
          "--bootstrap", first.addr, "--data", str(data), "--steps", "10000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, **env})
@@ -178,10 +178,10 @@ def test_bad_model_settings_reach_the_user_as_one_line(tmp_path: Path, env: dict
     commands = (["train", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/"
                  "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", "--steps", "1"],
                 ["join", "--stage", "0", "--listen", "/ip4/127.0.0.1/tcp/0"])
-    subprocess.run([sys.executable, "-m", "swarmd", "init", "--home", str(tmp_path / "join")],
-                   check=True, capture_output=True, cwd=ROOT)  # a trainer makes its own
-    running = [subprocess.Popen(  # both at once: each start is seconds of imports
-        [sys.executable, "-m", "swarmd", command[0], "--home", str(tmp_path / command[0]),
+    swarmd_run(["init", "--home", str(tmp_path / "join")],
+               check=True, capture_output=True, cwd=ROOT)  # a trainer makes its own
+    running = [swarmd_popen(  # both at once
+        [command[0], "--home", str(tmp_path / command[0]),
          *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, **ENV, **env}) for command in commands]
     for proc in running:

@@ -6,8 +6,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -24,6 +22,7 @@ from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.local.zygote import swarmd_run
 
 pytestmark = pytest.mark.integration
 
@@ -32,8 +31,8 @@ ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
 
 
 def test_demo_trains_and_reports_one_json_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "swarmd", "demo", "--steps", "30", "--json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = swarmd_run(["demo", "--steps", "30", "--json"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["final_val_loss"] <= 0.8 * result["initial_val_loss"]

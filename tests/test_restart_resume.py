@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 from daemon_harness import ROOT, DaemonProcess, start_swarm, stop_all, wait_until
 from test_models_swarm import swarmd_train, text_data
+from swarmd.local.zygote import swarmd_popen
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # four daemon starts and a run
 
@@ -73,8 +73,8 @@ def test_a_swarm_and_its_trainer_killed_with_sigkill_resume_from_their_saved_sta
     trainer = None
     try:
         first, _ = start_swarm(tmp_path, [None, None], env=ENV, into=daemons)
-        trainer = subprocess.Popen(
-            [sys.executable, "-m", "swarmd", "train", "--home", str(trainer_home), "--json",
+        trainer = swarmd_popen(
+            ["train", "--home", str(trainer_home), "--json",
              "--bootstrap", first.addr, "--data", str(data), "--steps", "10000"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
             env={**os.environ, **ENV})

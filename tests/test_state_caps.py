@@ -118,6 +118,12 @@ def test_a_source_capped_at_64_kB_s_serves_its_state_to_a_joiner(tmp_path: Path)
         started.append(src)
         src.wait_started()
         wait_until(lambda: _stage(src)["state"] == "online", 60, "the source serving")
+        # the joiner takes the view from the source: wait for its "online" announcement
+        # (syncing at step 0 it holds nothing to take); a daemon forked from the zygote asks
+        # within a second, before the announcement follows the state
+        wait_until(lambda: any(p["peer_id"] == src.peer_id and p["state"] == "online"
+                               for row in src.get("/api/v0/swarm")["stages"]
+                               for p in row["peers"]), 60, "the source announcing online")
         joiner = DaemonProcess(tmp_path / "joiner", "--stage", "0", "--bootstrap", src.addr,
                                env=ENV)
         started.append(joiner)

@@ -45,10 +45,11 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from swarmd.api.metrics import counter_families
 from swarmd.api.types import PEER_STATES, DaemonApi, StatusInfo, SwarmInfo, to_json
 from swarmd.errors import ConfigError, InternalError, ListenError, SwarmdError
 
@@ -199,11 +200,7 @@ class _DaemonCollector:
                     status.queue)
         yield from _reachability_metrics(status)
         yield from _trainer_metrics(status)
-        counters = CounterMetricFamily("swarmd_counter", "The daemon's error and traffic "
-                                       "counters, by dotted name", labels=["name"])
-        for name, value in sorted(status.counters.items()):
-            counters.add_metric([name], value)
-        yield counters
+        yield from counter_families(status.counters)
 
         stage_tp = GaugeMetricFamily("swarmd_stage_throughput",
                                      "Sum of a stage's routable peers' throughput, samples per "
@@ -263,6 +260,8 @@ class HttpApi:
         self._registry = CollectorRegistry(auto_describe=False)
         self._collector = _DaemonCollector()
         self._registry.register(self._collector)  # type: ignore[arg-type]
+        # the daemon's own CPU seconds, memory and open files (process_*; Linux only)
+        ProcessCollector(registry=self._registry)
         self._http_errors = Counter("swarmd_http_errors", "HTTP error responses of the local "
                                     "API, by status", ["status"], registry=self._registry)
         self._runner: web.AppRunner | None = None

@@ -1,4 +1,5 @@
-"""Local swarms: real ``swarmd join`` processes on 127.0.0.1, each with its own home.
+"""Local swarms: real ``swarmd join`` processes on 127.0.0.1, each with its own home
+(forked from a preloaded process with ``SWARMD_LOCAL_ZYGOTE=1``: ``swarmd.local.zygote``).
 
 Used by ``swarmd demo``, the integration tests and the benchmarks."""
 
@@ -9,11 +10,12 @@ import os
 import selectors
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
+
+from swarmd.local.zygote import swarmd_popen
 
 
 class DaemonProcess:
@@ -27,8 +29,8 @@ class DaemonProcess:
             init_home(home)
         self.stderr_path = home / "daemon.stderr"
         self._stderr = open(self.stderr_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmd", "join", "--home", str(home), "--json",
+        self.proc = swarmd_popen(
+            ["join", "--home", str(home), "--json",
              "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0", *args],
             stdout=subprocess.PIPE, stderr=self._stderr, text=True, cwd=home,
             env={**os.environ, "SWARMD_LOG_LEVEL": "debug" if os.environ.get("SWARMD_TEST_DEBUG")

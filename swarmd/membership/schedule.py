@@ -246,10 +246,12 @@ class Schedule:
         return now >= self._next_pull
 
     def pull(self, now: float, estimate: SwarmEstimate,
-             candidates: Sequence[str]) -> PullOrder | None:
+             candidates: Sequence[str], *, wall: float | None = None) -> PullOrder | None:
         """We pull now: from whom (uniformly among ``candidates``: peers of our view but us,
         or the bootstrap peers while the view is empty) and what (the full view until we got
-        one, else the delta window). None when there is nobody to ask."""
+        one, else the delta window). None when there is nobody to ask. ``wall``: the wall
+        clock the delta window's cutoff is in (announcements are signed in it), when ``now``
+        is another clock (a daemon's timers run on the monotonic one); default ``now``."""
         p = self.plan(estimate)
         jitter = self.config.jitter * (2.0 * self._rng.random() - 1.0)
         self._next_pull = now + p.pull_s * (1.0 + jitter)
@@ -257,7 +259,8 @@ class Schedule:
             return None
         target = candidates[self._rng.randrange(len(candidates))]
         full = not self._have_full_view or estimate.peers <= 1
-        return PullOrder(peer_id=target, cutoff=None if full else now - p.window_s)
+        return PullOrder(peer_id=target,
+                         cutoff=None if full else (now if wall is None else wall) - p.window_s)
 
     def pulled(self, now: float, order: PullOrder, *, ok: bool) -> None:
         """A pull (all its pages) finished or failed. A failed full pull is retried soon."""

@@ -73,8 +73,14 @@ class MembershipService:
 
     def __init__(self, host: Any, identity: Any, config: Any,
                  local: Callable[[], LocalState],
-                 rng: random.Random | None = None, links: LinkEstimates | None = None) -> None:
+                 rng: random.Random | None = None, links: LinkEstimates | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        """``clock`` (monotonic) times the schedule: when to announce and pull; ``wall`` is
+        only for what announcements carry and the view compares with them (signed
+        timestamps, expiry, the delta window of a pull)."""
         self.host = host
+        self._clock, self._wall = clock, wall
         self.config = config
         self._local = local
         self._sign = signer(identity)
@@ -85,7 +91,7 @@ class MembershipService:
         self.topic = Protocols(swarm).announce_topic
         self.view = View(ViewConfig(stages=config.swarm.stages, model_hash=self.model_hash(),
                                     manifest=config.manifest().hash), verify)
-        self.schedule = Schedule(now=time.time(), rng=self._rng)
+        self.schedule = Schedule(now=clock(), rng=self._rng)
         self._counters: Counter[str] = Counter()
         self._pulled_from: set[str] = set()
         self._wake = asyncio.Event()
@@ -161,12 +167,12 @@ class MembershipService:
 
     def changed(self) -> None:
         """Our stage or state changed: announce soon."""
-        self.schedule.changed(time.time())
+        self.schedule.changed(self._clock())
         self._wake.set()
 
     async def leave(self, timeout: float = 2.0) -> None:
         """Tell the connected peers we are leaving (best effort within ``timeout``)."""
-        now = time.time()
+        now = self._wall()
         data = self._announcement(now, period=self.config_period_hint(), state="leaving")
         self.view.apply(data, now)
         try:
@@ -176,7 +182,7 @@ class MembershipService:
             pass
 
     def config_period_hint(self) -> float:
-        return max(2.0, self.schedule.plan(self.view.estimate(time.time())).period_s)
+        return max(2.0, self.schedule.plan(self.view.estimate(self._wall())).period_s)
 
     # ---- the loop --------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -188,8 +194,7 @@ class MembershipService:
             except Exception:  # a bug here must not end membership: log, count, go on
                 self._counters["membership_errors"] += 1
                 log.exception("membership tick failed")
-            now = time.time()
-            delay = min(TICK_S, max(0.0, self.schedule.next_wakeup() - now))
+            delay = min(TICK_S, max(0.0, self.schedule.next_wakeup() - self._clock()))
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
@@ -197,14 +202,13 @@ class MembershipService:
                 pass
 
     async def _tick(self) -> None:
-        now = time.time()
-        for ann in self.view.expire(now):
+        for ann in self.view.expire(self._wall()):
             log.info("peer %s left the view (expired)", ann.peer_id)
             # still connected (its pulls failed, under load, while it lived): pull it again
             # at once, as at first contact; its refreshes change nothing, so nobody pushes
             self._pulled_from.discard(ann.peer_id)
-        if self.schedule.announce_due(now):
-            await self._announce(now)
+        if self.schedule.announce_due(self._clock()):
+            await self._announce()
         # Pulls run as tasks of their own: a pull that waits on a dead or slow peer (up to
         # PULL_TIMEOUT_S) must never delay our announcements, or others would expire us.
         connected = await self.host.connected_peers()
@@ -213,7 +217,7 @@ class MembershipService:
                 self._pulled_from.add(peer)
                 self._spawn(self._pull(peer, cutoff=None))
         self._pulled_from.intersection_update(connected)
-        now = time.time()
+        now, wall = self._clock(), self._wall()
         if self.schedule.pull_due(now) and (self._pull_task is None or self._pull_task.done()):
             # a peer whose last pull failed is skipped for a while: pulls spent on a dead
             # peer are pulls not spent on live ones, and entries expire in 3 periods
@@ -221,21 +225,21 @@ class MembershipService:
             self._pull_failed = {p: self._pull_failed[p] for p in failing}
             # connected peers too: one the view expired is pulled by nobody else (its pulls
             # failed everywhere); only a pull from it brings its fresh announcements back
-            candidates = sorted({*self.view.peer_ids(now), *connected} - {self.host.peer_id})
+            candidates = sorted({*self.view.peer_ids(wall), *connected} - {self.host.peer_id})
             candidates = [p for p in candidates if p not in failing] or candidates
-            order = self.schedule.pull(now, self.view.estimate(now), candidates)
+            order = self.schedule.pull(now, self.view.estimate(wall), candidates, wall=wall)
             if order is not None:
                 self._pull_task = self._spawn(self._scheduled_pull(order))
 
     async def _scheduled_pull(self, order: Any) -> None:
         # One scheduled pull runs at a time: one stuck on a dead peer must end well before
         # entries expire (3 periods), or every view loses every peer at once.
-        period = self.schedule.plan(self.view.estimate(time.time())).period_s
+        period = self.schedule.plan(self.view.estimate(self._wall())).period_s
         ok = await self._pull(order.peer_id, cutoff=order.cutoff,
                               timeout=min(PULL_TIMEOUT_S, max(0.5, period / 2)))
         if not ok:
-            self._pull_failed[order.peer_id] = time.time()
-        self.schedule.pulled(time.time(), order, ok=ok)
+            self._pull_failed[order.peer_id] = self._clock()
+        self.schedule.pulled(self._clock(), order, ok=ok)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -243,18 +247,19 @@ class MembershipService:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _announce(self, now: float) -> None:
-        period = self.schedule.announce(now, self.view.estimate(now))
+    async def _announce(self) -> None:
+        now, wall = self._clock(), self._wall()
+        period = self.schedule.announce(now, self.view.estimate(wall))
         stage, state = self._local().stage, self._local().state
-        data = self._announcement(now, period=period, state=state)
+        data = self._announcement(wall, period=period, state=state)
         previous = self.view.get(self.host.peer_id)
-        self.view.apply(data, now)
+        self.view.apply(data, wall)
         self._counters["announcements_made"] += 1
         event = previous is None or previous.stage != stage or previous.state.value != state
         if event:
             self._spawn(self._push_to_connected(data))
         if event and self._subscription is not None and self.schedule.may_gossip(
-                now, self.view.estimate(now)):
+                now, self.view.estimate(wall)):
             try:
                 await self.host.publish(self.topic, data)
             except TransportError as exc:
@@ -278,10 +283,10 @@ class MembershipService:
         try:
             ann = self.view.get(peer)
             await self.host.ensure_connected(peer, ann.addrs if ann is not None else ())
-            request = self.view.pull_request(time.time(), cutoff)
+            request = self.view.pull_request(self._wall(), cutoff)
             async with asyncio.timeout(timeout):
                 for _ in range(MAX_PAGES):
-                    t0 = time.monotonic()
+                    t0 = self._clock()
                     reply = await self.host.request(
                         peer, self.pull_protocol,
                         Message(kind="pull", meta={"r": encode_request(request)}),
@@ -290,9 +295,9 @@ class MembershipService:
                     page = reply.meta.get("p")
                     if reply.kind != "page" or not isinstance(page, bytes):
                         raise BadPeerMessage("malformed", "pull reply without a page")
-                    self.links.observe_transfer(peer, len(page), time.monotonic() - t0,
-                                                time.monotonic())
-                    results, cursor = self.view.apply_page(page, time.time())
+                    self.links.observe_transfer(peer, len(page), self._clock() - t0,
+                                                self._clock())
+                    results, cursor = self.view.apply_page(page, self._wall())
                     for applied in results:
                         self._counters[f"membership.{applied.outcome}"] += 1
                     if cursor is None:
@@ -323,19 +328,19 @@ class MembershipService:
         request = message.meta.get("r")
         if message.kind != "pull" or not isinstance(request, bytes):
             raise BadPeerMessage("malformed", "a pull carries its request in meta 'r'")
-        return Message(kind="page", meta={"p": self.view.handle_pull(request, time.time())})
+        return Message(kind="page", meta={"p": self.view.handle_pull(request, self._wall())})
 
     async def _serve_push(self, message: Message, peer: str) -> Message:
         data = message.meta.get("a")
         if message.kind != "announce" or not isinstance(data, bytes):
             raise BadPeerMessage("malformed", "a push carries one announcement in meta 'a'")
-        applied = self.view.apply(data, time.time())
+        applied = self.view.apply(data, self._wall())
         self._counters[f"membership.{applied.outcome}"] += 1
         return Message(kind="ok", meta={"outcome": applied.outcome})
 
     async def _pump_gossip(self) -> None:
         async for msg in self._subscription:
-            applied = self.view.apply(msg.data, time.time())
+            applied = self.view.apply(msg.data, self._wall())
             self._counters[f"membership.{applied.outcome}"] += 1
 
     # ---- what the API shows ---------------------------------------------------------------
@@ -357,13 +362,13 @@ class MembershipService:
     def stage_has_state(self, stage: int) -> bool:
         """Whether the view shows another peer holding ``stage``'s state (online, or at a
         step > 0): a joiner of the stage waits for it rather than start from scratch."""
-        return self.view.stage_has_state(stage, time.time() - STATE_SOURCE_GRACE_S,
+        return self.view.stage_has_state(stage, self._wall() - STATE_SOURCE_GRACE_S,
                                          besides=self.host.peer_id)
 
     def trainers(self) -> dict[str, tuple[str, ...]]:
         """The other trainers: {peer_id: addrs} of peers announced online with no stage and
         our model (``swarmd.training.trainer_sync``)."""
-        now = time.time()
+        now = self._wall()
         return {a.peer_id: a.addrs for a in self.view.announcements(now)
                 if a.stage is None and a.state is PeerState.ONLINE
                 and a.peer_id != self.host.peer_id
@@ -374,24 +379,24 @@ class MembershipService:
         ones whose next announcement is overdue (a fresh view is often a little stale, and
         asking a dead peer costs only a failed dial). Freshest first."""
         found = self._others_of(stage, {None, "overdue"},
-                                now=time.time() - STATE_SOURCE_GRACE_S)
+                                now=self._wall() - STATE_SOURCE_GRACE_S)
         return [(a.peer_id, a.addrs) for a in sorted(found, key=lambda a: -a.timestamp)]
 
     def _others_of(self, stage: int, reasons: set[str | None],
                    now: float | None = None) -> list[Announcement]:
         """The other peers of ``stage`` whose reason to be kept out of routing (None: none)
         is one of ``reasons``, as of ``now`` (wall clock; default: now)."""
-        now = time.time() if now is None else now
+        now = self._wall() if now is None else now
         return [a for a in self.view.announcements(now)
                 if a.stage == stage and a.peer_id != self.host.peer_id
                 and self.view.why_not(a.peer_id, now) in reasons]
 
     def peer_states(self) -> dict[str, tuple[int | None, str]]:
-        now = time.time()
+        now = self._wall()
         return {a.peer_id: (a.stage, a.state.value) for a in self.view.announcements(now)}
 
     def swarm_info(self) -> SwarmInfo:
-        snap = self.view.snapshot(time.time())
+        snap = self.view.snapshot(self._wall())
 
         def row(p: Any) -> PeerRow:
             return PeerRow(peer_id=p.peer_id, stage=p.stage, state=p.state,

@@ -203,9 +203,19 @@ class WanLab:
         return self.ns[host]
 
     def run(self, host: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside ``host`` (``ip netns exec``); the lab stops it at teardown."""
+        """Start ``argv`` inside ``host`` (``ip netns exec``); the lab stops it at teardown.
+        With ``SWARMD_LOCAL_ZYGOTE=1`` a ``python -m swarmd`` command is forked from the
+        zygote into the host's namespace instead (``swarmd.local.zygote``)."""
+        from swarmd.local import zygote
+
         self._alive()
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv], **popen)
+        proc: Any
+        if list(argv[:3]) == [sys.executable, "-m", "swarmd"] and zygote.enabled():
+            # a swarmd command forked in the namespace from the preloaded zygote (the tests)
+            proc = zygote.Forked(list(argv[3:]), netns=os.path.join(netns.NETNS_DIR,
+                                                                   self.namespace(host)), **popen)
+        else:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv], **popen)
         self._procs.append(proc)
         return proc
 

@@ -1,0 +1,64 @@
+"""The daemon's counters as Prometheus series, one per quantity.
+
+Each counter of ``StatusInfo.counters`` (dotted names: ``stage.backward``,
+``protocol_errors.truncated``, ``state.bytes``...) is its own series,
+``swarmd_<name with dots as underscores>_total``, so a dashboard selects a quantity by name and
+every series has one unit. Counters in milliseconds (``..._ms``) are exported in seconds
+(``swarmd_<name>_seconds_total``); the few values that are levels, not counts (a stage's step,
+its microbatches in flight), are gauges without ``_total``. A name that would not make a valid
+metric name after this mapping, or that collides with one already made, is skipped and counted
+in ``swarmd_metrics_skipped``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["GAUGES", "metric_name", "counter_families"]
+
+#: counters that hold a level, not a count: exported as gauges
+GAUGES = frozenset({"stage.step", "stage.in_flight"})
+#: what a series name may hold (Prometheus' data model)
+_VALID = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+#: names already taken by the daemon's other series, which a counter must not reuse
+_RESERVED = frozenset({"up", "info", "uptime_seconds", "stage", "state", "connected_peers",
+                       "throughput_samples_per_second", "queue_length", "reachability",
+                       "relay_reservations", "stage_throughput", "stage_peers",
+                       "stage_routable_peers", "bottleneck_stage", "swarm_stages",
+                       "swarm_peers", "excluded_peers", "http_errors", "metrics_skipped",
+                       "trainer_step", "trainer_loss", "trainer_val_loss"})
+
+
+def metric_name(counter: str) -> tuple[str, str, float] | None:
+    """(series name without ``_total``, "counter" or "gauge", the factor its value is
+    multiplied by) for a counter's dotted name; None when it makes no valid name."""
+    base = counter.replace(".", "_").replace("-", "_")
+    kind, factor = ("gauge" if counter in GAUGES else "counter"), 1.0
+    if kind == "counter" and base.endswith("_ms"):
+        base, factor = base[:-3] + "_seconds", 1e-3
+    if not base or not _VALID.match(base) or base in _RESERVED or base.endswith("_total"):
+        return None
+    return f"swarmd_{base}", kind, factor
+
+
+def counter_families(counters: Mapping[str, float]) -> Iterator[Metric]:
+    """One family per counter (see the module docstring), then ``swarmd_metrics_skipped``."""
+    seen: set[str] = set()
+    skipped = 0
+    for counter, value in sorted(counters.items()):
+        named = metric_name(counter)
+        if named is None or named[0] in seen:
+            skipped += 1
+            continue
+        name, kind, factor = named
+        seen.add(name)
+        doc = f"The daemon's {counter!r}" + (" (seconds)" if factor != 1.0 else "")
+        if kind == "gauge":
+            yield GaugeMetricFamily(name, doc, value=value * factor)
+        else:
+            yield CounterMetricFamily(name, doc, value=value * factor)
+    yield GaugeMetricFamily("swarmd_metrics_skipped", "Counters not exported: a name that "
+                            "makes no valid series, or one another counter took", value=skipped)
