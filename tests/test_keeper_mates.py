@@ -45,6 +45,7 @@ class _Membership:
 
     def __init__(self) -> None:
         self.host = _Host()
+        self._wall = time.time
         self.view = View(ViewConfig(stages=CONFIG.swarm.stages, model_hash=CONFIG.model_hash()),
                          _verify)
         self.has_view = asyncio.Event()
