@@ -322,6 +322,26 @@ def test_the_watchdog_abandons_the_save_then_exits_0_at_its_deadline() -> None:
     assert seen == ["abandon", 0]
 
 
+def test_the_watchdog_exits_even_when_a_log_handler_is_stuck() -> None:
+    """A handler whose lock another thread holds (a thread stuck writing) blocked the
+    watchdog's last log line: the process was never ended (the watchdog test failed in
+    the full suite, never alone)."""
+    import logging
+
+    handler = logging.StreamHandler()
+    logging.getLogger().addHandler(handler)
+    handler.acquire()  # as a writer stuck on a full pipe holds it
+    try:
+        fired = threading.Event()
+        seen: list[int] = []
+        dog = Watchdog(exit=lambda status: (seen.append(status), fired.set()))
+        dog.arm(time.monotonic() + 0.01)
+        assert fired.wait(30) and seen == [0]
+    finally:
+        handler.release()
+        logging.getLogger().removeHandler(handler)
+
+
 def test_a_disarmed_watchdog_does_nothing() -> None:
     seen: list[int] = []
     dog = Watchdog(exit=seen.append)

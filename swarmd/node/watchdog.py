@@ -17,6 +17,8 @@ log = logging.getLogger("swarmd.node.watchdog")
 #: after ``before_exit`` (which abandons a save in progress), how long its writer gets to remove
 #: its temporary file
 SETTLE_S = 0.3
+#: how long the last log line and the handlers' flush are waited for before the exit
+LOG_WAIT_S = 1.0
 
 
 class Watchdog:
@@ -46,11 +48,23 @@ class Watchdog:
                 self._timer = None
 
     def _fire(self) -> None:
-        log.error("the stop overran node.shutdown_grace_s: exiting now")
+        # logging takes each handler's lock, which a thread stuck writing may hold for ever:
+        # the message and the flush run in a thread of their own, waited for LOG_WAIT_S at most
+        said = threading.Thread(target=_say, name="stop-watchdog-log", daemon=True)
+        said.start()
         try:
             self._before_exit()
             time.sleep(SETTLE_S)
         finally:
-            for handler in logging.getLogger().handlers:  # what was logged reaches its file
-                handler.flush()
+            said.join(LOG_WAIT_S)
             self._exit(0)
+
+
+def _say() -> None:
+    """The watchdog's last line, flushed to every handler of the root logger."""
+    log.error("the stop overran node.shutdown_grace_s: exiting now")
+    for handler in logging.getLogger().handlers:  # what was logged reaches its file
+        try:
+            handler.flush()
+        except Exception:  # a closed stream must not matter now
+            pass
