@@ -136,6 +136,7 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
     assert status["counters"].get("request_errors.bad_activation", 0) >= 4
 
 
+@pytest.mark.timeout(300)  # two trainers of 15 steps (each bounded at 200 s) and the reads
 def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
     d0, d1 = two_stages
     config = load_config(None, {**os.environ, **ENV})
