@@ -138,7 +138,6 @@ def reference(p: Preset) -> dict[str, Any]:
     import torch
 
     from bench_pipeline import whole_model
-    from swarmd.training.optim import Lamb, lr_at
 
     config = load(p.env)
     seam, tokenizer = config.model_seam()
@@ -148,6 +147,18 @@ def reference(p: Preset) -> dict[str, Any]:
     torch.set_num_threads(max(1, config.model.threads))
     torch.manual_seed(t.seed)
     model = whole_model(seam, STAGES, t.seed)
+    params, opt, sched = reference_optimizer(model, t)
+    with batches_of(config, tokenizer) as batches:
+        return _reference_loop(p, t, model, params, opt, sched, batches)
+
+
+def reference_optimizer(model: Any, t: Any) -> tuple[list[Any], Any, Any]:
+    """The reference's trainable parameters, optimizer and lr schedule: what the swarm's
+    ``[training]`` settings ``t`` make of them."""
+    import torch
+
+    from swarmd.training.optim import Lamb, lr_at
+
     params = [q for q in model.parameters() if q.requires_grad]
     decay = {} if t.weight_decay is None else {"weight_decay": t.weight_decay}
     opt = (torch.optim.AdamW(params, lr=t.lr, **decay) if t.optimizer == "adamw"
@@ -155,8 +166,7 @@ def reference(p: Preset) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(
         s, t.lr, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
         decay_steps=t.decay_steps) / t.lr)
-    with batches_of(config, tokenizer) as batches:
-        return _reference_loop(p, t, model, params, opt, sched, batches)
+    return params, opt, sched
 
 
 def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, sched: Any,

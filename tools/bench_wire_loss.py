@@ -96,9 +96,8 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
     import torch
 
     from bench_pipeline import whole_model
-    from bench_quality import STAGES, _reference_loop, batches_of, load, preset
-
-    from swarmd.training.optim import Lamb, lr_at
+    from bench_quality import (STAGES, _reference_loop, batches_of, load, preset,
+                               reference_optimizer)
 
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "swarmd-bench-wire-loss"
     root.mkdir(exist_ok=True)
@@ -120,13 +119,7 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
         return None, model.parts.loss(model.parts.head(h), y)
 
     model.forward = forward  # type: ignore[method-assign]
-    params = [q for q in model.parameters() if q.requires_grad]
-    decay = {} if t.weight_decay is None else {"weight_decay": t.weight_decay}
-    opt = (torch.optim.AdamW(params, lr=t.lr, **decay) if t.optimizer == "adamw"
-           else Lamb(params, lr=t.lr, **decay))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(
-        s, t.lr, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
-        decay_steps=t.decay_steps) / t.lr)
+    params, opt, sched = reference_optimizer(model, t)
     with batches_of(config, tokenizer) as batches:
         out = _reference_loop(p, t, model, params, opt, sched, batches)
     return {"preset": preset_name, "variant": variant, "seed": seed, **out}
