@@ -37,6 +37,7 @@ from typing import Any, Mapping, NamedTuple, Protocol
 import torch
 import zstandard
 
+from .lowbit import block_rows
 from .lowbit import decode_into as _unpack_into
 from .lowbit import encode as _pack
 from .lowbit import packed_bytes as _packed_bytes
@@ -289,13 +290,13 @@ class _Int8Codec:
         block = spec.block_size
         if x.numel() == 0:
             return self._params(block, spec.scale_dtype), ()
-        rows = self._rows(x.float(), block)
+        rows = block_rows(x.float(), block)
         absmax = [_absmax(r) for r in rows]
         scale = (absmax[0] if len(absmax) == 1 else torch.cat(absmax)).div_(127)
         wire, scale_dtype, wide = _wire_scales(scale, spec.scale_dtype)
         inverse = wide.reciprocal()
         q = torch.empty(x.numel(), dtype=torch.int8)
-        for r, q_rows in zip(rows, self._rows(q, block)):
+        for r, q_rows in zip(rows, block_rows(q, block)):
             _quantize_rows(r, inverse[:r.shape[0]], q_rows)
             inverse = inverse[r.shape[0]:]
         return self._params(block, scale_dtype), (wire, q)
@@ -303,15 +304,6 @@ class _Int8Codec:
     @staticmethod
     def _params(block: int, scale_dtype: str) -> Params:
         return {"mode": "int8", "block_size": block, "scale_dtype": scale_dtype}
-
-    @staticmethod
-    def _rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
-        """The full blocks as one (n, block) view, then the short last block as (1, tail)."""
-        full, tail = divmod(flat.numel(), block)
-        rows = [flat[:full * block].view(full, block)] if full else []
-        if tail:
-            rows.append(flat[full * block:].view(1, tail))
-        return rows
 
     def payload_bytes(self, dtype: str, numel: int, params: Params) -> int:
         if dtype not in _FLOATING:
@@ -329,7 +321,7 @@ class _Int8Codec:
         scale_bytes = len(payload) - numel
         scale = _raw_tensor(payload[:scale_bytes], str(params["scale_dtype"])).float()
         out = torch.frombuffer(payload[scale_bytes:], dtype=torch.int8).to(torch.float32)
-        for r in self._rows(out, int(params["block_size"])):
+        for r in block_rows(out, int(params["block_size"])):
             r.mul_(scale[:r.shape[0], None])
             scale = scale[r.shape[0]:]
         return out if dtype == "float32" else out.to(DTYPES[dtype])

@@ -56,7 +56,7 @@ def packed_bytes(numel: int, bits: int) -> int:
     return full * (GROUP // per_byte) + -(-tail // per_byte)
 
 
-def _rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
+def block_rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     """The full blocks as one (n, block) view, then the short last block as (1, tail)."""
     full, tail = divmod(flat.numel(), block)
     rows = [flat[:full * block].view(full, block)] if full else []
@@ -81,7 +81,7 @@ def steps(x: torch.Tensor, block: int, bits: int, mean: torch.Tensor | None = No
 
 def _steps(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     out = []
-    for r in _rows(x, block):
+    for r in block_rows(x, block):
         if bits == 4:
             # positive floats order like their bits: an int32 max is faster than a float one
             positive = r.view(torch.int32).amax(1).view(torch.float32)
@@ -123,7 +123,7 @@ def _dither_offset(x: torch.Tensor) -> int:
 
 def _scaled_rows(x: torch.Tensor, factor: torch.Tensor, block: int, out: torch.Tensor) -> None:
     """``out = x * factor[block of each value]`` for flat ``x`` starting at a block boundary."""
-    for r_x, r_out in zip(_rows(x, block), _rows(out, block)):
+    for r_x, r_out in zip(block_rows(x, block), block_rows(out, block)):
         torch.mul(r_x, factor[:r_x.shape[0], None], out=r_out)
         factor = factor[r_x.shape[0]:]
 
@@ -216,7 +216,7 @@ def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int
         if tiled is not None:
             at = start % mean.numel()  # type: ignore[union-attr]
             centre = tiled[at:at + size]
-        for r in _rows(chunk, block):
+        for r in block_rows(chunk, block):
             r.mul_(factor[start // block:start // block + r.shape[0], None])
             start += r.numel()
         if tiled is not None:
