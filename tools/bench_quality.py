@@ -135,21 +135,27 @@ def evaluate(model: Any, val: list[Any]) -> float:
 
 def reference(p: Preset) -> dict[str, Any]:
     """The plain loop (module doc), its validation curve and its time."""
+    config, tokenizer, model = reference_model(p)
+    t = config.training
+    params, opt, sched = reference_optimizer(model, t)
+    with batches_of(config, tokenizer) as batches:
+        return _reference_loop(p, t, model, params, opt, sched, batches)
+
+
+def reference_model(p: Preset) -> tuple[Any, Any, Any]:
+    """(the preset's configuration, its tokenizer, the whole model in one process with the
+    swarm's initial weights), torch set up as the reference runs."""
     import torch
 
     from bench_pipeline import whole_model
 
     config = load(p.env)
     seam, tokenizer = config.model_seam()
-    t = config.training
     # one thread, as each process of the swarm (model.threads): on 2 shared cores torch's
     # default two threads spin-wait for each other, 30x slower under load
     torch.set_num_threads(max(1, config.model.threads))
-    torch.manual_seed(t.seed)
-    model = whole_model(seam, STAGES, t.seed)
-    params, opt, sched = reference_optimizer(model, t)
-    with batches_of(config, tokenizer) as batches:
-        return _reference_loop(p, t, model, params, opt, sched, batches)
+    torch.manual_seed(config.training.seed)
+    return config, tokenizer, whole_model(seam, STAGES, config.training.seed)
 
 
 def reference_optimizer(model: Any, t: Any) -> tuple[list[Any], Any, Any]:

@@ -93,21 +93,14 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
 
 
 def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[str, Any]:
-    import torch
-
-    from bench_pipeline import whole_model
-    from bench_quality import (STAGES, _reference_loop, batches_of, load, preset,
+    from bench_quality import (_reference_loop, batches_of, preset, reference_model,
                                reference_optimizer)
 
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "swarmd-bench-wire-loss"
     root.mkdir(exist_ok=True)
     p = preset(preset_name, root, steps, seed, {})
-    config = load(p.env)
-    seam, tokenizer = config.model_seam()
+    config, tokenizer, model = reference_model(p)
     t = config.training
-    torch.set_num_threads(max(1, config.model.threads))
-    torch.manual_seed(t.seed)
-    model = whole_model(seam, STAGES, t.seed)
     forward_spec, backward_spec, channels = variant_specs(variant)
     hop = (wire_function(forward_spec, backward_spec, channels)
            if forward_spec or backward_spec or channels else (lambda h: h))
