@@ -242,8 +242,11 @@ def test_a_contributor_dying_after_it_sent_does_not_hang_the_others() -> None:
         kw = {"parts": parts, "codec": "none"}
         ta = a.start("die1", group, xs[0], weights[0], **kw)
         victim.start("die1", group, xs[2], weights[2], **kw)
+        # a hears only from the victim (b has not started); b from a and from the victim:
+        # b's first slice alone may be a's, and the victim must not die before its own lands
         await wait_until(lambda: a.counter("contributions_received") >= 1
-                         and b.counter("contributions_received") >= 1, "the victim's slices")
+                         and b.counter("contributions_received") >= 2, "the victim's slices",
+                         15)
         t0 = time.monotonic()
         await victim.kill()
         tb = b.start("die1", group, xs[1], weights[1], **kw)

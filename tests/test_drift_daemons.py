@@ -79,6 +79,15 @@ def _drifted_pair(daemons: Any, tmp_path: Path, drifter: tuple[Path, str]
     return d0, a, b
 
 
+def _wait_counted(d: DaemonProcess, counter: str, within_s: float) -> dict[str, Any]:
+    """``d``'s counters once ``counter`` is at least 1 (what the assertion then reads)."""
+    try:
+        return wait_until(lambda: (lambda c: c if c.get(counter, 0) >= 1 else None)(
+            _counters(d)), within_s, f"{counter} counted")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {_counters(d)}") from None
+
+
 def _wait_agreed(a: DaemonProcess, b: DaemonProcess, within_s: float) -> dict[str, Any]:
     def agree() -> dict[str, Any] | None:
         infos = [d.get("/api/v0/stage", timeout=15) for d in (a, b)]
@@ -104,13 +113,19 @@ def test_a_peer_with_other_weights_at_the_same_step_takes_the_stages(
         assert result.lost == 0
         info = _wait_agreed(a, b, 60)
         assert info["step"] >= 3
-        counted = [_counters(d) for d in (a, b)]
         # repaired: the higher peer id found the drift in a round and took the other's state
         # (sync.diverged) or while idle before the trainer came (state.idle_diverged); or,
         # where one peer stepped alone first (a view lagging under load), the other one took
-        # its newer state (the step catch-up) and the drift with it
-        assert any(c.get("state.caught_up", 0) >= 1 for c in counted), \
-            json.dumps([a.peer_id < b.peer_id, counted])
+        # its newer state (the step catch-up) and the drift with it. The catch-up is counted
+        # after the steps taken meanwhile are replayed, so after the digests already agree.
+        def caught_up() -> list[dict[str, Any]] | None:
+            counted = [_counters(d) for d in (a, b)]
+            return counted if any(c.get("state.caught_up", 0) >= 1 for c in counted) else None
+        try:
+            wait_until(caught_up, 30, "a catch-up counted")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: " + json.dumps(
+                [a.peer_id < b.peer_id, [_counters(d) for d in (a, b)]])) from None
     finally:
         stop_all([b])
 
@@ -125,9 +140,10 @@ def test_mates_left_apart_at_the_same_step_with_no_rounds_converge(
         info = _wait_agreed(a, b, 90)
         assert info["step"] == 0  # nothing stepped: repaired at the same step
         adopter = max((a, b), key=lambda d: d.peer_id)
-        counted = _counters(adopter)
+        # the adopted weights are served before the keeper counts the repair (it replays the
+        # steps taken meanwhile first): wait for the count, not just the equal digests
+        counted = _wait_counted(adopter, "state.drift_repaired", 30)
         assert counted.get("state.idle_diverged", 0) >= 1, counted
-        assert counted.get("state.drift_repaired", 0) >= 1, counted
         reference = _counters(min((a, b), key=lambda d: d.peer_id))
         assert reference.get("state.idle_diverged", 0) == 0, reference
     finally:
