@@ -6,7 +6,9 @@ a real libp2p swarm in this process against ``clip_grad_norm_`` over one model."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from typing import Any, AsyncIterator
 
 import pytest
 import torch
@@ -190,58 +192,82 @@ def test_round_messages_carry_the_sources_of_the_samples() -> None:
 
 # ---- three steps through a real swarm ----------------------------------------------------------
 
+@contextlib.asynccontextmanager
+async def _swarm(config: Any, optim: Any) -> AsyncIterator[tuple[list[Any], Any]]:
+    """Two stage servers (one peer each, a step target of 6 samples) and an exact trainer on
+    real libp2p hosts in this process, codec none; closed on the way out."""
+    from swarmd.pipeline.server import StageServer
+    from swarmd.pipeline.trainer import Trainer
+    from transport import identity
+    from transport.codecs import CodecSpec
+    from transport.host import Host, HostOptions
+
+    codec = CodecSpec(name="none")
+    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
+    for h in hosts:
+        await h.start()
+    try:
+        s0, s1, t = hosts
+        table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
+                 1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
+        common = dict(swarm="exact-steps", num_stages=2, model_config=config,
+                      model_hash=config.model_hash(), codec=codec, lr=optim.lr, seed=0,
+                      peers_of=lambda s: table.get(s, {}), optim=optim)
+        announced = {t.peer_id: tuple(t.addrs)}
+        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=6,
+                               addrs_of=lambda p: announced.get(p, ()), **common)
+                   for i, h in enumerate((s0, s1))]
+        for s in servers:
+            s.start()
+        trainer = Trainer(t, **common)
+        trainer.exact = True
+        trainer.start()
+        try:
+            yield servers, trainer
+        finally:
+            for s in servers:
+                await s.close()
+            trainer.close()
+    finally:
+        for h in hosts:
+            await h.close()
+
+
+async def _train(trainer: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """The default schedule's path: a barrier at every step, up to 3 in flight."""
+    from swarmd.pipeline.inflight import InFlight
+
+    drawn = iter([b for batches in steps for b in batches])
+
+    async def stepped(step: int, loss: float) -> bool:
+        return False
+
+    await trainer.train(lambda: next(drawn), steps=len(steps), microbatches=3,
+                        window=InFlight(floor=2, ceiling=3), on_step=stepped, barrier=True)
+
+
+def _batches(n: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randint(0, 256, (2, 16), generator=g),
+              torch.randint(0, 256, (2, 16), generator=g)) for _ in range(3)]
+            for _ in range(n)]
+
+
 def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model() -> None:
     """Two stages and a trainer on real libp2p hosts in this process, codec none, one peer per
     stage, a step target of exactly one trainer step, a clipping bound the gradients exceed:
     after three steps every weight equals a single process's with AdamW and
     ``clip_grad_norm_`` over the whole model (per-part clipping would not)."""
-    from swarmd.pipeline.inflight import InFlight
-    from swarmd.pipeline.server import StageServer
-    from swarmd.pipeline.trainer import Trainer
     from swarmd.training.model import FullModel, ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
-    from transport import identity
-    from transport.codecs import CodecSpec
-    from transport.host import Host, HostOptions
 
     config = ModelConfig(width=32, heads=2, layers=4, seq_len=16)
     optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=0.05)
-    g = torch.Generator().manual_seed(1)
-    steps = [[(torch.randint(0, 256, (2, 16), generator=g),
-               torch.randint(0, 256, (2, 16), generator=g)) for _ in range(3)]
-             for _ in range(3)]
+    steps = _batches(3)
 
     async def swarm() -> dict[str, torch.Tensor]:
-        codec = CodecSpec(name="none")
-        hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec))
-                 for _ in range(3)]
-        for h in hosts:
-            await h.start()
-        try:
-            s0, s1, t = hosts
-            table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
-                     1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
-            common = dict(swarm="exact-steps", num_stages=2, model_config=config,
-                          model_hash=config.model_hash(), codec=codec, lr=optim.lr, seed=0,
-                          peers_of=lambda s: table.get(s, {}), optim=optim)
-            announced = {t.peer_id: tuple(t.addrs)}
-            servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=6,
-                                   addrs_of=lambda p: announced.get(p, ()), **common)
-                       for i, h in enumerate((s0, s1))]
-            for s in servers:
-                s.start()
-            trainer = Trainer(t, **common)
-            trainer.exact = True
-            trainer.start()
-            drawn = iter([b for batches in steps for b in batches])
-
-            async def stepped(step: int, loss: float) -> bool:
-                return False
-
-            # the default schedule's path: a barrier at every step, up to 3 in flight
-            await trainer.train(lambda: next(drawn), steps=len(steps), microbatches=3,
-                                window=InFlight(floor=2, ceiling=3), on_step=stepped,
-                                barrier=True)
+        async with _swarm(config, optim) as (servers, trainer):
+            await _train(trainer, steps)
             # the last step's forwards-to-be: the stages must have taken it
             for s in servers:
                 for _ in range(200):
@@ -258,13 +284,7 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
                             for n, p in s.module.named_parameters()})
             assert trainer.counters["steps_exact"] == 3 and trainer.counters["steps_clipped"] == 3
             assert trainer.board.expected() == (3, 3)
-            for s in servers:
-                await s.close()
-            trainer.close()
             return out
-        finally:
-            for h in hosts:
-                await h.close()
 
     weights = uvloop.run(asyncio.wait_for(swarm(), 120))
     model = FullModel(config, num_stages=2, seed=0)
@@ -282,3 +302,62 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     for name, w in weights.items():
         err = float((w - ref[name].detach()).norm() / ref[name].detach().norm())
         assert err <= 1e-4, (name, err)
+
+
+@pytest.mark.parametrize("appears", ["while_it_waits", "before_its_step"])
+def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
+        monkeypatch: pytest.MonkeyPatch, appears: str) -> None:
+    """Another trainer's samples mix into the stages' steps: a stage whose step is not one
+    trainer step does not report it (stage 0 here never reports), and a stage that did report
+    waits for the answer with its step held. When the trainer sees the other trainer, while it
+    waits for step 0's reports or before it takes step 0 with stage 1's report already in, it
+    answers None at once (not after ``REPORTS_MAX_S``, an hour here: the run or stage 1's
+    steps would hang), and both stages step once per trainer step."""
+    from swarmd.pipeline import trainer as trainer_module
+    from swarmd.training.model import ModelConfig
+    from swarmd.training.swarm_optim import OptimSettings
+
+    monkeypatch.setattr(trainer_module, "REPORTS_MAX_S", 3600.0)
+    config = ModelConfig(width=32, heads=2, layers=2, seq_len=16)
+    optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+
+    async def swarm() -> None:
+        async with _swarm(config, optim) as (servers, trainer):
+            others = {"n": 0}
+            trainer.others = lambda: others["n"]
+
+            async def mixed(source: Any, sqnorm: float, samples: int, **kw: Any) -> None:
+                return None  # the step mixed another trainer's samples: no report
+
+            servers[0].report_step = mixed
+            reported, stepped = trainer._reported, trainer._stepped
+
+            async def reported_then_appear(step: int, samples: int, sqnorm: float) -> Any:
+                waiting = asyncio.ensure_future(reported(step, samples, sqnorm))
+                await asyncio.sleep(0)  # it opened the step and waits for reports
+                others["n"] = 1
+                return await waiting
+
+            async def appear_then_step() -> None:
+                while trainer.counters["reports_taken"] < 1:  # stage 1's report waits
+                    await asyncio.sleep(0.005)
+                others["n"] = 1
+                await stepped()
+
+            if appears == "while_it_waits":
+                trainer._reported = reported_then_appear
+            else:
+                trainer._stepped = appear_then_step
+            await _train(trainer, _batches(3))
+            for s in servers:  # each steps once its 6 samples of a trainer step are in
+                for _ in range(500):
+                    if s.step == 3:
+                        break
+                    await asyncio.sleep(0.01)
+                assert s.step == 3, (s.stage, s.step, dict(s.counters))
+            assert trainer.counters["steps_exact"] == 0, dict(trainer.counters)
+            assert trainer.counters["reports_others_appeared"] == (
+                appears == "while_it_waits"), dict(trainer.counters)
+            assert servers[1].counters["step_reports_expired"] == 3, dict(servers[1].counters)
+
+    uvloop.run(asyncio.wait_for(swarm(), 120))

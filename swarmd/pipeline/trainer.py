@@ -81,6 +81,11 @@ RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
 REPORTS_MAX_S = 60.0
 REPORTS_AFTER_MISS_S = 1.0
 REPORTS_LAG_FACTOR = 3.0
+#: while waiting for reports, how often to look whether another trainer appeared: its samples
+#: mix into the stages' steps, so the reports this step waits for may never come, and a stage
+#: that did report waits for the answer with its step held (absorbing every sample that comes
+#: meanwhile into that one step)
+OTHERS_POLL_S = 0.5
 
 
 @dataclass(slots=True, eq=False)
@@ -319,8 +324,8 @@ class Trainer(TrainerCompute):
         coefficient = None
         if self.exact and not self.others():
             coefficient = await self._reported(step, samples, sqnorm)
-        else:
-            self.board.reset()  # forwards name no stage step (another trainer's steps mix in)
+        else:  # forwards name no stage step (another trainer's steps mix in)
+            self._not_exact(step)
         await self._run(self._step_and_zero, coefficient)
         self.step += 1
         if self.after_step is not None:
@@ -338,13 +343,25 @@ class Trainer(TrainerCompute):
             wait_s = min(REPORTS_MAX_S, max(REPORTS_AFTER_MISS_S,
                                             REPORTS_LAG_FACTOR * self._report_lag_s))
         t0 = time.monotonic()
+        others = False
         try:
             async with asyncio.timeout(wait_s):
                 while not self.board.complete(step) and not self.board.answered(step):
-                    await self._report_came.wait()
+                    if self.others():  # not exact any more: answer the stages at once
+                        others = True
+                        break
+                    try:
+                        async with asyncio.timeout(OTHERS_POLL_S):
+                            await self._report_came.wait()
+                    except TimeoutError:
+                        continue
                     self._report_came.clear()
         except TimeoutError:
             pass
+        if others:
+            self.counters["reports_others_appeared"] += 1
+            self._not_exact(step)
+            return None
         if self.board.complete(step):
             self._report_lag_s = max(time.monotonic() - t0, 0.9 * self._report_lag_s)
         else:  # a report that comes later still tells the lag (``_on_step_report``)
@@ -369,6 +386,19 @@ class Trainer(TrainerCompute):
         if answer is not None and not answer.done():
             answer.set_result(coefficient)
         return coefficient
+
+    def _not_exact(self, step: int) -> None:
+        """``step`` is not answered with a coefficient (another trainer's samples mix into the
+        stages' steps): a stage that reported it, or reports it later, is answered None at
+        once (it holds its step while it waits), and the next forwards name no stage step."""
+        if self.exact:
+            self.board.expire(step)
+        self.board.reset()
+        self.stats.clip_coefficient = None
+        for waiting in [s for s in self._answers if s <= step]:
+            answer = self._answers.pop(waiting)
+            if not answer.done():
+                answer.set_result(None)
 
     async def _on_step_report(self, message: Message, peer: str) -> Message:
         """A stage peer's report of the step it is about to apply (``StepReport``), from a
