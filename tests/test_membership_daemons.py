@@ -161,3 +161,33 @@ def test_different_swarms_never_mix(swarm: Any, tmp_path: Path) -> None:
         assert view_ids(a) == {a.peer_id}
     finally:
         b.stop()
+
+
+def test_a_daemon_is_on_its_stage_in_its_view_once_started_and_the_next_goes_elsewhere(
+        tmp_path: Path) -> None:
+    """``--stage auto`` places a peer from the view it pulls from its bootstrap peers. A daemon
+    that said it started must already be on its stage there (its announcements are at least
+    ``min_gap_s`` apart: the one naming its stage may still be due), or a peer placed through
+    it at that moment counts it on no stage and may pick the same one; the other stage then
+    stays empty and nothing trains."""
+    daemons: list[DaemonProcess] = []
+
+    def on_its_stage(d: DaemonProcess) -> int:
+        stage = d.get("/api/v0/status")["stage"]
+        rows = {s["stage"]: {p["peer_id"] for p in s["peers"]}
+                for s in d.get("/api/v0/swarm")["stages"]}
+        assert d.peer_id in rows[stage], d.get("/api/v0/swarm")
+        return stage
+
+    try:
+        first = DaemonProcess(tmp_path / "first")  # --stage auto, a new swarm
+        daemons.append(first)
+        first.wait_started()
+        placed = [on_its_stage(first)]  # at once: no waiting for an announcement here
+        second = DaemonProcess(tmp_path / "second", "--bootstrap", first.addr)
+        daemons.append(second)
+        second.wait_started()
+        placed.append(on_its_stage(second))
+        assert sorted(placed) == [0, 1], second.stderr()[-2000:]
+    finally:
+        stop_all(daemons)

@@ -71,18 +71,26 @@ def test_a_swarm_and_its_trainer_killed_with_sigkill_resume_from_their_saved_sta
     trainer_home = tmp_path / "trainer"
     daemons: list[Any] = []
     trainer = None
+    trainer_err = open(tmp_path / "trainer.stderr", "w")
     try:
         first, _ = start_swarm(tmp_path, [None, None], env=ENV, into=daemons)
+        # both placed by --stage auto, the second through the first as soon as that one says
+        # it started: one on each stage (on one stage both, nothing would ever train)
+        stages = wait_until(lambda: sorted((d.home, d.get("/api/v0/stage")["stage"])
+                                           for d in daemons), 60, "both daemons' stages")
+        assert sorted(s for _, s in stages) == [0, 1], [d.stderr()[-2000:] for d in daemons]
         trainer = swarmd_popen(
             ["train", "--home", str(trainer_home), "--json",
              "--bootstrap", first.addr, "--data", str(data), "--steps", "10000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=trainer_err, text=True, cwd=ROOT,
             env={**os.environ, **ENV})
-        stages = wait_until(lambda: sorted((d.home, d.get("/api/v0/stage")["stage"])
-                                           for d in daemons), 60, "both stages served")
-        wait_until(lambda: (trainer_state.load(trainer_home) or _NoState).step >= STEPS
-                   and all(saved_step(h, s) >= STEPS for h, s in stages), 240,
-                   f"the trainer and both stages saved at step {STEPS} or later")
+        try:
+            wait_until(lambda: (trainer_state.load(trainer_home) or _NoState).step >= STEPS
+                       and all(saved_step(h, s) >= STEPS for h, s in stages), 240,
+                       f"the trainer and both stages saved at step {STEPS} or later")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the trainer's stderr ends with:\n"
+                                 f"{(tmp_path / 'trainer.stderr').read_text()[-3000:]}") from None
         for process in [trainer, *(d.proc for d in daemons)]:  # all at once, mid-training
             process.send_signal(signal.SIGKILL)
         trainer.wait(30)
@@ -121,6 +129,7 @@ def test_a_swarm_and_its_trainer_killed_with_sigkill_resume_from_their_saved_sta
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
             trainer.wait(30)
+        trainer_err.close()
         stop_all(daemons)
 
 

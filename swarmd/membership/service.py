@@ -105,6 +105,8 @@ class MembershipService:
         self._pull_failed: dict[str, float] = {}
         #: set once a full view has been pulled from some peer
         self.has_view = asyncio.Event()
+        #: set (then cleared by waiters) whenever this peer announces
+        self._announce_made = asyncio.Event()
         network = config.network
         self._address_policy = AddressPolicy(announce=tuple(network.announce),
                                              no_announce=tuple(network.no_announce))
@@ -169,6 +171,21 @@ class MembershipService:
         """Our stage or state changed: announce soon."""
         self.schedule.changed(self._clock())
         self._wake.set()
+
+    async def announced(self, stage: int | None, timeout: float) -> bool:
+        """Wait until this peer's latest announcement (what a peer pulling our view gets)
+        names ``stage``, at most ``timeout`` seconds; whether it does. After a stage change,
+        ``changed()`` has it announced within ``min_gap_s`` of the previous announcement."""
+        async def named() -> None:
+            while (own := self.view.get(self.host.peer_id)) is None or own.stage != stage:
+                self._announce_made.clear()
+                await self._announce_made.wait()
+
+        try:
+            await asyncio.wait_for(named(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     async def leave(self, timeout: float = 2.0) -> None:
         """Tell the connected peers we are leaving (best effort within ``timeout``)."""
@@ -254,6 +271,7 @@ class MembershipService:
         data = self._announcement(wall, period=period, state=state)
         previous = self.view.get(self.host.peer_id)
         self.view.apply(data, wall)
+        self._announce_made.set()
         self._counters["announcements_made"] += 1
         event = previous is None or previous.stage != stage or previous.state.value != state
         if event:

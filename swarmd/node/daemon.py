@@ -39,6 +39,9 @@ log = logging.getLogger("swarmd.node.daemon")
 
 #: with --stage auto, how long to wait for a first view before choosing a stage
 PLACEMENT_WAIT_S = 5.0
+#: how long a daemon going online waits for its announcement to name its stage (due within
+#: membership's min_gap_s, 0.5 s) before saying it started
+ANNOUNCED_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,6 +297,10 @@ class Daemon:
                        membership.latest_announcement, self.manifest_counters).start()
         serve_offers(self.host, self.config.swarm.name,
                      lambda peer, offer: self.keeper.offered(peer, offer) if self.keeper else None)
+        if self.stage is None and not self._bootstrapping():
+            # a first peer has nobody to ask: placed before membership's first announcement,
+            # which then names the stage (a peer joining through it at once counts it there)
+            await self._choose_stage(self.swarm())
         async with membership, averager, nat, HttpApi(
                 self, listen=self.options.http_listen or http.listen, token=token,
                 allow_non_loopback=http.allow_non_loopback) as api:
@@ -323,7 +330,7 @@ class Daemon:
         else:
             serving.result()  # a failure to load ends the daemon
         if not self._stop.is_set():
-            self._go_online(tasks, http_url, on_started)
+            await self._go_online(tasks, http_url, on_started)
         await stopping
         await self._leave()
         raise _Stopping()
@@ -354,13 +361,19 @@ class Daemon:
     def _since_stop(self) -> float:
         return time.monotonic() - self.budget.started_at if self.budget is not None else 0.0
 
-    def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
-                   on_started: Callable[[Started], None] | None) -> None:
+    async def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
+                         on_started: Callable[[Started], None] | None) -> None:
         if not self._enter(PeerState.ONLINE, unless_leaving=True):
             return
         self.membership.changed()  # announce "online" now
         if self.config.balancing.enabled:
             tasks.create_task(self._balance())
+        # Up once the swarm can see the stage: announcements are at least min_gap_s apart, so
+        # one naming the stage may still be due. A peer placed with --stage auto through this
+        # one meanwhile would find it on no stage, and could pick the same one.
+        if not await self.membership.announced(self.stage, ANNOUNCED_WAIT_S):
+            log.warning("stage %s not announced within %.0f s: saying started anyway",
+                        self.stage, ANNOUNCED_WAIT_S)
         if on_started is not None:
             on_started(Started(peer_id=self.host.peer_id, addrs=tuple(self.host.addrs),
                                http_url=http_url))
@@ -467,32 +480,43 @@ class Daemon:
         return task
 
     async def _place(self) -> None:
-        """``--stage auto``: serve the bottleneck stage once the view has been pulled.
+        """``--stage auto``: serve the bottleneck stage once the view has been pulled (a first
+        peer of a new swarm was placed before it announced: ``_run_services``).
 
         A first placement only; moving between stages later is the balancer's job."""
         await self._wait_for_view()
+        placed, saved = await self._choose_stage(self.membership.swarm_info())
+        await self._serve_stage()
+        if placed.reason == "needed":
+            for stage in saved:
+                if stage != self.stage and stage < self.config.swarm.stages:
+                    await self._offer_checkpoint(stage)
+
+    async def _choose_stage(self, info: SwarmInfo) -> tuple[Any, list[int]]:
+        """Set ``self.stage`` from the view ``info`` (``swarmd.balancing.placement``); the
+        placement and the stages this home holds checkpoints of.
+
+        Peers count on the stage they announce whatever their state (joining, syncing or
+        migrating there too, as the balancer plans: ``SwarmLoad``), so that peers placed one
+        shortly after the other, before the first is routable, see each other."""
         from swarmd.balancing.placement import place
+        from swarmd.balancing.policy import SwarmLoad
         from swarmd.state.checkpoint import checkpoint_dir, saved_stages
 
-        info = self.membership.swarm_info()
         by_stage = {s.stage: s for s in info.stages}
         stages = range(self.config.swarm.stages)
+        load = SwarmLoad.from_view(self.config.swarm.stages, info)
         fits = await asyncio.to_thread(stages_that_fit, self.config, self._dtype)
         saved = await asyncio.to_thread(saved_stages, checkpoint_dir(self.options.home))
         placed = place(  # none fits: any, refused with the numbers when loaded
-            saved, [by_stage[s].total_throughput if s in by_stage else 0.0 for s in stages],
-            [by_stage[s].routable_peers if s in by_stage else 0 for s in stages], self._rng,
+            saved, load.planned_totals(), load.planned_counts(), self._rng,
             fits=fits or None, present=[_present(by_stage.get(s)) for s in stages])
         self.stage = placed.stage
         log.info("placed on stage %d (%s)", self.stage, {
             "checkpoint": "its checkpoint's stage", "bottleneck": "the bottleneck",
             "needed": f"no peer serves it; this home's checkpoints are of stages {saved}, "
                       f"which their peers hold"}[placed.reason])
-        await self._serve_stage()
-        if placed.reason == "needed":
-            for stage in saved:
-                if stage != self.stage and stage < self.config.swarm.stages:
-                    await self._offer_checkpoint(stage)
+        return placed, list(saved)
 
     async def _offer_checkpoint(self, stage: int) -> None:
         """Offer this home's checkpoint of ``stage``, which it no longer serves, to that
