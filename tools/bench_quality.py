@@ -180,7 +180,8 @@ def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, 
     import torch
 
     curve = [(0, evaluate(model, batches.val))]
-    losses = []
+    losses: list[float] = []
+    norms: list[float] = []
     t0 = time.monotonic()
     for step in range(1, p.steps + 1):
         opt.zero_grad(set_to_none=True)
@@ -194,8 +195,8 @@ def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, 
         for q in params:
             if q.grad is not None:
                 q.grad /= samples
-        if t.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))
+        norms.append(float(norm))
         opt.step()
         sched.step()
         losses.append(total / samples)
@@ -206,6 +207,7 @@ def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, 
     final = curve[-1][1]
     return {"val_curve": curve, "final_val_loss": final, "initial_val_loss": curve[0][1],
             "train_loss_last_tenth": _mean(losses[-max(1, p.steps // 10):]),
+            "train_losses": losses, "grad_norms": norms,
             "settled_change_last_tenth": None if at90 is None else abs(final - at90) / at90,
             "tokens_per_microbatch": batches.val[0][0].numel(),
             "tokens": p.steps * t.microbatches * batches.val[0][0].numel(),
@@ -342,10 +344,12 @@ def _swarm_result(p: Preset, result: dict[str, Any], counters: list[dict[str, in
     if not curve or curve[-1][0] != result["steps"]:
         curve.append((result["steps"], result["final_val_loss"]))
     train = [x["loss"] for x in lines if "loss" in x]
+    norms = [x.get("grad_norm") for x in lines if "loss" in x]
     return {"val_curve": curve, "final_val_loss": result["final_val_loss"],
             "initial_val_loss": result["initial_val_loss"],
             "export_val_loss": swarm_weights_loss(p, stage_homes, trainer_home),
             "train_loss_last_tenth": _mean(train[-max(1, len(train) // 10):]),
+            "train_losses": train, "grad_norms": norms,
             "trainer_steps": result["steps"],
             # steps every part took with the whole model's clipping coefficient (the others
             # clipped per part: a stage's report came too late, or samples were mixed)
@@ -379,6 +383,8 @@ def one_repeat(name: str, seed: int, links: list[str], steps: int | None,
             consumed = run["tokens_per_s"] / ref["tokens_per_microbatch"]
             run.update({"preset": name, "seed": seed, "link": link, "steps": p.steps,
                         "reference": ref,
+                        "first_step_apart": first_step_apart(run["train_losses"],
+                                                             ref["train_losses"]),
                         "ratio": run["final_val_loss"] / ref["final_val_loss"],
                         "export_ratio": run["export_val_loss"] / ref["final_val_loss"],
                         "data": {**rate, "swarm_batches_per_s": consumed,
@@ -390,6 +396,17 @@ def one_repeat(name: str, seed: int, links: list[str], steps: int | None,
                 f"{run['exact_steps']} exact; restarted {run['restarted']}, lost {run['lost']}")
             runs.append(run)
         return runs
+
+
+def first_step_apart(swarm: list[float], ref: list[float], rel: float = 1e-3) -> int | None:
+    """The first step (from 1) whose training loss differs from the reference's by more than
+    ``rel`` (relative); None when every step agrees. The same batches on the same initial
+    weights: before this step the two computed the same thing up to rounding (and the wire's
+    codec), so what differs is in this step or the one before."""
+    for i, (a, b) in enumerate(zip(swarm, ref)):
+        if abs(a - b) > rel * abs(b):
+            return i + 1
+    return None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
