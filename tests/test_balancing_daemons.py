@@ -67,6 +67,18 @@ def _trained(d: DaemonProcess) -> int:
     return int(d.get("/api/v0/status")["counters"].get("stage.backward", 0))
 
 
+def _where(daemons: list[DaemonProcess]) -> str:
+    """Each peer's stage, step and state, for a failure's message."""
+    rows = []
+    for i, d in enumerate(daemons):
+        try:
+            info = d.get("/api/v0/stage")
+            rows.append(f"peer{i}: stage {info['stage']} step {info['step']} {info['state']}")
+        except Exception as exc:  # (a failure's message must not fail)
+            rows.append(f"peer{i}: {exc!r}")
+    return ", ".join(rows)
+
+
 def test_a_new_peer_with_stage_auto_joins_the_stage_that_lost_its_peers(
         tmp_path: Path) -> None:
     env = {**ENV, "SWARMD_BALANCING_ENABLED": "false"}  # joining alone must do it here
@@ -126,8 +138,12 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
         wait_until(lambda: peers_per_stage() == [1, 2, 2], 30,
                    "stages served by 2, 2 and 1 peers")
         served = _trained(mover)
-        wait_until(lambda: training.going() and _trained(mover) > served, 60,
-                   "the mover serving its new stage")
+        try:
+            wait_until(lambda: training.going() and _trained(mover) > served, 60,
+                       "the mover serving its new stage")
+        except AssertionError as exc:  # say where each peer stands, and the mover's counters
+            raise AssertionError(f"{exc}; {_where(d)}; mover: "
+                                 f"{mover.get('/api/v0/status')['counters']}") from None
         training.enough.set()
         result = training.finish()
         assert result.lost == 0 and result.final_val_loss < result.initial_val_loss

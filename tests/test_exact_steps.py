@@ -361,3 +361,56 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
             assert servers[1].counters["step_reports_expired"] == 3, dict(servers[1].counters)
 
     uvloop.run(asyncio.wait_for(swarm(), 120))
+
+
+def _trainer(table: dict[int, dict[str, tuple[float, int, tuple[str, ...]]]]) -> Any:
+    """A trainer of a 2-stage swarm whose view is ``table`` (its host is never started)."""
+    from swarmd.pipeline.trainer import Trainer
+    from swarmd.training.model import ModelConfig
+    from transport import identity
+    from transport.codecs import CodecSpec
+    from transport.host import Host, HostOptions
+
+    config = ModelConfig(width=32, heads=2, layers=4, seq_len=16)
+    codec = CodecSpec(name="none")
+    trainer = Trainer(Host(identity.generate(), HostOptions(pubsub=None, codec=codec)),
+                      swarm="exact-steps", num_stages=2, model_config=config,
+                      model_hash=config.model_hash(), codec=codec, lr=1e-3, seed=0,
+                      peers_of=lambda s: dict(table.get(s, {})))
+    trainer.exact = True
+    return trainer
+
+
+@pytest.mark.parametrize("leaves", [True, False], ids=["a_server_leaves", "nobody_leaves"])
+def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_stage(
+        leaves: bool) -> None:
+    # a peer that served a step at stage 0 moves to another stage before stage 0 reported
+    # the step: stage 0's report will not come (the leader's is refused, its mates miss its
+    # samples), so the trainer must not wait REPORTS_MAX_S (60 s) for it, stalling the swarm
+    from swarmd.pipeline import trainer as trainer_module
+
+    table = {0: {"a": (1.0, 0, ()), "b": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
+    trainer = _trainer(table)
+    trainer._route(("a", "c"))
+    trainer._route(("b", "c"))
+
+    async def step() -> tuple[float | None, bool]:
+        waiting = asyncio.create_task(trainer._reported(0, 4, 1.0))
+        await asyncio.sleep(0.05)
+        trainer.board.post(0, 1, 1.0, 0, 4)  # stage 1 reports; stage 0 does not
+        trainer._report_came.set()
+        if leaves:
+            del table[0]["b"]
+        # ends within a poll or two when the peer left (30 s: a loaded machine); when nobody
+        # left it must still wait after several polls (REPORTS_MAX_S is 60 s)
+        done, _ = await asyncio.wait({waiting}, timeout=30.0 if leaves
+                                     else 4 * trainer_module.REPORTS_POLL_S)
+        if not done:  # still waiting, as it should when nobody left
+            waiting.cancel()
+            return None, False
+        return waiting.result(), True
+
+    coefficient, ended = asyncio.run(step())
+    assert ended is leaves and coefficient is None
+    assert trainer.counters["reports_left"] == int(leaves)
+    assert trainer.counters["reports_missed"] == int(leaves)

@@ -304,6 +304,43 @@ def test_a_refused_or_failed_report_is_sent_once_per_backward_and_a_dead_leader_
     assert "a" in sync.trigger.suspects  # and this peer leads now (alone: it steps locally)
 
 
+def test_a_mate_reports_again_to_the_new_leader_once_its_leader_left_the_stage() -> None:
+    # all of a step's samples are in and reported to the leader "a"; then "a" moves to another
+    # stage: no backward comes to report them again (the trainer waits for the step's report,
+    # which only the round makes), so the change of leader itself must carry them to "b"
+    class Answering(FakeHost):
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, dict[str, Any]]] = []
+
+        async def ensure_connected(self, *a: Any, **k: Any) -> bool:
+            return True
+
+        async def request(self, peer: str, protocol: str, message: Message,
+                          **k: Any) -> Message:
+            self.asked.append((peer, dict(message.meta)))
+            return Message(kind="ok")
+
+    mates: dict[str, tuple[str, ...]] = {"a": (), "b": ()}
+    sync, _ = make_sync(mates, me="m")
+    sync.host = host = Answering()
+
+    async def scenario() -> list[bool]:
+        sync.progressed(5)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        checks = [sync.leader_check()]  # the same leader: nothing to do
+        del mates["a"]  # "a" moved to another stage
+        checks += [sync.leader_check(), sync.leader_check()]  # once per change
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await sync.close()
+        return checks
+
+    assert asyncio.run(scenario()) == [False, True, False]
+    assert [(peer, meta["samples"]) for peer, meta in host.asked] == [("a", 5), ("b", 5)]
+    assert sync.counters["leader_changed"] == 1
+
+
 def test_no_round_is_led_or_joined_while_held_and_the_held_one_is_waited_out() -> None:
     """A catch-up holds the rounds: the round in progress finishes first, a start or a
     prepare meanwhile is told the peer is busy, and the round due is led once it is let go."""

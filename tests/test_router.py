@@ -195,3 +195,52 @@ def test_a_peer_reached_only_through_a_relay_is_counted_at_a_share_and_a_direct_
     router.peers_of = lambda s: {**peers, "relayed": (2.0, 0, relayed)}
     _send(router)
     assert host.requests == ["direct"]
+
+
+def _with_a_newcomer(answer: Callable[[int], Any]) -> tuple[Router, FakeHost, Clock]:
+    """A router to a stage with a measured peer ("old") and one not yet measured ("new")."""
+    router, host, clock = _router({"old": lambda n: OK, "new": answer})
+    router.wiring.update_peers({"old": (1.0, 0), "new": (1.0, 0)}, 0.0)
+    router.wiring.success("old", 2, 0.002, "forward", 0.0)  # 1,000 samples/s
+    return router, host, clock
+
+
+@pytest.mark.parametrize("answer", [BUSY, RemoteError("stage_unavailable", "later")],
+                         ids=["busy", "passed_up"])
+def test_a_newcomer_whose_tries_end_unmeasured_keeps_being_tried(answer: Exception) -> None:
+    # each try of a peer not yet measured holds one of its probes until it ends: one that
+    # ends with no measurement (busy: a mover a step behind; a later stage's failure) must
+    # free it, or after probe_tasks such tries the peer is never chosen again
+    router, host, clock = _with_a_newcomer(lambda n: answer)
+    probes = router.wiring.config.probe_tasks
+    for _ in range(5 * probes):
+        clock.now += 5.0  # past a busy pause
+        try:
+            _send(router)
+        except StageUnavailable:
+            pass
+    assert host.requests.count("new") > probes, host.requests
+
+
+def test_a_send_given_up_while_a_newcomer_holds_it_frees_that_probe() -> None:
+    router, host, clock = _with_a_newcomer(lambda n: OK)
+    probes = router.wiring.config.probe_tasks
+    asked: list[str] = []
+
+    async def hang(peer: str, *args: Any, **kwargs: Any) -> Message:
+        asked.append(peer)
+        await asyncio.Event().wait()  # never answers: the sender gives up first
+        raise AssertionError("unreachable")
+
+    async def main() -> None:
+        host.request = hang  # type: ignore[method-assign]
+        for _ in range(5 * probes):
+            task = asyncio.create_task(router.send(MSG, timeout=30.0))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    assert len(asked) == 5 * probes and asked.count("new") > probes, asked

@@ -458,6 +458,62 @@ def test_a_liar_claiming_1e12_gets_its_probes_then_nothing_until_it_answers() ->
     assert w.choose("forward", 8, 80.0, rng) == "liar"
 
 
+def test_a_newcomer_that_answers_busy_at_first_is_tried_again_after_its_pause() -> None:
+    # a peer that just migrated to the stage answers busy while it is a step behind
+    # (Forward.at): each busy answer ends a probe, or after probe_tasks of them it would never
+    # be chosen again beside a measured peer (seen: a mover idle for minutes)
+    w = Wiring()
+    rng = random.Random(RNG_SEED)
+    w.update_peers({"old": (100.0, 0)}, 0.0)
+    w.success("old", 8, 0.08, "forward", 0.0)
+    w.update_peers({"old": (100.0, 0), "new": (100.0, 0)}, 1.0)
+    now = 1.0
+    for _ in range(3 * w.config.probe_tasks):  # busy every time it is tried
+        picks = [w.choose("forward", 8, now, rng) for _ in range(10)]
+        assert "new" in picks, picks
+        for _ in range(picks.count("new")):
+            w.busy("new", now)
+        now += w.config.busy_max_s  # its pause is over
+    picks = [w.choose("forward", 8, now, rng) for _ in range(10)]
+    assert 1 <= picks.count("new") <= w.config.probe_tasks
+    w.success("new", 8, 0.08, "forward", now)  # caught up: measured, a full share
+    picks = [w.choose("forward", 8, now, rng) for _ in range(40)]
+    assert 15 <= picks.count("new") <= 25, picks
+
+
+@given(outcomes=st.lists(st.sampled_from(["busy", "timeout", "error", "released", "success"]),
+                         min_size=1, max_size=40), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_every_outcome_frees_the_probe_of_the_task_it_ends(outcomes: list[str],
+                                                           seed: int) -> None:
+    w = Wiring(WiringConfig(ban_base_s=0.001, ban_max_s=0.001))
+    rng = random.Random(seed)
+    w.update_peers({"old": (100.0, 0)}, 0.0)
+    w.success("old", 8, 0.08, "forward", 0.0)
+    w.update_peers({"old": (100.0, 0), "new": (100.0, 0)}, 0.0)
+    now = 0.0
+    for outcome in outcomes:
+        now += 10.0  # past any pause, ban or slow spell
+        if outcome == "success":
+            return  # measured: no longer a probe
+        for _ in range(1000):  # the newcomer is tried again once its task ended
+            picked = w.choose("forward", 8, now, rng)
+            assert picked is not None
+            if picked == "new":
+                break
+            w.success("old", 8, 0.08, "forward", now)
+        else:
+            raise AssertionError(f"never tried again after {outcomes}")
+        if outcome == "busy":
+            w.busy("new", now)
+        elif outcome == "timeout":
+            w.timeout("new", now)
+        elif outcome == "error":
+            w.error("new", now)
+        else:
+            w.released("new")
+
+
 def test_a_claim_counts_at_most_claim_multiple_times_the_best_measured_peer() -> None:
     cfg = WiringConfig(probe_tasks=1000)
     w = Wiring(cfg)

@@ -61,6 +61,8 @@ ASK_TIMEOUT_S = 3.0
 #: are checked (a ping each, concurrently, within ``ALIVE_TIMEOUT_S``) before answering
 MAX_ALIVE_CHECKS = 4
 ALIVE_TIMEOUT_S = 1.0
+#: how often a peer looks whether its stage's leader changed (``StageSync.leader_check``)
+LEADER_CHECK_S = 1.0
 
 
 class RoundRefused(SwarmdError):
@@ -135,6 +137,8 @@ class StageSync:
         self._holds = 0
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: the leader as of the last ``_consider`` (this peer's id: it led; None: alone)
+        self._leader: str | None = None
 
     @property
     def step(self) -> int:
@@ -172,6 +176,30 @@ class StageSync:
 
     def start(self) -> None:
         self.host.set_request_handler(self.protocol, self._serve)
+        self._spawn(self._check_leader())
+
+    async def _check_leader(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(LEADER_CHECK_S)
+            self.leader_check()
+
+    def leader_check(self) -> bool:
+        """Consider the stage again when its leader changed since the last time (the leader
+        left, moved to another stage, or is suspected): a mate's samples reported to a leader
+        that is gone reach the new one, and a peer that now leads or is alone calls the round
+        or steps. Else a stage whose leader moved away once all of a step's samples were in
+        waited for a backward that the trainer holds back until the step's report, which
+        only that round makes (the swarm stood still for the trainer's 60 s). Returns whether
+        it considered."""
+        if self.busy or self._closed:
+            return False
+        now = time.monotonic()
+        mates = self._recent.alive(self.mates(), now)
+        if (self.trigger.leader(mates, now) if mates else None) == self._leader:
+            return False
+        self.counters["leader_changed"] += 1
+        self._consider()
+        return True
 
     async def close(self) -> None:
         self._closed = True
@@ -200,10 +228,11 @@ class StageSync:
         self.trigger.forget(known)
         self._mate_sources = {p: v for p, v in self._mate_sources.items() if p in known}
         if not mates:
+            self._leader = None
             if self.trigger.samples >= self.trigger.target:
                 self._round = self._spawn(self._local_step())
             return
-        leader = self.trigger.leader(mates, now)
+        leader = self._leader = self.trigger.leader(mates, now)
         if leader == self.trigger.me:
             if self.trigger.ready(mates, now):
                 self._round = self._spawn(self._lead(mates))

@@ -175,6 +175,11 @@ class StepBoard:
         self.expire(step)
         return Posted.FAILED
 
+    def missing(self, step: int) -> list[int]:
+        """The stages whose report of ``step`` has not come (every stage for a step unknown)."""
+        entry = self._steps.get(step)
+        return [s for s in range(self.num_stages) if entry is None or s not in entry.stages]
+
     def own(self, step: int, sqnorm: float) -> None:
         self._steps.setdefault(step, _Step(samples=-1)).own = sqnorm
 

@@ -245,6 +245,9 @@ class Router:
                                           timeout=min(self.hop_timeout(target, nbytes),
                                                       deadline - t1))
             reply = parse_hop_reply(raw)
+        except asyncio.CancelledError:
+            self.wiring.released(target)  # the sender gave up: no word on the peer
+            raise
         except Exception as exc:
             return None, self._judged(target, kind, exc)
         self._observed(target, nbytes, self._clock() - t1, reply)
@@ -257,7 +260,8 @@ class Router:
         ours (a liar, or built with other limits). Banned as failed, so that one such peer
         cannot make us raise ``OutputRefused``, which gets us banned by our senders."""
         self.counters["false_refusals"] += 1
-        self.wiring.error(peer, self._clock(), f"refused_{kind}_others_took")
+        self.wiring.error(peer, self._clock(), f"refused_{kind}_others_took",
+                          task_ended=False)  # (its refusal ended that task: _judged)
         log.info("stage %d peer %s refused a %s its stage mate took: banned", self.stage,
                  peer, kind)
 
@@ -277,6 +281,8 @@ class Router:
         verdict = judge(exc)
         now = self._clock()
         self.counters[f"hop_{verdict.value}"] += 1
+        if verdict in (Verdict.OURS, Verdict.PASS_UP, Verdict.VIOLATION):
+            self.wiring.released(target)  # the task is over (the others free it themselves)
         if verdict is Verdict.OURS:
             if isinstance(exc, RemoteError):
                 raise OutputRefused(f"peer {target} of stage {self.stage} refused our {kind} "

@@ -81,11 +81,13 @@ RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
 REPORTS_MAX_S = 60.0
 REPORTS_AFTER_MISS_S = 1.0
 REPORTS_LAG_FACTOR = 3.0
-#: while waiting for reports, how often to look whether another trainer appeared: its samples
-#: mix into the stages' steps, so the reports this step waits for may never come, and a stage
-#: that did report waits for the answer with its step held (absorbing every sample that comes
-#: meanwhile into that one step)
-OTHERS_POLL_S = 0.5
+#: while a step's reports are waited for, how often to look whether they can still all come:
+#: another trainer appeared (its samples mix into the stages' steps, and a stage that did
+#: report waits for the answer with its step held, absorbing every sample that comes
+#: meanwhile into that one step), or a peer that served the step's microbatches left the
+#: stage it served them at (moved, left or dropped from the view: that stage's report will
+#: not come, a leader's is refused, and its mates never reach the step's samples without it)
+REPORTS_POLL_S = 0.5
 
 
 @dataclass(slots=True, eq=False)
@@ -177,6 +179,8 @@ class Trainer(TrainerCompute):
         self._report_lag_s = 0.0
         #: step -> when the trainer began waiting for its reports, for the last missed steps
         self._missed_at: dict[int, float] = {}
+        #: stage -> the peers that served this step's microbatches there
+        self._step_peers: dict[int, set[str]] = {}
         self.scaler = LossScaler() if dtype == torch.float16 else None
         #: a gradient overflowed during this step (float16): the step is skipped
         self._overflow = False
@@ -326,6 +330,7 @@ class Trainer(TrainerCompute):
             coefficient = await self._reported(step, samples, sqnorm)
         else:  # forwards name no stage step (another trainer's steps mix in)
             self._not_exact(step)
+        self._step_peers.clear()
         await self._run(self._step_and_zero, coefficient)
         self.step += 1
         if self.after_step is not None:
@@ -350,8 +355,10 @@ class Trainer(TrainerCompute):
                     if self.others():  # not exact any more: answer the stages at once
                         others = True
                         break
+                    if self._left_its_stage(step):
+                        break
                     try:
-                        async with asyncio.timeout(OTHERS_POLL_S):
+                        async with asyncio.timeout(REPORTS_POLL_S):
                             await self._report_came.wait()
                     except TimeoutError:
                         continue
@@ -373,8 +380,9 @@ class Trainer(TrainerCompute):
             self.board.expire(step)
             self.counters["reports_missed"] += 1
             if not self._reports_missed:
-                log.warning("not every stage reported step %d within %.0f s: each part of the "
-                            "model clips its own gradient until they do", step, wait_s)
+                log.warning("not every stage reported step %d (waited %.1f s of %.0f): each "
+                            "part of the model clips its own gradient until they do", step,
+                            time.monotonic() - t0, wait_s)
         else:
             self.counters["steps_exact"] += 1
             if coefficient is not None and coefficient < 1.0:
@@ -399,6 +407,18 @@ class Trainer(TrainerCompute):
             answer = self._answers.pop(waiting)
             if not answer.done():
                 answer.set_result(None)
+
+    def _left_its_stage(self, step: int) -> bool:
+        """Whether a peer that served ``step``'s microbatches at a stage that has not reported
+        it is no longer listed at that stage (see ``REPORTS_POLL_S``); counted and said."""
+        for stage in self.board.missing(step):
+            gone = self._step_peers.get(stage, set()) - self.peers_of(stage).keys()
+            if gone:
+                self.counters["reports_left"] += 1
+                log.info("step %d: stage %d's report will not come (%s served it there and "
+                         "left the stage): not waiting for it", step, stage, ", ".join(gone))
+                return True
+        return False
 
     async def _on_step_report(self, message: Message, peer: str) -> Message:
         """A stage peer's report of the step it is about to apply (``StepReport``), from a
@@ -526,6 +546,7 @@ class Trainer(TrainerCompute):
             self.stats.routes.append(Counter())
         for stage, peer in enumerate(path):
             self.stats.routes[stage][peer] += 1
+            self._step_peers.setdefault(stage, set()).add(peer)
 
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float
                        ) -> tuple[float, list[torch.Tensor], tuple[str, ...], float]:

@@ -66,6 +66,11 @@ Policy, in the paper's terms (SWARM, Ryabinin et al. 2023, "interleaved weighted
   out of :meth:`Wiring.choose` for ``busy_base_s`` (doubling while it stays busy, at most
   ``busy_max_s``), so the caller tries another peer now; no ban, no error streak, its share
   of work is untouched once the pause is over. A success ends the pause and resets it.
+* *Probes*: while a measured peer of the stage is in service, a peer not yet measured holds
+  at most ``probe_tasks`` tasks unanswered. Every task chosen ends in exactly one outcome
+  (success, timeout, busy, error, or :meth:`Wiring.released` when none judges the peer), and
+  each frees its probe: a peer that just joined and answers busy for a while (one behind the
+  stage's step: ``Forward.at``) is tried again after its pause, not left out for good.
 * :meth:`Wiring.choose` returns None when the stage has no peer in service: the caller waits
   (until :meth:`Wiring.available_at` or the next announcement) and says which stage it lacks.
 """
@@ -394,6 +399,7 @@ class Wiring:
         if p is None:
             return
         p.busy += 1
+        p.probing = max(0, p.probing - 1)  # an answer: that probe is over (it ran nothing)
         self.busy_answers += 1
         if p.busy_until > now:
             return  # a task sent before the pause: same episode
@@ -401,13 +407,27 @@ class Wiring:
         p.busy_until = now + self.config.busy_s(p.busy_streak)
         self._paused.add(peer_id)
 
-    def error(self, peer_id: str, now: float, reason: str = "transport") -> None:
-        """A task on ``peer_id`` failed: ban it for ban_base_s x 2^(streak - 1), capped."""
+    def released(self, peer_id: str) -> None:
+        """A task given to ``peer_id`` ended with no outcome that frees its probe (a later
+        stage's failure passed up, our own output refused, the sender gave up; a violation,
+        which ``violation`` judges also outside any task): its probe is over; nothing else
+        changes. Every task chosen ends in exactly one of ``success``, ``timeout``, ``busy``,
+        ``error`` or this, or a peer not yet measured keeps a probe out for good and, once
+        ``probe_tasks`` are, is never chosen again."""
+        p = self._peers.get(peer_id)
+        if p is not None:
+            p.probing = max(0, p.probing - 1)
+
+    def error(self, peer_id: str, now: float, reason: str = "transport", *,
+              task_ended: bool = True) -> None:
+        """A task on ``peer_id`` failed: ban it for ban_base_s x 2^(streak - 1), capped.
+        ``task_ended`` False: the ban is for a task whose end was already reported."""
         p = self._peers.get(peer_id)
         if p is None:
             return
         p.errors += 1
-        p.probing = max(0, p.probing - 1)
+        if task_ended:
+            p.probing = max(0, p.probing - 1)
         if p.banned_until is not None and now < p.banned_until:
             return  # a task sent before the ban: same failure
         p.streak += 1
