@@ -6,6 +6,9 @@
   error types), and reads no clock or global random state: time and randomness are
   parameters (``now``, ``rng: random.Random``), so the daemon and the simulators run the same
   code.
+* The packages of ``swarmd`` form one order (``LAYERS``, bottom first): a package imports only
+  packages below it, never one above it nor one on its own level. Every import counts: those
+  inside functions and under ``if TYPE_CHECKING:`` too (``ast.walk`` reads the whole tree).
 """
 
 from __future__ import annotations
@@ -79,6 +82,68 @@ CLOCK_CALLS = {"time": {"time", "monotonic", "perf_counter", "time_ns", "monoton
                "secrets": None}
 #: random's module-level functions use the global generator; ``random.Random`` is a value
 RANDOM_ALLOWED = {"Random"}
+
+
+#: swarmd's packages (and top-level modules), bottom first; a package imports only packages on
+#: a lower level (docs/architecture.md, "Layers"). ``swarmd`` is the package's own
+#: ``__init__`` (``swarmd.train``), so it sits on top.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(f"swarmd.{p}" if p != "swarmd" else p
+                                                     for p in level.split()) for level in (
+    "errors files links protocols peer_states",
+    "data",
+    "config",
+    "training",
+    "models",
+    "api",
+    "averaging",
+    "balancing",
+    "membership",
+    "state",
+    "pipeline",
+    "manifest",
+    "node",
+    "export",
+    "trainer",
+    "local",
+    "cli",
+    "__main__ swarmd",
+))
+#: imports against ``LAYERS`` not yet removed, as (importing module, imported module). This
+#: list may only shrink: a new back-edge fails the test, and so does an entry that is gone.
+KNOWN_BACK_EDGES: frozenset[tuple[str, str]] = frozenset({
+    ("swarmd.api.client", "swarmd.node.runfiles"),
+    ("swarmd.cli", "swarmd"),
+    ("swarmd.config.load", "swarmd.manifest.local"),
+    ("swarmd.config.load", "swarmd.models.registry"),
+    ("swarmd.config.load", "swarmd.training.model"),
+    ("swarmd.config.sections", "swarmd.node.addresses"),
+    ("swarmd.local.zygote", "swarmd"),
+    ("swarmd.local.zygote", "swarmd.cli"),
+    ("swarmd.membership.service", "swarmd"),
+    ("swarmd.membership.service", "swarmd.node.addresses"),
+    ("swarmd.membership.service", "swarmd.node.interfaces"),
+    ("swarmd.node.daemon", "swarmd"),
+    ("swarmd.training.api", "swarmd.models.registry"),
+    ("swarmd.training.run", "swarmd.export.periodic"),
+    ("swarmd.training.run", "swarmd.manifest.join"),
+    ("swarmd.training.run", "swarmd.membership.service"),
+    ("swarmd.training.run", "swarmd.node.home"),
+    ("swarmd.training.run", "swarmd.node.host_options"),
+    ("swarmd.training.run", "swarmd.node.runfiles"),
+    ("swarmd.training.run", "swarmd.pipeline.inflight"),
+    ("swarmd.training.run", "swarmd.pipeline.messages"),
+    ("swarmd.training.run", "swarmd.pipeline.model_info"),
+    ("swarmd.training.run", "swarmd.pipeline.trainer"),
+    ("swarmd.training.trainer_sync", "swarmd.averaging.allreduce"),
+    ("swarmd.training.trainer_sync", "swarmd.averaging.stage_sync"),
+    ("swarmd.training.trainer_sync", "swarmd.averaging.trigger"),
+    ("swarmd.training.trainer_sync", "swarmd.state.encoding"),
+    ("swarmd.training.trainer_sync", "swarmd.state.fetch"),
+    ("swarmd.training.trainer_sync", "swarmd.state.messages"),
+    ("swarmd.training.trainer_sync", "swarmd.state.round_digest"),
+    ("swarmd.training.trainer_sync", "swarmd.state.serve"),
+    ("swarmd.training.trainer_sync", "swarmd.state.transfer"),
+})
 
 
 @dataclass(frozen=True)
@@ -211,3 +276,73 @@ def test_the_checker_passes_what_a_core_may_do():
               "def f(now: float, rng: random.Random) -> float:\n    return rng.random() + now\n")
     assert check_source(source, "swarmd.pipeline.wiring", core=True,
                         known=frozenset(tree_modules())) == []
+
+
+# ---- the packages' order (LAYERS) -------------------------------------------------------------
+
+def level_of(module: str) -> int:
+    """The level in ``LAYERS`` of the package that holds ``module`` (a ``swarmd`` module)."""
+    parts = module.split(".")
+    package = ".".join(parts[:2])
+    for level, packages in enumerate(LAYERS):
+        if package in packages:
+            return level
+    return len(LAYERS) - 1 if parts == ["swarmd"] or package not in _packages() else -1
+
+
+def _packages() -> frozenset[str]:
+    return frozenset(".".join(m.split(".")[:2]) for m in tree_modules() if m.startswith("swarmd"))
+
+
+def back_edges(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) of every import in ``source`` (the text of ``module``) of a
+    module on the same level as ``module``'s package or above it, other than its own package."""
+    if not module.startswith("swarmd"):
+        return []
+    own = ".".join(module.split(".")[:2])
+    package = module if module == "swarmd" else module.rpartition(".")[0]
+    if source and tree_modules().get(module, Path()).name == "__init__.py":
+        package = module
+    known, found = tree_modules(), {}
+    for line, name in imports(ast.parse(source), package):
+        if name.split(".")[0] != "swarmd" or ".".join(name.split(".")[:2]) == own:
+            continue
+        while name not in known and "." in name:  # "swarmd.node.home.KEY_FILE": a name in it
+            name = name.rpartition(".")[0]
+        if level_of(name) >= level_of(module):
+            found.setdefault(name, line)
+    return [(line, name) for name, line in found.items()]
+
+
+def test_every_package_has_a_level():
+    placed = frozenset().union(*LAYERS)
+    assert _packages() <= placed | {"swarmd"}, sorted(_packages() - placed)
+    assert all(level_of(m) >= 0 for m in tree_modules() if m.startswith("swarmd"))
+
+
+def test_packages_import_only_packages_below_them():
+    found = {(module, name): line for module, path in tree_modules().items()
+             for line, name in back_edges(path.read_text(encoding="utf-8"), module)}
+    new = sorted(f"{m}:{line} imports {n} (not below it in LAYERS)"
+                 for (m, n), line in found.items() if (m, n) not in KNOWN_BACK_EDGES)
+    gone = sorted(f"{m} -> {n}" for m, n in KNOWN_BACK_EDGES - set(found))
+    assert not new, "\n".join(new)
+    assert not gone, "no longer imported, remove from KNOWN_BACK_EDGES:\n" + "\n".join(gone)
+
+
+@pytest.mark.parametrize("source, module", [
+    ("from swarmd.node.home import load_identity\n", "swarmd.membership.service"),
+    ("def f():\n    from swarmd.pipeline.server import StageServer\n", "swarmd.state.keeper"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from swarmd.config import Config\n",
+     "swarmd.data.pipeline"),
+    ("from swarmd.files import write_atomic\n", "swarmd.errors"),  # the same level
+    ("from swarmd import train\n", "swarmd.cli.local"),  # the package's facade is on top
+])
+def test_the_checker_finds_an_import_against_the_order(source: str, module: str):
+    assert back_edges(source, module), source
+
+
+def test_the_checker_passes_imports_down_the_order():
+    source = ("from swarmd.errors import ConfigError\nfrom swarmd.state import keeper\n"
+              "from . import wiring\nfrom swarmd.pipeline.router import Router\n")
+    assert back_edges(source, "swarmd.pipeline.server") == []
