@@ -6,16 +6,9 @@ Importing this package is cheap: it pulls in neither libp2p nor torch.
 from __future__ import annotations
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+from swarmd.version import __version__
 
-    try:
-        return version("swarmd")
-    except PackageNotFoundError:
-        return "0.1.0.dev0"
-
-
-__version__ = _version()
+__all__ = ["__version__", "train"]
 
 
 def train(bootstrap: object, **kwargs: object) -> object:

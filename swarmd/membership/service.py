@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Sequence
 
-from swarmd import __version__
+from swarmd.version import __version__
 from swarmd.api.types import PeerRow, StageRow, SwarmInfo
 from swarmd.errors import BadPeerMessage
 from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConfig,

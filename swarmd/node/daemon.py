@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from swarmd import __version__
+from swarmd.version import __version__
 from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo,
                               TrainingInfo, peer_rows, trainer_rows)
 from swarmd.config import Config
@@ -30,7 +30,7 @@ from swarmd.errors import SwarmdError
 from swarmd.node.connectivity import keep_connected
 from swarmd.node.caps import UploadLeft
 from swarmd.node.host_options import announced_throughput, limits_status, stages_that_fit
-from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
+from swarmd.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 from swarmd.peer_states import PeerState, transition
 from swarmd.pipeline.progress import TrainerBook

@@ -145,7 +145,7 @@ def _home_lock(home: Path) -> Iterator[None]:
     may run with that home meanwhile."""
     from swarmd.errors import HomeError
     from swarmd.node.home import KEY_FILE, init_home
-    from swarmd.node.runfiles import HomeLock
+    from swarmd.runfiles import HomeLock
 
     if not (home / KEY_FILE).exists():
         init_home(home)
