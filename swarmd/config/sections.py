@@ -55,7 +55,7 @@ _LIMITS = Limits()
 
 
 def _address_filters(values: tuple[str, ...]) -> None:
-    from swarmd.node.addresses import parse_filter  # pure
+    from swarmd.addresses import parse_filter  # pure
 
     for index, text in enumerate(values, 1):
         try:

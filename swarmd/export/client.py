@@ -42,6 +42,7 @@ async def export_from_swarm(config: Any, *, bootstrap: Sequence[str], out: Path,
     from swarmd.export.trainer_parts import RemoteTrainers, SavedParts
     from swarmd.membership.service import LocalState, MembershipService
     from swarmd.node.host_options import host_options
+    from swarmd.node.interfaces import interface_ips
     from transport import identity
     from transport.host import Host
 
@@ -50,8 +51,9 @@ async def export_from_swarm(config: Any, *, bootstrap: Sequence[str], out: Path,
     export_kind(config.model_seam()[0])
     me = identity.generate()
     async with Host(me, host_options(config, listen)) as host:
-        async with MembershipService(host, me, config,
-                                     lambda: LocalState(None, "joining")) as m:
+        async with MembershipService(host, me, config, lambda: LocalState(None, "joining"),
+                                     manifest=config.manifest().hash,
+                                     interfaces=interface_ips) as m:
             await _dial(host, bootstrap, say)
             try:
                 async with asyncio.timeout(VIEW_TIMEOUT_S):

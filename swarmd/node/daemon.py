@@ -279,12 +279,15 @@ class Daemon:
         from swarmd.averaging.allreduce import Averager, protocol_id
         from swarmd.manifest.service import ManifestServer
         from swarmd.membership.service import MembershipService
+        from swarmd.node.interfaces import interface_ips
         from swarmd.node.nat import NatService
         from swarmd.pipeline.model_info import serve_model_info
         from swarmd.state.offer import serve_offers
 
         http, home = self.config.http, self.options.home
-        membership = MembershipService(self.host, identity, self.config, self._local)
+        membership = MembershipService(self.host, identity, self.config, self._local,
+                                       manifest=self.config.manifest().hash,
+                                       interfaces=interface_ips)
         averager = Averager(self.host, protocol_id(self.config.swarm.name),
                             addrs_of=self._addrs_of)
         nat = NatService(self.host, membership, self.config)

@@ -200,6 +200,7 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
     from swarmd.manifest.join import check_trainer
     from swarmd.membership.service import LocalState, MembershipService
     from swarmd.node.home import load_identity
+    from swarmd.node.interfaces import interface_ips
     from swarmd.node.host_options import codec_spec, host_options
     from swarmd.pipeline.trainer import Trainer
     from swarmd.training.swarm_optim import OptimSettings
@@ -212,7 +213,9 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
         lambda: seam.build_trainer(seed=config.training.seed, device=device, dtype=dtype,
                                    weights=seam.own_weights()))
     async with Host(me, host_options(config, listen)) as host:
-        async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
+        async with MembershipService(host, me, config, lambda: LocalState(None, "online"),
+                                     manifest=config.manifest().hash,
+                                     interfaces=interface_ips) as m:
             dialed = []
             for addr in bootstrap:
                 try:
