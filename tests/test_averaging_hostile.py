@@ -25,7 +25,7 @@ from swarmd.membership import Announcement, PeerState, encode_signed
 from swarmd.protocols import Protocols
 from swarmd.state import encoding as ss
 from swarmd.state.transfer import StateInfo, chunk_checksum
-from swarmd.training.model import build_stage
+from swarmd.models.gpt import build_stage
 from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message, error_message

@@ -248,7 +248,7 @@ def test_a_stage_that_catches_up_is_waited_for(tmp_path: Path) -> None:
 
 def test_with_no_trainer_training_the_parts_saved_in_its_home_are_taken(tmp_path: Path) -> None:
     from swarmd.export.trainer_parts import SavedParts
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     saved = Part(TRAINERS_STAGE, 9, seed=4)
     home = tmp_path / "trainer"

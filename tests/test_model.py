@@ -1,4 +1,4 @@
-"""swarmd.training.model: stage slicing, deterministic init, and the exactness of pipeline gradients;
+"""swarmd.models.gpt: stage slicing, deterministic init, and the exactness of pipeline gradients;
 the [model] configuration keys."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from swarmd import config as C
 from swarmd.config import Config, ConfigError, load_config
-from swarmd.training.model import (
+from swarmd.models.gpt import (
     Embedding, FullModel, Head, ModelConfig, Stage, build_embedding, build_head, build_stage,
     resolve_device, resolve_dtype, stage_layers,
 )
@@ -166,7 +166,7 @@ def test_init_ignores_and_keeps_global_rng():
 
 def test_init_is_identical_in_another_process(tmp_path):
     out = tmp_path / "stage.pt"
-    code = ("import torch; from swarmd.training.model import ModelConfig, build_stage, build_head; "
+    code = ("import torch; from swarmd.models.gpt import ModelConfig, build_stage, build_head; "
             "c = ModelConfig(width=32, heads=4, layers=4, seq_len=16); "
             f"torch.save({{'hash': c.model_hash(), 'stage': build_stage(c, 1, 2, 3).state_dict(), "
             f"'head': build_head(c, 3).state_dict()}}, {str(out)!r})")

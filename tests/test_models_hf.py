@@ -104,7 +104,7 @@ def split_loss(trainer, stages, x, y, *, handover=lambda t: t):  # type: ignore[
 
 def over_the_wire(t: torch.Tensor) -> torch.Tensor:
     """What a hop with codec none does: wire_tensor, encode, bytes, decode."""
-    from swarmd.training.model import wire_tensor
+    from swarmd.models.gpt import wire_tensor
     from transport import codecs
     from transport.limits import Limits
 

@@ -351,7 +351,7 @@ def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None
     with a wrong shape, then right; the trainer takes the right one and bans that peer as a
     violator in its wiring."""
     from swarmd.pipeline.trainer import Trainer
-    from swarmd.training.model import ModelConfig
+    from swarmd.models.gpt import ModelConfig
     from transport.codecs import CodecSpec
 
     cfg = ModelConfig(width=32, heads=2, layers=2, seq_len=16)

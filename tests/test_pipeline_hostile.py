@@ -22,7 +22,7 @@ from swarmd.pipeline.handlers import TRAINER_WAIT_S
 from swarmd.pipeline.server import StageServer
 from swarmd.pipeline.trainer import Trainer
 from swarmd.protocols import Protocols
-from swarmd.training.model import ModelConfig
+from swarmd.models.gpt import ModelConfig
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.errors import RemoteError

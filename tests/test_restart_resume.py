@@ -52,7 +52,7 @@ def saved_step(home: Path, stage: int) -> int:
 def weights_digest(config: Any, stage: int, params: dict[str, torch.Tensor]) -> str:
     """What a daemon serving ``stage`` with these weights reports as ``params_digest``
     (``Stepper.fingerprint``: its parameters' bytes in module order)."""
-    from swarmd.training.model import tensor_bytes
+    from swarmd.models.gpt import tensor_bytes
 
     module = config.model_seam()[0].build_stage(stage, config.swarm.stages)
     h = hashlib.blake2b(digest_size=16)
@@ -64,7 +64,7 @@ def weights_digest(config: Any, stage: int, params: dict[str, torch.Tensor]) -> 
 def test_a_swarm_and_its_trainer_killed_with_sigkill_resume_from_their_saved_state(
         tmp_path: Path) -> None:
     from swarmd.config import load_config
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     config = load_config(None, ENV)
     data = text_data(tmp_path / "data")

@@ -15,7 +15,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
   ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
   ``--trainer-threads`` override it). The first ``warmup_steps`` steps (connections, stream pool,
   allocator, first optimizer steps) are not measured.
-- ``single_tokens_per_s``: the reference. ``swarmd.training.model.FullModel`` (embedding, both stages,
+- ``single_tokens_per_s``: the reference. ``swarmd.models.gpt.FullModel`` (embedding, both stages,
   head) trained with AdamW on the same microbatches (the same corpus and the same seeded
   ``torch.Generator`` as ``train()``: the very same batches in the same order, from the same
   initial weights; ``swarm.window_mean_loss`` and ``single.window_mean_loss`` agree to 1e-3

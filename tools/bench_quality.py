@@ -232,7 +232,7 @@ def swarm_weights_loss(p: Preset, stage_homes: list[Path], trainer_home: Path) -
     together into one model here and evaluated in float32 on the held-out batches."""
     from bench_pipeline import whole_model
     from swarmd.state.checkpoint import checkpoint_dir, load_checkpoint
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     config = load(p.env)
     seam, tokenizer = config.model_seam()

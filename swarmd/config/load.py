@@ -28,7 +28,7 @@ from swarmd.errors import ConfigError
 from transport.limits import Limits
 
 if TYPE_CHECKING:
-    from swarmd.training.model import ModelConfig
+    from swarmd.models.gpt import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class Config:
         }
 
     def model_config(self) -> ModelConfig:
-        """The model's shape as a :class:`swarmd.training.model.ModelConfig` (imports torch)."""
-        from swarmd.training.model import ModelConfig
+        """The model's shape as a :class:`swarmd.models.gpt.ModelConfig` (imports torch)."""
+        from swarmd.models.gpt import ModelConfig
 
         m = self.model
         return ModelConfig(width=m.width, heads=m.heads, layers=m.layers, seq_len=m.seq_len,
@@ -84,7 +84,7 @@ class Config:
         change."""
         import torch
 
-        from swarmd.training.model import resolve_device, resolve_dtype
+        from swarmd.models.gpt import resolve_device, resolve_dtype
 
         threads = self.limits.threads or self.model.threads
         if threads:

@@ -38,7 +38,7 @@ def _zero_or(check: Any) -> Any:
             check(value)
     return zero_or
 
-#: allowed values of ``model.dtype`` (the names of ``swarmd.training.model.DTYPES``, kept torch-free here)
+#: allowed values of ``model.dtype`` (the names of ``swarmd.models.gpt.DTYPES``, kept torch-free here)
 DTYPES = ("float32", "bfloat16", "float16")
 
 #: allowed values of ``data.reader`` and ``data.mode`` (kept equal to swarmd.data's READERS, MODES)

@@ -61,7 +61,7 @@ async def export_model(host: Any, view: SwarmView, config: Any, out: Path, *,
                        say: Callable[[str], None] = lambda line: None) -> ExportResult:
     """Export the model ``config`` trains, from the swarm ``host`` and ``view`` reach, into
     ``out`` (``replace``: an old export there is replaced, for the periodic export)."""
-    from swarmd.training.model import resolve_dtype
+    from swarmd.models.gpt import resolve_dtype
 
     t0 = time.monotonic()
     wanted = parse_dtype(dtype)

@@ -95,7 +95,7 @@ def _builtin(directory: Path, ids: list[int], max_new: int, temperature: float,
     from swarmd.config import load_config
     from swarmd.models.builtin import BuiltinGPT
     from swarmd.models.weights import Checkpoint
-    from swarmd.training.model import resolve_dtype
+    from swarmd.models.gpt import resolve_dtype
     from swarmd.training.tokens import load_tokenizer
 
     from swarmd.export.builtin_writer import CONFIG_NAME

@@ -144,13 +144,13 @@ class OwnParts:
 
 
 class SavedParts:
-    """The parts a trainer saved in ``home`` (``swarmd.training.trainer_state``)."""
+    """The parts a trainer saved in ``home`` (``swarmd.state.trainer_state``)."""
 
     def __init__(self, home: Path) -> None:
         self.home = Path(home)
 
     async def take(self, ctx: Context, cut_step: int | None) -> tuple[NamedPart, PartReport]:
-        from swarmd.training import trainer_state
+        from swarmd.state import trainer_state
 
         state = await asyncio.to_thread(trainer_state.load, self.home)
         path = trainer_state.state_path(self.home)

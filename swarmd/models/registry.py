@@ -1,7 +1,7 @@
 """Which model a node builds: ``model.factory``, ``model.hf`` or the built-in GPT.
 
 * ``model.factory = "package.module:callable"``: ``callable(config)`` with the
-  :class:`~swarmd.training.model.ModelConfig` of the ``[model]`` keys returns a
+  :class:`~swarmd.models.gpt.ModelConfig` of the ``[model]`` keys returns a
   :class:`~swarmd.models.seam.ModelSeam` (a user's own model);
 * ``model.hf = DIR``: :class:`~swarmd.models.hf.HFCausalLM` of ``DIR/config.json``;
 * neither: :class:`~swarmd.models.builtin.BuiltinGPT`.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from swarmd.errors import ModelError
 from swarmd.models.seam import Fingerprint, ModelSeam
-from swarmd.training.model import ModelConfig
+from swarmd.models.gpt import ModelConfig
 
 if TYPE_CHECKING:
     from swarmd.config import Config

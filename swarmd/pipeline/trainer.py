@@ -50,7 +50,7 @@ from swarmd.pipeline.server import protocols
 from swarmd.pipeline.trainer_compute import TrainerCompute
 from swarmd.pipeline.wiring import Wiring
 from swarmd.models.seam import ModelSeam, TrainerParts
-from swarmd.training.model import wire_tensor
+from swarmd.models.gpt import wire_tensor
 from swarmd.training.precision import LossScaler
 from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
 from transport.errors import RemoteError, TransportError

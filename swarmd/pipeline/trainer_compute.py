@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from swarmd.training.model import to_device, wire_tensor
+from swarmd.models.gpt import to_device, wire_tensor
 
 
 class TrainerCompute:

@@ -51,7 +51,7 @@ async def train_async(bootstrap: str | Sequence[str], *, model: str | Path | Non
                       progress: Callable[[str], None] = print) -> Any:
     """Join the swarm at ``bootstrap`` as a trainer and train until step ``steps``; the
     :class:`~swarmd.training.run.TrainResult`. With ``home`` the trainer keeps its identity and
-    state there and resumes it (``swarmd.training.trainer_state``)."""
+    state there and resumes it (``swarmd.state.trainer_state``)."""
     from swarmd.errors import ConfigError
     from swarmd.training.run import train as run_train
 

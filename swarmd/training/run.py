@@ -78,7 +78,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     (when given) is asked after every step and ends the run early once it returns true.
 
     With a ``home``, the trainer is the home's identity (created when missing) and its state
-    (``swarmd.training.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
+    (``swarmd.state.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
     and at the end; a restarted trainer resumes its step, weights, optimizer and data.
     ``microbatches`` overrides ``training.microbatches``. ``schedule`` (default
     ``training.schedule``) is ``sync`` or ``pipelined`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
@@ -164,7 +164,7 @@ def _home_lock(home: Path) -> Iterator[None]:
 def _resume(trainer: Any, batches: Any, home: Path | None,
             progress: Callable[[str], None]) -> int:
     """Load the trainer state saved in ``home`` into ``trainer`` and ``batches``; its step."""
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     state = trainer_state.load(home) if home is not None else None
     if state is None:
@@ -184,7 +184,7 @@ def _plain_data(state: dict[str, Any]) -> dict[str, Any]:
 
 async def _save(trainer: Any, batches: Any, home: Path | None) -> None:
     """Save the trainer's state (between steps, so nothing changes it meanwhile)."""
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     if home is not None:
         await asyncio.to_thread(

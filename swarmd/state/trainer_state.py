@@ -113,7 +113,7 @@ def params_digest(params: dict[str, torch.Tensor]) -> str:
     """blake2b-128 over the names and bytes of ``params`` (a state dict), in name order."""
     import hashlib
 
-    from swarmd.training.model import tensor_bytes
+    from swarmd.models.gpt import tensor_bytes
 
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(params):
