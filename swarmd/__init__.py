@@ -14,7 +14,7 @@ __all__ = ["__version__", "train"]
 def train(bootstrap: object, **kwargs: object) -> object:
     """Train through a running swarm from Python: ``swarmd.train(bootstrap, model=DIR,
     data=PATH, steps=N, home=DIR, settings={"section.key": value})``; see
-    :mod:`swarmd.training.api` (imported only when called)."""
-    from swarmd.training.api import train as _train
+    :mod:`swarmd.trainer.api` (imported only when called)."""
+    from swarmd.trainer.api import train as _train
 
     return _train(bootstrap, **kwargs)  # type: ignore[arg-type]

@@ -197,7 +197,7 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     ``clip_grad_norm_`` over the whole model (per-part clipping would not)."""
     from swarmd.pipeline.inflight import InFlight
     from swarmd.pipeline.server import StageServer
-    from swarmd.pipeline.trainer import Trainer
+    from swarmd.trainer.trainer import Trainer
     from swarmd.models.gpt import FullModel, ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
     from transport import identity

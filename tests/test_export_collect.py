@@ -29,7 +29,7 @@ from swarmd.state.encoding import capture
 from swarmd.state.round_digest import round_digest_of
 from swarmd.state.serve import StateServer
 from swarmd.state.transfer import _NONE
-from swarmd.training.trainer_sync import TRAINERS_STAGE
+from swarmd.state.trainer_state import TRAINERS_STAGE
 from transport import identity
 from transport.frames import Message
 from transport.host import Host, HostOptions

@@ -422,7 +422,7 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
     """Two peers serve the one stage, one of them with its upload capped: training loses
     nothing, the capped peer carries microbatches, its upload bucket throttled them, and what
     its stage-mate sees it announce is within what the cap can carry."""
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     base = {k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")}
     cap = 200_000
@@ -473,7 +473,7 @@ def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_sta
     routing ceiling (their product), the rate routing uses (that, at most twice its hop rate)
     and that the cap binds; ``swarmd peers`` prints the same."""
     from swarmd.node.host_options import upload_bytes_per_sample
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     base = {**{k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")},
             "SWARMD_SWARM_STAGES": "2", "SWARMD_SWARM_NAME": "limits-peers"}

@@ -350,7 +350,7 @@ def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None
     """In this process over real libp2p: a one-stage swarm whose peer sends its result once
     with a wrong shape, then right; the trainer takes the right one and bans that peer as a
     violator in its wiring."""
-    from swarmd.pipeline.trainer import Trainer
+    from swarmd.trainer.trainer import Trainer
     from swarmd.models.gpt import ModelConfig
     from transport.codecs import CodecSpec
 

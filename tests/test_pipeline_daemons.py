@@ -17,7 +17,7 @@ import uvloop
 from daemon_harness import ROOT, wait_until
 from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
-from swarmd.training.run import train
+from swarmd.trainer.run import train
 from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message

@@ -20,7 +20,7 @@ from swarmd.errors import StageBusy
 from swarmd.local.demo import DEMO_ENV
 from swarmd.pipeline.handlers import TRAINER_WAIT_S
 from swarmd.pipeline.server import StageServer
-from swarmd.pipeline.trainer import Trainer
+from swarmd.trainer.trainer import Trainer
 from swarmd.protocols import Protocols
 from swarmd.models.gpt import ModelConfig
 from transport import identity

@@ -12,7 +12,7 @@ import torch
 import uvloop
 
 from swarmd.pipeline.server import StageServer
-from swarmd.pipeline.trainer import Trainer
+from swarmd.trainer.trainer import Trainer
 from swarmd.models.gpt import ModelConfig
 from transport import identity
 from transport.codecs import CodecSpec

@@ -122,7 +122,7 @@ def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
     from swarmd.config import load_config
     from swarmd.local.demo import DEMO_ENV
     from swarmd.local.swarm import DaemonProcess, stop_all, wait_until
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
            "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "bench-limits"}

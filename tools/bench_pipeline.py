@@ -9,7 +9,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 
 - ``swarm_tokens_per_s``: a local swarm of 2 stages with one peer each (two ``swarmd join``
   processes, ``swarmd.local.swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
-  wire codec, driven by ``swarmd.training.run.train()`` in this process (the trainer: embedding,
+  wire codec, driven by ``swarmd.trainer.run.train()`` in this process (the trainer: embedding,
   head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, pipelined: as many in flight as the trainer measures it needs, ``Trainer.train``).
   Every process of the swarm runs one torch thread (``model.threads = 1``, as in
   ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
@@ -26,7 +26,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
   driven over a pipe; it warms up before the daemons start.
 - Interleaving: the machine is shared and its load drifts, so the two are measured in
   alternating blocks (``blocks`` x ``block_steps`` steps each): at every block boundary the
-  wrapped trainer (``swarmd.pipeline.trainer.Trainer`` is replaced by a subclass for the run: ``train()``
+  wrapped trainer (``swarmd.trainer.trainer.Trainer`` is replaced by a subclass for the run: ``train()``
   imports it at call time) pauses between two steps, when nothing of the pipeline is in flight,
   and the reference runs one block while the swarm idles. Throughputs are totals over the
   blocks (batch sampling included on both sides, validation excluded); ``ratio`` = swarm /
@@ -438,9 +438,9 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
     import torch
     import uvloop
 
-    import swarmd.pipeline.trainer
+    import swarmd.trainer.trainer
     from swarmd.local.swarm import DaemonProcess, stop_all
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     say(f"single process: starting, {warmup} warm-up steps")
     single = SingleClient(env, microbatches=microbatches, threads=2)
@@ -452,7 +452,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
         env = {**env, "OMP_NUM_THREADS": str(daemon_threads)}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-pipeline-") as root:
         daemons: list[DaemonProcess] = []
-        original = swarmd.pipeline.trainer.Trainer
+        original = swarmd.trainer.trainer.Trainer
         try:
             single.run(warmup, measured=False)
             t0 = time.monotonic()
@@ -475,7 +475,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                            lambda: [os.getpid(), single.pid, *(d.proc.pid for d in daemons)])
             probe.named_pids = {"trainer": os.getpid(), "stage0": first.proc.pid,
                                 "stage1": second.proc.pid}
-            swarmd.pipeline.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
+            swarmd.trainer.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
             result = uvloop.run(train(config, bootstrap=[first.addr], steps=marks[-1],
                                       microbatches=microbatches,
                                       progress=lambda s: say(f"train: {s}")))
@@ -484,7 +484,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                               for name, d in (("stage0", first), ("stage1", second))}
             daemon_pids = {"stage0": first.proc.pid, "stage1": second.proc.pid}
         finally:
-            swarmd.pipeline.trainer.Trainer = original
+            swarmd.trainer.trainer.Trainer = original
             stop_all(daemons)
             single.close()
 

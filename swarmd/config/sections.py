@@ -46,7 +46,7 @@ DATA_READERS = ("auto", "swarmd", "datasets")
 DATA_MODES = ("cached", "stream")
 #: allowed values of ``training.lr_schedule``
 LR_SCHEDULES = ("constant", "cosine")
-#: ``training.schedule`` values (``swarmd.training.run``)
+#: ``training.schedule`` values (``swarmd.trainer.run``)
 SCHEDULES = ("sync", "pipelined")
 #: ``model.factory``: "package.module:callable" (kept equal to swarmd.models.registry.FACTORY_RE)
 _FACTORY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

@@ -372,7 +372,7 @@ class MembershipService:
 
     def trainers(self) -> dict[str, tuple[str, ...]]:
         """The other trainers: {peer_id: addrs} of peers announced online with no stage and
-        our model (``swarmd.training.trainer_sync``)."""
+        our model (``swarmd.trainer.trainer_sync``)."""
         now = self._wall()
         return {a.peer_id: a.addrs for a in self.view.announcements(now)
                 if a.stage is None and a.state is PeerState.ONLINE

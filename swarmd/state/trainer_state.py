@@ -19,7 +19,13 @@ import torch
 from swarmd.errors import DataError, ModelMismatch
 
 __all__ = ["TrainerState", "state_path", "capture", "restore", "save", "load", "FORMAT",
-           "params_digest"]
+           "params_digest", "TRAINERS_STAGE", "MAX_PARTS_BYTES"]
+
+#: the stage number the trainers' rounds and state transfers use (a stage no model has): the
+#: trainers share one embedding and head as a stage of their own (``swarmd.trainer.trainer_sync``)
+TRAINERS_STAGE = (1 << 16) - 1
+#: the most a download of the trainers' parts may bring
+MAX_PARTS_BYTES = 16 << 30
 
 #: bump when the file's layout changes
 FORMAT = 1
@@ -49,7 +55,7 @@ def state_path(home: Path) -> Path:
 
 
 def capture(trainer: Any, data: dict[str, Any]) -> TrainerState:
-    """The state of ``trainer`` (a ``swarmd.pipeline.trainer.Trainer``) between two steps,
+    """The state of ``trainer`` (a ``swarmd.trainer.trainer.Trainer``) between two steps,
     copied to the CPU; ``data`` is the batches' ``state()``."""
     def cpu(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", copy=True)

@@ -86,7 +86,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
     from swarmd.export.periodic import periodic_export
     from swarmd.training.batches import make_batches
-    from swarmd.training.trainer_sync import trainer_sync
+    from swarmd.trainer.trainer_sync import trainer_sync
     from transport.memory import keep_freed_memory
 
     schedule = schedule or config.training.schedule
@@ -202,7 +202,7 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
     from swarmd.node.home import load_identity
     from swarmd.node.interfaces import interface_ips
     from swarmd.node.host_options import codec_spec, host_options
-    from swarmd.pipeline.trainer import Trainer
+    from swarmd.trainer.trainer import Trainer
     from swarmd.training.swarm_optim import OptimSettings
     from transport import identity
     from transport.host import Host

@@ -35,16 +35,14 @@ from swarmd.state.fetch import fetch_state
 from swarmd.state.messages import SizeBound
 from swarmd.state.round_digest import round_digest_of
 from swarmd.state.serve import StateServer
+from swarmd.state.trainer_state import MAX_PARTS_BYTES, TRAINERS_STAGE
 from swarmd.state.transfer import StateTransferFailed
 from transport.errors import TransportError
 
-log = logging.getLogger("swarmd.training.trainer_sync")
+log = logging.getLogger("swarmd.trainer.trainer_sync")
 
-#: the stage number the trainers' rounds and state transfers use (a stage no model has)
-TRAINERS_STAGE = (1 << 16) - 1
 #: a joining trainer's whole download of a mate's state (its parts are small)
 TRAINER_STATE_FETCH_TIMEOUT_S = 120.0
-MAX_PARTS_BYTES = 16 << 30
 
 
 class TrainerSync:
