@@ -33,13 +33,14 @@ from swarmd.state.trainer_state import TRAINERS_STAGE
 from transport import identity
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.models.registry import model_hash_of, model_seam_of
 
 pytestmark = pytest.mark.integration
 
 CONFIG = load_config(None, {}, {"swarm.name": "export-test", "swarm.stages": 2,
                                 "model.width": 16, "model.heads": 2, "model.layers": 2,
                                 "model.seq_len": 16})
-SEAM = CONFIG.model_seam()[0]
+SEAM = model_seam_of(CONFIG)[0]
 FAST = CollectSettings(deadline_s=1.0, poll_s=0.05, transfer_timeout_s=20.0)
 
 
@@ -69,7 +70,7 @@ class Part:
 
     async def snapshot(self) -> Any:
         return capture(self.module, self.optimizer, stage=self.stage, step=self.step,
-                       model_hash=CONFIG.model_hash())
+                       model_hash=model_hash_of(CONFIG))
 
     async def digest(self) -> tuple[int, str]:
         return self.step, self.claimed or round_digest_of(self.module.parameters())
@@ -98,7 +99,7 @@ async def swarm(parts: list[Part]) -> AsyncIterator[tuple[Host, View, list[State
         servers = []
         for host, part in zip(hosts[1:], parts):
             server = StateServer(host, Protocols(CONFIG.swarm.name).state, part.snapshot,
-                                 stage=part.stage, model_hash=CONFIG.model_hash(),
+                                 stage=part.stage, model_hash=model_hash_of(CONFIG),
                                  step=lambda part=part: part.step, weights_digest=part.digest,
                                  chunk_bytes=4096)
             server.start()
@@ -253,7 +254,7 @@ def test_with_no_trainer_training_the_parts_saved_in_its_home_are_taken(tmp_path
     saved = Part(TRAINERS_STAGE, 9, seed=4)
     home = tmp_path / "trainer"
     trainer_state.save(home, trainer_state.TrainerState(
-        step=9, model_hash=CONFIG.model_hash(), params=saved.module.state_dict(),
+        step=9, model_hash=model_hash_of(CONFIG), params=saved.module.state_dict(),
         optimizer=saved.optimizer.state_dict()))
 
     async def scenario() -> Any:

@@ -15,12 +15,13 @@ from swarmd.membership.service import LocalState, MembershipService
 from swarmd.node.interfaces import interface_ips
 from transport import identity
 from transport.host import Host, HostOptions
+from swarmd.manifest.local import swarm_manifest
 
 pytestmark = pytest.mark.integration
 
 CONFIG = load_config(None, env={})
 #: what the daemon passes a membership service: its manifest's hash, its interfaces
-PASSED: dict[str, Any] = {"manifest": CONFIG.manifest().hash, "interfaces": interface_ips}
+PASSED: dict[str, Any] = {"manifest": swarm_manifest(CONFIG).hash, "interfaces": interface_ips}
 
 
 async def until(what: str, seconds: float, check: Any) -> None:

@@ -18,6 +18,7 @@ from swarmd.models.gpt import (
     Embedding, FullModel, Head, ModelConfig, Stage, build_embedding, build_head, build_stage,
     resolve_device, resolve_dtype, stage_layers,
 )
+from swarmd.models.registry import model_config_of
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
@@ -262,15 +263,15 @@ def test_a_few_steps_learn():
 # ---------------------------------------------------------------------------- configuration
 
 def test_model_config_from_config():
-    assert Config().model_config() == ModelConfig()
+    assert model_config_of(Config()) == ModelConfig()
     config = load_config(None, {"SWARMD_MODEL_LAYERS": "8"},
                          {"model.share_layers": 2, "model.width": 64, "model.heads": 8,
                           "model.seq_len": 256, "model.dtype": "bfloat16",
                           "model.device": "cuda:1"})
-    assert config.model_config() == ModelConfig(width=64, heads=8, layers=8, seq_len=256,
+    assert model_config_of(config) == ModelConfig(width=64, heads=8, layers=8, seq_len=256,
                                                 share_layers=2)
     assert config.model.dtype == "bfloat16" and config.model.device == "cuda:1"
-    assert isinstance(config.model_config(), ModelConfig)
+    assert isinstance(model_config_of(config), ModelConfig)
     assert config.training.batch_size == 8 and config.training.lr == 3e-3
     assert config.training.seed == 0
 

@@ -202,10 +202,12 @@ class SingleProcess:
     decay), run in blocks of steps with ``threads`` torch intra-op threads."""
 
     def __init__(self, config: Any, *, microbatches: int, threads: int) -> None:
+        from swarmd.models.registry import model_seam_of
+
         from swarmd.training.data import load_corpus
         from swarmd.training.optim import make_optimizer
 
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         self.seq = min(config.model.seq_len, seam.max_seq_len)
         self.batch = config.training.batch_size
         self.microbatches = microbatches
@@ -435,6 +437,8 @@ def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
 def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_steps: int,
         microbatches: int, trainer_threads: int | None = None,
         daemon_threads: int | None = None) -> dict[str, Any]:
+    from swarmd.models.registry import model_seam_of
+
     import torch
     import uvloop
 
@@ -513,7 +517,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
     received = {h: total("bytes_received", h) for h in hosts}
     messages = {h: total("messages_sent", h) for h in hosts}
     wire = sum(sent.values())
-    seam, _ = config.model_seam()
+    seam, _ = model_seam_of(config)
     width, seq = seam.width, min(config.model.seq_len, seam.max_seq_len)
     crossings = 2 * (config.swarm.stages + 1)
     fp32 = sw_tokens * width * 4 * crossings
@@ -578,6 +582,8 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
 
 def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int | None = None,
             daemon_threads: int | None = None) -> dict[str, Any]:
+    from swarmd.models.registry import model_seam_of
+
     from swarmd.config import load_config
 
     t0 = time.monotonic()
@@ -585,7 +591,7 @@ def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int 
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-model-") as model_root:
         env = bench_env(model, Path(model_root))
         config = load_config(None, {**os.environ, **env})
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         seq = min(config.model.seq_len, seam.max_seq_len)
         load_before = os.getloadavg()
         out = run(config, env, warmup=warmup, blocks=blocks, block_steps=block_steps,

@@ -47,6 +47,8 @@ def say(text: str) -> None:
 
 def one_run(env: dict[str, str], steps: int, schedule: str,
             in_flight: int | None) -> dict[str, Any]:
+    from swarmd.models.registry import model_config_of
+
     import uvloop
 
     from swarmd.config import load_config
@@ -85,7 +87,7 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
     tail = lines[len(lines) // 2:]
     return {"schedule": schedule, "in_flight": in_flight, "steps": result.steps,
             "tokens": result.steps * config.training.microbatches * config.training.batch_size
-            * config.model_config().seq_len,
+            * model_config_of(config).seq_len,
             "initial_val_loss": result.initial_val_loss, "final_val_loss": result.final_val_loss,
             "train_loss_last_half": sum(x["loss"] for x in tail) / max(1, len(tail)),
             "tokens_per_s": result.tokens_per_s, "restarted": result.restarted,

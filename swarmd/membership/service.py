@@ -34,6 +34,7 @@ from transport.signing import signer, verify
 from swarmd.addresses import MAX_ANNOUNCED, AddressPolicy, announced_addrs
 from swarmd.links import LinkEstimates, links_for
 from swarmd.protocols import Protocols
+from swarmd.models.registry import model_hash_of
 
 log = logging.getLogger("swarmd.membership")
 
@@ -140,7 +141,7 @@ class MembershipService:
 
     def model_hash(self) -> str:
         """The swarm's model name and the hash of its architecture: both must match."""
-        return self.config.model_hash()
+        return model_hash_of(self.config)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def __aenter__(self) -> MembershipService:

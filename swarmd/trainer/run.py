@@ -84,6 +84,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     ``training.schedule``) is ``sync`` or ``pipelined`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
     (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
+    from swarmd.models.registry import model_seam_of
     from swarmd.export.periodic import periodic_export
     from swarmd.training.batches import make_batches
     from swarmd.trainer.trainer_sync import trainer_sync
@@ -93,7 +94,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     keep_freed_memory()
-    seam, tokenizer = config.model_seam()
+    seam, tokenizer = model_seam_of(config)
     seq_len = min(config.model.seq_len, seam.max_seq_len)
     plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
                  batch=config.training.batch_size, seq=seq_len, home=home,
@@ -197,6 +198,8 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                   ) -> AsyncIterator[tuple[Any, Any]]:
     """A host with the home's identity (a fresh one without a home), membership (announced
     with no stage) and a started ``Trainer``; torn down in reverse."""
+    from swarmd.manifest.local import swarm_manifest
+    from swarmd.models.registry import model_hash_of, torch_placement_of
     from swarmd.manifest.join import check_trainer
     from swarmd.membership.service import LocalState, MembershipService
     from swarmd.node.home import load_identity
@@ -207,14 +210,14 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
     from transport import identity
     from transport.host import Host
 
-    device, dtype = config.torch_placement()
+    device, dtype = torch_placement_of(config)
     me = load_identity(home) if home is not None else identity.generate()
     parts = await asyncio.to_thread(  # seconds for a big model: not on the event loop
         lambda: seam.build_trainer(seed=config.training.seed, device=device, dtype=dtype,
                                    weights=seam.own_weights()))
     async with Host(me, host_options(config, listen)) as host:
         async with MembershipService(host, me, config, lambda: LocalState(None, "online"),
-                                     manifest=config.manifest().hash,
+                                     manifest=swarm_manifest(config).hash,
                                      interfaces=interface_ips) as m:
             dialed = []
             for addr in bootstrap:
@@ -224,7 +227,7 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                     progress(f"bootstrap {addr} failed: {exc}")
             await check_trainer(host, config, dialed)  # its settings are the swarm's, or stop
             trainer = Trainer(host, swarm=config.swarm.name, num_stages=config.swarm.stages,
-                              seam=seam, parts=parts, model_hash=config.model_hash(),
+                              seam=seam, parts=parts, model_hash=model_hash_of(config),
                               codec=codec_spec(config), lr=config.training.lr,
                               seed=config.training.seed,
                               optim=OptimSettings.from_config(config.training),
@@ -431,11 +434,13 @@ def _mismatch_explainer(host: Any, m: Any, config: Any) -> Callable[[], Awaitabl
     asked: set[str] = set()
 
     async def explain() -> str | None:
+        from swarmd.models.registry import model_fingerprint_of
+
         peers = [p for p in mismatched_peers(m.swarm_info()) if p[0] not in asked]
         asked.update(p for p, _ in peers[:3])
         if not peers:
             return None
         return await explain_mismatch(host, config.swarm.name, config.swarm.model,
-                                      config.model_fingerprint(), peers)
+                                      model_fingerprint_of(config), peers)
 
     return explain

@@ -38,6 +38,7 @@ from swarmd.state.serve import StateServer
 from swarmd.state.trainer_state import MAX_PARTS_BYTES, TRAINERS_STAGE
 from swarmd.state.transfer import StateTransferFailed
 from transport.errors import TransportError
+from swarmd.models.registry import model_hash_of
 
 log = logging.getLogger("swarmd.trainer.trainer_sync")
 
@@ -198,7 +199,7 @@ async def trainer_sync(host: Any, trainer: Any, membership: Any, config: Any
     async with Averager(host, protocol_id(config.swarm.name),
                         addrs_of=lambda peer: membership.trainers().get(peer, ())) as averager:
         sync = TrainerSync(host, trainer, swarm=config.swarm.name,
-                           model_hash=config.model_hash(), mates=membership.trainers,
+                           model_hash=model_hash_of(config), mates=membership.trainers,
                            averager=averager,
                            settings=SyncSettings(compression="none",
                                                  aggregator="mean",
