@@ -109,12 +109,6 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(f"swarmd.{p}" if p != "swar
     "cli",
     "__main__ swarmd",
 ))
-#: imports against ``LAYERS`` not yet removed, as (importing module, imported module). This
-#: list may only shrink: a new back-edge fails the test, and so does an entry that is gone.
-KNOWN_BACK_EDGES: frozenset[tuple[str, str]] = frozenset({
-})
-
-
 @dataclass(frozen=True)
 class Violation:
     module: str
@@ -290,13 +284,10 @@ def test_every_package_has_a_level():
 
 
 def test_packages_import_only_packages_below_them():
-    found = {(module, name): line for module, path in tree_modules().items()
-             for line, name in back_edges(path.read_text(encoding="utf-8"), module)}
-    new = sorted(f"{m}:{line} imports {n} (not below it in LAYERS)"
-                 for (m, n), line in found.items() if (m, n) not in KNOWN_BACK_EDGES)
-    gone = sorted(f"{m} -> {n}" for m, n in KNOWN_BACK_EDGES - set(found))
-    assert not new, "\n".join(new)
-    assert not gone, "no longer imported, remove from KNOWN_BACK_EDGES:\n" + "\n".join(gone)
+    found = sorted(f"{module}:{line} imports {name} (not below it in LAYERS)"
+                   for module, path in tree_modules().items()
+                   for line, name in back_edges(path.read_text(encoding="utf-8"), module))
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("source, module", [
