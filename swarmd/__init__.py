@@ -6,22 +6,15 @@ Importing this package is cheap: it pulls in neither libp2p nor torch.
 from __future__ import annotations
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+from swarmd.version import __version__
 
-    try:
-        return version("swarmd")
-    except PackageNotFoundError:
-        return "0.1.0.dev0"
-
-
-__version__ = _version()
+__all__ = ["__version__", "train"]
 
 
 def train(bootstrap: object, **kwargs: object) -> object:
     """Train through a running swarm from Python: ``swarmd.train(bootstrap, model=DIR,
     data=PATH, steps=N, home=DIR, settings={"section.key": value})``; see
-    :mod:`swarmd.training.api` (imported only when called)."""
-    from swarmd.training.api import train as _train
+    :mod:`swarmd.trainer.api` (imported only when called)."""
+    from swarmd.trainer.api import train as _train
 
     return _train(bootstrap, **kwargs)  # type: ignore[arg-type]

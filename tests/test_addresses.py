@@ -1,4 +1,4 @@
-"""What a daemon announces (swarmd.node.addresses): pure rules, then real daemons."""
+"""What a daemon announces (swarmd.addresses): pure rules, then real daemons."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.node.addresses import (MAX_ANNOUNCED, AddressPolicy, ObservedAddresses,
+from swarmd.addresses import (MAX_ANNOUNCED, AddressPolicy, ObservedAddresses,
                                    announced_addrs, parse_filter)
 from swarmd.node.interfaces import interface_ips
 

@@ -25,12 +25,13 @@ from swarmd.membership import Announcement, PeerState, encode_signed
 from swarmd.protocols import Protocols
 from swarmd.state import encoding as ss
 from swarmd.state.transfer import StateInfo, chunk_checksum
-from swarmd.training.model import build_stage
+from swarmd.models.gpt import build_stage
 from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message, error_message
 from transport.host import Host, HostOptions
 from transport.signing import signer
+from swarmd.models.registry import model_config_of, model_hash_of
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +51,7 @@ def run(scenario: Callable[[], Awaitable[Any]], seconds: float = 150) -> Any:
 def announcement(ident: Any, addrs: list[str], stage: int = 1) -> bytes:
     ann = Announcement(peer_id=ident.peer_id, addrs=tuple(addrs)[:8], stage=stage,
                        state=PeerState.ONLINE, throughput=1.0, queue=0, version="test",
-                       model_hash=CONFIG.model_hash(), timestamp=time.time(), period=30.0)
+                       model_hash=model_hash_of(CONFIG), timestamp=time.time(), period=30.0)
     return encode_signed(ann, signer(ident))
 
 
@@ -92,7 +93,7 @@ def counters(d: DaemonProcess) -> dict[str, int]:
 
 
 def gradient_length() -> int:
-    stage = build_stage(CONFIG.model_config(), 1, CONFIG.swarm.stages, CONFIG.training.seed)
+    stage = build_stage(model_config_of(CONFIG), 1, CONFIG.swarm.stages, CONFIG.training.seed)
     return sum(p.numel() for p in stage.parameters() if p.requires_grad)
 
 
@@ -190,9 +191,9 @@ def test_round_and_all_reduce_messages_only_from_those_who_may_send_them(daemons
 # ---- state transfer ------------------------------------------------------------------------
 
 def _nan_state() -> bytes:
-    stage = build_stage(CONFIG.model_config(), 1, CONFIG.swarm.stages, CONFIG.training.seed)
+    stage = build_stage(model_config_of(CONFIG), 1, CONFIG.swarm.stages, CONFIG.training.seed)
     optimizer = torch.optim.AdamW(stage.parameters())
-    state = ss.capture(stage, optimizer, stage=1, step=50, model_hash=CONFIG.model_hash())
+    state = ss.capture(stage, optimizer, stage=1, step=50, model_hash=model_hash_of(CONFIG))
     next(iter(state.params.values())).view(-1)[0] = float("nan")
     return ss.encode(state)
 
@@ -206,11 +207,11 @@ def test_hostile_state_sources_and_unasked_chunks(daemons: Any, tmp_path: Path) 
     def liar(name: str, host: Host) -> Callable[[Message, str], Awaitable[Message]]:
         if name == "huge":
             offer = StateInfo(peer=host.peer_id, stage=1, step=99,
-                              model_hash=CONFIG.model_hash(), digest="ab" * 32,
+                              model_hash=model_hash_of(CONFIG), digest="ab" * 32,
                               total_bytes=16 * GiB, chunk_bytes=1 << 24)
         else:
             offer = StateInfo(peer=host.peer_id, stage=1, step=50,
-                              model_hash=CONFIG.model_hash(), digest=ss.digest(nan_data),
+                              model_hash=model_hash_of(CONFIG), digest=ss.digest(nan_data),
                               total_bytes=len(nan_data), chunk_bytes=1 << 20)
 
         async def serve(message: Message, peer: str) -> Message:
@@ -243,7 +244,7 @@ def test_hostile_state_sources_and_unasked_chunks(daemons: Any, tmp_path: Path) 
                 # a chunk pushed to the joiner unasked (its state server runs now)
                 await nan.dial(joiner.addr)
                 results["push"] = await refused(nan, joiner.peer_id, PROTO.state, Message(
-                    kind="state_chunk", meta={"stage": 1, "model_hash": CONFIG.model_hash(),
+                    kind="state_chunk", meta={"stage": 1, "model_hash": model_hash_of(CONFIG),
                                               "digest": "ab" * 32, "index": 0},
                     tensors=(torch.zeros(1024, dtype=torch.uint8),)))
                 results["after"] = await asyncio.to_thread(counters, joiner)

@@ -29,6 +29,7 @@ from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from swarmd.local.zygote import swarmd_popen
+from swarmd.models.registry import model_config_of, model_hash_of
 
 
 def test_requests_beyond_the_budget_are_refused_and_counted() -> None:
@@ -200,7 +201,7 @@ def test_a_flooding_peer_gets_busy_and_an_honest_trainer_beside_it_loses_nothing
     try:
         wait_until(lambda: _trainer_row(d0), 120, "the trainer in d0's view")
         seen = uvloop.run(asyncio.wait_for(
-            _flood(d0, config.model_hash(), config.model_config().width, trainer), 600))
+            _flood(d0, model_hash_of(config), model_config_of(config).width, trainer), 600))
         out, _ = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, (tmp_path / "trainer.stderr").read_text()[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
@@ -233,7 +234,7 @@ def test_a_trainer_that_never_sends_backwards_keeps_at_most_its_saved_budget(
     another trainer's forwards (the worker's other slots are free)."""
     (d0,) = daemons(0)
     config = load_config(None, {**os.environ, **ENV})
-    model, width = config.model_hash(), config.model_config().width
+    model, width = model_hash_of(config), model_config_of(config).width
     limit = BudgetConfig().max_saved
 
     async def scenario() -> dict[str, list[str]]:

@@ -128,7 +128,7 @@ def test_train_until_ends_swarmd_train_once_its_stop_file_exists(tmp_path, monke
     """The wrapper runs ``swarmd train`` with the arguments given and an ``until`` that is
     true exactly once the stop file exists."""
     from swarmd import cli
-    from swarmd.training import run
+    from swarmd.trainer import run
     from tools.chaoslab import train_until
 
     seen: dict[str, object] = {}

@@ -20,7 +20,7 @@ from swarmd.api.client import find_daemon
 from swarmd.api.token import create_token, read_token
 from swarmd.api.types import to_json
 from swarmd.errors import HomeError
-from swarmd.node.runfiles import remove_api_file, write_api_file
+from swarmd.runfiles import remove_api_file, write_api_file
 
 pytestmark = pytest.mark.integration
 

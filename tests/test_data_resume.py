@@ -1,5 +1,5 @@
 """A trainer process killed with SIGKILL continues its data exactly: the position it saved in
-its trainer state (swarmd.training.trainer_state, written atomically after every batch)
+its trainer state (swarmd.state.trainer_state, written atomically after every batch)
 restores the same shuffled order, the next batch first."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import textwrap
 
 from daemon_harness import ROOT, wait_until
 from data_helpers import number_corpus, open_numbers
-from swarmd.training import trainer_state
+from swarmd.state import trainer_state
 
 #: the trainer's data loop: a batch, its digest logged, the state saved (as `swarmd train`
 #: saves it between steps)
@@ -22,7 +22,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[4])
     from data_helpers import open_numbers
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     root, cache, home = map(Path, sys.argv[1:4])
     data = open_numbers(root, cache, shard="1/2", seed=11)

@@ -17,7 +17,7 @@ import uvloop
 from daemon_harness import DaemonProcess, stop_all, wait_until
 from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
-from swarmd.training.run import train
+from swarmd.trainer.run import train
 
 pytestmark = pytest.mark.integration
 

@@ -197,7 +197,7 @@ async def _swarm(config: Any, optim: Any) -> AsyncIterator[tuple[list[Any], Any]
     """Two stage servers (one peer each, a step target of 6 samples) and an exact trainer on
     real libp2p hosts in this process, codec none; closed on the way out."""
     from swarmd.pipeline.server import StageServer
-    from swarmd.pipeline.trainer import Trainer
+    from swarmd.trainer.trainer import Trainer
     from transport import identity
     from transport.codecs import CodecSpec
     from transport.host import Host, HostOptions
@@ -258,7 +258,7 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     stage, a step target of exactly one trainer step, a clipping bound the gradients exceed:
     after three steps every weight equals a single process's with AdamW and
     ``clip_grad_norm_`` over the whole model (per-part clipping would not)."""
-    from swarmd.training.model import FullModel, ModelConfig
+    from swarmd.models.gpt import FullModel, ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
 
     config = ModelConfig(width=32, heads=2, layers=4, seq_len=16)
@@ -313,8 +313,8 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
     waits for step 0's reports or before it takes step 0 with stage 1's report already in, it
     answers None at once (not after ``REPORTS_MAX_S``, an hour here: the run or stage 1's
     steps would hang), and both stages step once per trainer step."""
-    from swarmd.pipeline import trainer as trainer_module
-    from swarmd.training.model import ModelConfig
+    from swarmd.trainer import trainer as trainer_module
+    from swarmd.models.gpt import ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
 
     monkeypatch.setattr(trainer_module, "REPORTS_MAX_S", 3600.0)
@@ -365,8 +365,8 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
 
 def _trainer(table: dict[int, dict[str, tuple[float, int, tuple[str, ...]]]]) -> Any:
     """A trainer of a 2-stage swarm whose view is ``table`` (its host is never started)."""
-    from swarmd.pipeline.trainer import Trainer
-    from swarmd.training.model import ModelConfig
+    from swarmd.trainer.trainer import Trainer
+    from swarmd.models.gpt import ModelConfig
     from transport import identity
     from transport.codecs import CodecSpec
     from transport.host import Host, HostOptions
@@ -387,7 +387,7 @@ def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_
     # a peer that served a step at stage 0 moves to another stage before stage 0 reported
     # the step: stage 0's report will not come (the leader's is refused, its mates miss its
     # samples), so the trainer must not wait REPORTS_MAX_S (60 s) for it, stalling the swarm
-    from swarmd.pipeline import trainer as trainer_module
+    from swarmd.trainer import trainer as trainer_module
 
     table = {0: {"a": (1.0, 0, ()), "b": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
     trainer = _trainer(table)

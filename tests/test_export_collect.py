@@ -29,17 +29,18 @@ from swarmd.state.encoding import capture
 from swarmd.state.round_digest import round_digest_of
 from swarmd.state.serve import StateServer
 from swarmd.state.transfer import _NONE
-from swarmd.training.trainer_sync import TRAINERS_STAGE
+from swarmd.state.trainer_state import TRAINERS_STAGE
 from transport import identity
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.models.registry import model_hash_of, model_seam_of
 
 pytestmark = pytest.mark.integration
 
 CONFIG = load_config(None, {}, {"swarm.name": "export-test", "swarm.stages": 2,
                                 "model.width": 16, "model.heads": 2, "model.layers": 2,
                                 "model.seq_len": 16})
-SEAM = CONFIG.model_seam()[0]
+SEAM = model_seam_of(CONFIG)[0]
 FAST = CollectSettings(deadline_s=1.0, poll_s=0.05, transfer_timeout_s=20.0)
 
 
@@ -69,7 +70,7 @@ class Part:
 
     async def snapshot(self) -> Any:
         return capture(self.module, self.optimizer, stage=self.stage, step=self.step,
-                       model_hash=CONFIG.model_hash())
+                       model_hash=model_hash_of(CONFIG))
 
     async def digest(self) -> tuple[int, str]:
         return self.step, self.claimed or round_digest_of(self.module.parameters())
@@ -98,7 +99,7 @@ async def swarm(parts: list[Part]) -> AsyncIterator[tuple[Host, View, list[State
         servers = []
         for host, part in zip(hosts[1:], parts):
             server = StateServer(host, Protocols(CONFIG.swarm.name).state, part.snapshot,
-                                 stage=part.stage, model_hash=CONFIG.model_hash(),
+                                 stage=part.stage, model_hash=model_hash_of(CONFIG),
                                  step=lambda part=part: part.step, weights_digest=part.digest,
                                  chunk_bytes=4096)
             server.start()
@@ -248,12 +249,12 @@ def test_a_stage_that_catches_up_is_waited_for(tmp_path: Path) -> None:
 
 def test_with_no_trainer_training_the_parts_saved_in_its_home_are_taken(tmp_path: Path) -> None:
     from swarmd.export.trainer_parts import SavedParts
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     saved = Part(TRAINERS_STAGE, 9, seed=4)
     home = tmp_path / "trainer"
     trainer_state.save(home, trainer_state.TrainerState(
-        step=9, model_hash=CONFIG.model_hash(), params=saved.module.state_dict(),
+        step=9, model_hash=model_hash_of(CONFIG), params=saved.module.state_dict(),
         optimizer=saved.optimizer.state_dict()))
 
     async def scenario() -> Any:

@@ -15,6 +15,7 @@ import torch
 
 from daemon_harness import start_swarm, stop_all
 from test_models_swarm import ENV, swarmd_train, text_data, tiny_llama
+from swarmd.models.registry import model_seam_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +30,7 @@ def held_out_loss(directory: Path, env: dict[str, str], data: Path) -> float:
     from swarmd.training.batches import make_batches
 
     config = load_config(None, env)
-    seam, tokenizer = config.model_seam()
+    seam, tokenizer = model_seam_of(config)
     batches = make_batches(config, tokenizer, data_path=data, batch=config.training.batch_size,
                            seq_len=min(config.model.seq_len, seam.max_seq_len),
                            val_batches=config.training.val_batches)

@@ -29,6 +29,7 @@ from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from swarmd.local.zygote import swarmd_popen
+from swarmd.models.registry import model_hash_of
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +141,7 @@ def test_every_protocol_survives_the_fuzzer_while_a_trainer_trains(daemons: Any,
                    "trainer": (row["peer_id"], tuple(row["addrs"]))}
         t0 = time.monotonic()
         outcomes = uvloop.run(asyncio.wait_for(
-            _attack(targets, config.swarm.name, config.model_hash()), 400))
+            _attack(targets, config.swarm.name, model_hash_of(config)), 400))
         attack_s = time.monotonic() - t0
         for name, seen in outcomes.items():
             bugs = [k for k in seen if k.startswith("internal_error:")]

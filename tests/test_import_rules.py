@@ -6,6 +6,9 @@
   error types), and reads no clock or global random state: time and randomness are
   parameters (``now``, ``rng: random.Random``), so the daemon and the simulators run the same
   code.
+* The packages of ``swarmd`` form one order (``LAYERS``, bottom first): a package imports only
+  packages below it, never one above it nor one on its own level. Every import counts: those
+  inside functions and under ``if TYPE_CHECKING:`` too (``ast.walk`` reads the whole tree).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ CORES = frozenset({
     "transport.lowbit",
     "transport.relay.policy",
     "swarmd.links",
-    "swarmd.node.addresses",
+    "swarmd.addresses",
     "swarmd.node.reachability",
     "swarmd.pipeline.wiring",
     "swarmd.pipeline.wiring_config",
@@ -81,6 +84,31 @@ CLOCK_CALLS = {"time": {"time", "monotonic", "perf_counter", "time_ns", "monoton
 RANDOM_ALLOWED = {"Random"}
 
 
+#: swarmd's packages (and top-level modules), bottom first; a package imports only packages on
+#: a lower level (docs/architecture.md, "Layers"). ``swarmd`` is the package's own
+#: ``__init__`` (``swarmd.train``), so it sits on top.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(f"swarmd.{p}" if p != "swarmd" else p
+                                                     for p in level.split()) for level in (
+    "errors version",
+    "files links protocols peer_states runfiles addresses",
+    "data",
+    "config",
+    "training",
+    "models",
+    "api",
+    "averaging",
+    "balancing",
+    "membership",
+    "state",
+    "pipeline",
+    "manifest",
+    "node",
+    "export",
+    "trainer",
+    "local",
+    "cli",
+    "__main__ swarmd",
+))
 @dataclass(frozen=True)
 class Violation:
     module: str
@@ -211,3 +239,70 @@ def test_the_checker_passes_what_a_core_may_do():
               "def f(now: float, rng: random.Random) -> float:\n    return rng.random() + now\n")
     assert check_source(source, "swarmd.pipeline.wiring", core=True,
                         known=frozenset(tree_modules())) == []
+
+
+# ---- the packages' order (LAYERS) -------------------------------------------------------------
+
+def level_of(module: str) -> int:
+    """The level in ``LAYERS`` of the package that holds ``module`` (a ``swarmd`` module)."""
+    parts = module.split(".")
+    package = ".".join(parts[:2])
+    for level, packages in enumerate(LAYERS):
+        if package in packages:
+            return level
+    return len(LAYERS) - 1 if parts == ["swarmd"] or package not in _packages() else -1
+
+
+def _packages() -> frozenset[str]:
+    return frozenset(".".join(m.split(".")[:2]) for m in tree_modules() if m.startswith("swarmd"))
+
+
+def back_edges(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) of every import in ``source`` (the text of ``module``) of a
+    module on the same level as ``module``'s package or above it, other than its own package."""
+    if not module.startswith("swarmd"):
+        return []
+    own = ".".join(module.split(".")[:2])
+    package = module if module == "swarmd" else module.rpartition(".")[0]
+    if source and tree_modules().get(module, Path()).name == "__init__.py":
+        package = module
+    known, found = tree_modules(), {}
+    for line, name in imports(ast.parse(source), package):
+        if name.split(".")[0] != "swarmd" or ".".join(name.split(".")[:2]) == own:
+            continue
+        while name not in known and "." in name:  # "swarmd.node.home.KEY_FILE": a name in it
+            name = name.rpartition(".")[0]
+        if level_of(name) >= level_of(module):
+            found.setdefault(name, line)
+    return [(line, name) for name, line in found.items()]
+
+
+def test_every_package_has_a_level():
+    placed = frozenset().union(*LAYERS)
+    assert _packages() <= placed | {"swarmd"}, sorted(_packages() - placed)
+    assert all(level_of(m) >= 0 for m in tree_modules() if m.startswith("swarmd"))
+
+
+def test_packages_import_only_packages_below_them():
+    found = sorted(f"{module}:{line} imports {name} (not below it in LAYERS)"
+                   for module, path in tree_modules().items()
+                   for line, name in back_edges(path.read_text(encoding="utf-8"), module))
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("source, module", [
+    ("from swarmd.node.home import load_identity\n", "swarmd.membership.service"),
+    ("def f():\n    from swarmd.pipeline.server import StageServer\n", "swarmd.state.keeper"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from swarmd.config import Config\n",
+     "swarmd.data.pipeline"),
+    ("from swarmd.files import write_atomic\n", "swarmd.errors"),  # the same level
+    ("from swarmd import train\n", "swarmd.cli.local"),  # the package's facade is on top
+])
+def test_the_checker_finds_an_import_against_the_order(source: str, module: str):
+    assert back_edges(source, module), source
+
+
+def test_the_checker_passes_imports_down_the_order():
+    source = ("from swarmd.errors import ConfigError\nfrom swarmd.state import keeper\n"
+              "from . import wiring\nfrom swarmd.pipeline.router import Router\n")
+    assert back_edges(source, "swarmd.pipeline.server") == []

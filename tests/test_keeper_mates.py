@@ -19,6 +19,7 @@ from swarmd.membership import Announcement, PeerState, View, ViewConfig, encode_
 from swarmd.membership.service import MembershipService
 from swarmd.node.stage_setup import build_keeper
 from swarmd.state.encoding import capture
+from swarmd.models.registry import model_hash_of
 
 CONFIG = load_config(None, {})
 ME, MATE, OTHER = "12D3KooWme", "12D3KooWmate", "12D3KooWother"
@@ -46,7 +47,7 @@ class _Membership:
     def __init__(self) -> None:
         self.host = _Host()
         self._wall = time.time
-        self.view = View(ViewConfig(stages=CONFIG.swarm.stages, model_hash=CONFIG.model_hash()),
+        self.view = View(ViewConfig(stages=CONFIG.swarm.stages, model_hash=model_hash_of(CONFIG)),
                          _verify)
         self.has_view = asyncio.Event()
 
@@ -54,7 +55,7 @@ class _Membership:
         now = time.time()
         ann = Announcement(peer_id=pid, addrs=("/ip4/127.0.0.1/tcp/1",), stage=stage,
                            state=state, throughput=1.0, queue=0, version="0",
-                           model_hash=CONFIG.model_hash(), timestamp=now, period=60.0, step=step)
+                           model_hash=model_hash_of(CONFIG), timestamp=now, period=60.0, step=step)
         assert self.view.apply(encode_signed(ann, _sign(pid)), now).outcome in ("added",
                                                                                  "updated")
 
@@ -90,7 +91,7 @@ def _keeper(membership: _Membership, *, bootstrapping: bool = True,
     keeper.asked = []
     module = torch.nn.Linear(4, 4)
     state = capture(module, torch.optim.AdamW(module.parameters()), stage=1, step=6,
-                    model_hash=CONFIG.model_hash())
+                    model_hash=model_hash_of(CONFIG))
 
     async def fetch(peers: Any, *, newer_than: Any) -> Any:
         keeper.asked.append([p for p, _ in peers])

@@ -16,6 +16,7 @@ from transport.errors import LocalUsageError
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from swarmd.local.zygote import swarmd_run
+from swarmd.models.registry import model_seam_of
 
 MB = 1_000_000
 ECHO = "/test/limits/sink/1"
@@ -422,7 +423,7 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
     """Two peers serve the one stage, one of them with its upload capped: training loses
     nothing, the capped peer carries microbatches, its upload bucket throttled them, and what
     its stage-mate sees it announce is within what the cap can carry."""
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     base = {k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")}
     cap = 200_000
@@ -442,7 +443,7 @@ def test_training_goes_through_an_upload_capped_peer_that_announces_its_capped_r
         assert upload["bytes_s"] == cap and upload["throttled_bytes"] > 0
         from swarmd.node.host_options import upload_bytes_per_sample
 
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         most = cap / upload_bytes_per_sample(config, seam)
         assert status["limits"]["announced_throughput"] <= most
         # what it announces is taken from what averaging left of its cap, which it measured
@@ -473,7 +474,7 @@ def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_sta
     routing ceiling (their product), the rate routing uses (that, at most twice its hop rate)
     and that the cap binds; ``swarmd peers`` prints the same."""
     from swarmd.node.host_options import upload_bytes_per_sample
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     base = {**{k: v for k, v in DAEMON_ENV.items() if not k.startswith("SWARMD_LIMITS_")},
             "SWARMD_SWARM_STAGES": "2", "SWARMD_SWARM_NAME": "limits-peers"}
@@ -499,7 +500,7 @@ def test_peers_shows_the_wiring_s_ceiling_and_compute_share_of_a_capped_next_sta
         run(2)  # it measures its compute, then announces what its cap carries
         wait_until(lambda: announced() > 0, 60, "the capped peer's announcement in stage 0's view")
         run(2)  # stage 0's router now holds it to that
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         most = cap / upload_bytes_per_sample(config, seam)
         row = next(p for p in first.get("/api/v0/peers") if p["peer_id"] == capped.peer_id)
         assert row["stage"] == 1 and row["routing"] == "ok" and row["measured"] is True

@@ -24,6 +24,7 @@ from swarmd.manifest.document import Manifest, TokenizerRef, decode, file_sha256
 from swarmd.manifest.local import (MANIFEST_FILE, MODEL_DIR, adopt, keep, kept, manifest_of,
                                    own_keys, validate)
 from swarmd.manifest.settle import conflict_text, differences, settle
+from swarmd.manifest.local import swarm_manifest
 
 LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -61,7 +62,7 @@ def test_a_manifest_is_canonical_hashed_and_round_trips(tmp_path: Path) -> None:
     assert "architectures" not in manifest.hf_config
     assert manifest.tokenizer == TokenizerRef(sha256=file_sha256(data), size=len(data))
     assert "llama, 4 layers of width 32" in manifest.model_text()
-    builtin = load_config(None, {}).manifest()
+    builtin = swarm_manifest(load_config(None, {}))
     assert builtin.kind == "builtin" and builtin.tokenizer is None
     assert builtin.hash != manifest.hash
 
@@ -124,7 +125,7 @@ def test_settings_that_are_no_valid_configuration_are_refused(tmp_path: Path) ->
 def test_a_volunteer_with_no_settings_takes_everything(tmp_path: Path) -> None:
     _, swarm, _ = founder(tmp_path)
     mine = load_config(None, {})
-    ours = mine.manifest()
+    ours = swarm_manifest(mine)
     assert own_keys(mine, ours) == frozenset()
     outcome = settle(ours, own_keys(mine, ours), swarm)
     assert outcome.ok
@@ -135,7 +136,7 @@ def test_own_settings_that_differ_are_named_one_line_each(tmp_path: Path) -> Non
     _, swarm, _ = founder(tmp_path)
     mine = load_config(None, {"SWARMD_TRAINING_LR": "0.01", "SWARMD_WIRE_CODEC": "fp16",
                               "SWARMD_MODEL_WIDTH": "64"})
-    ours = mine.manifest()
+    ours = swarm_manifest(mine)
     outcome = settle(ours, own_keys(mine, ours), swarm)
     lines = [d.line() for d in outcome.conflicts]
     assert lines == ["model = 'the built-in GPT' here, 'a Hugging Face model (model.hf)' in "
@@ -150,7 +151,7 @@ def test_an_own_copy_of_another_model_names_each_config_key(tmp_path: Path) -> N
     other = hf_dir(tmp_path / "wide", {**LLAMA, "hidden_size": 64, "transformers_version": "1"},
                    tokenizer=b'{"a tokenizer": 1}')
     mine = load_config(None, {"SWARMD_MODEL_HF": str(other)})
-    ours = mine.manifest()
+    ours = swarm_manifest(mine)
     outcome = settle(ours, own_keys(mine, ours), swarm)
     assert [d.line() for d in outcome.conflicts] == [
         "config.json hidden_size = 64 here, 32 in the swarm"]
@@ -167,7 +168,7 @@ def test_adopting_writes_the_model_and_tokenizer_and_gives_the_swarms_manifest(
     _, swarm, data = founder(tmp_path)
     home = tmp_path / "home"
     mine = load_config(None, {"SWARMD_MODEL_THREADS": "1"})
-    outcome = settle(mine.manifest(), own_keys(mine, mine.manifest()), swarm)
+    outcome = settle(swarm_manifest(mine), own_keys(mine, swarm_manifest(mine)), swarm)
     result = adopt(mine, swarm, data, home, outcome.adopted)
     assert result.model.hf == str(home / MODEL_DIR) and result.model.threads == 1
     assert (home / MODEL_DIR / "tokenizer.json").read_bytes() == data

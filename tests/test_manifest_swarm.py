@@ -88,7 +88,7 @@ class _Training:
 
     def __init__(self, bootstrap: str, env: dict[str, str], data: Path) -> None:
         from swarmd.config import load_config
-        from swarmd.training.run import train
+        from swarmd.trainer.run import train
 
         self.enough = threading.Event()
         self.result: Any = None

@@ -18,11 +18,12 @@ from transport import identity
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from transport.signing import signer
+from swarmd.models.registry import model_hash_of
 
 pytestmark = pytest.mark.integration
 
 SWARM = "swarmd-default"
-MODEL = load_config(None, env={}).model_hash()
+MODEL = model_hash_of(load_config(None, env={}))
 PUSH = f"/swarmd/{SWARM}/1/announce"
 
 

@@ -12,12 +12,16 @@ import pytest
 from swarmd.config import load_config
 from swarmd.errors import BadPeerMessage
 from swarmd.membership.service import LocalState, MembershipService
+from swarmd.node.interfaces import interface_ips
 from transport import identity
 from transport.host import Host, HostOptions
+from swarmd.manifest.local import swarm_manifest
 
 pytestmark = pytest.mark.integration
 
 CONFIG = load_config(None, env={})
+#: what the daemon passes a membership service: its manifest's hash, its interfaces
+PASSED: dict[str, Any] = {"manifest": swarm_manifest(CONFIG).hash, "interfaces": interface_ips}
 
 
 async def until(what: str, seconds: float, check: Any) -> None:
@@ -38,7 +42,7 @@ def test_a_peer_everyone_expired_while_its_pulls_failed_comes_back() -> None:
         opts = HostOptions(pubsub=None)  # pulls alone: gossip would hide the hole
         async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
             hosts = [a, b, c]
-            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"))
+            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
                    for h, i, s in zip(hosts, ids, (0, 1, 1))]
             async with mss[0] as ma, mss[1] as mb, mss[2] as mc:
                 await a.dial(b.addrs[0])
@@ -78,7 +82,7 @@ def test_a_joiner_whose_loop_was_held_still_finds_its_stages_mates() -> None:
         ids = [identity.generate() for _ in range(2)]
         opts = HostOptions(pubsub=None)
         async with Host(ids[0], opts) as a, Host(ids[1], opts) as b:
-            mss = [MembershipService(h, i, CONFIG, lambda: LocalState(0, "online"))
+            mss = [MembershipService(h, i, CONFIG, lambda: LocalState(0, "online"), **PASSED)
                    for h, i in zip((a, b), ids)]
             async with mss[0] as ma, mss[1]:
                 await a.dial(b.addrs[0])
@@ -107,7 +111,7 @@ def test_a_wall_clock_step_does_not_move_the_announcement_schedule() -> None:
         offset = [0.0]
         ids = [identity.generate()]
         async with Host(ids[0], HostOptions(pubsub=None)) as a:
-            m = MembershipService(a, ids[0], CONFIG, lambda: LocalState(0, "online"),
+            m = MembershipService(a, ids[0], CONFIG, lambda: LocalState(0, "online"), **PASSED,
                                   wall=lambda: time.time() + offset[0])
             async with m:
                 await until("a first announcement", 30,

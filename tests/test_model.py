@@ -1,4 +1,4 @@
-"""swarmd.training.model: stage slicing, deterministic init, and the exactness of pipeline gradients;
+"""swarmd.models.gpt: stage slicing, deterministic init, and the exactness of pipeline gradients;
 the [model] configuration keys."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 
 from swarmd import config as C
 from swarmd.config import Config, ConfigError, load_config
-from swarmd.training.model import (
+from swarmd.models.gpt import (
     Embedding, FullModel, Head, ModelConfig, Stage, build_embedding, build_head, build_stage,
     resolve_device, resolve_dtype, stage_layers,
 )
+from swarmd.models.registry import model_config_of
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
@@ -166,7 +167,7 @@ def test_init_ignores_and_keeps_global_rng():
 
 def test_init_is_identical_in_another_process(tmp_path):
     out = tmp_path / "stage.pt"
-    code = ("import torch; from swarmd.training.model import ModelConfig, build_stage, build_head; "
+    code = ("import torch; from swarmd.models.gpt import ModelConfig, build_stage, build_head; "
             "c = ModelConfig(width=32, heads=4, layers=4, seq_len=16); "
             f"torch.save({{'hash': c.model_hash(), 'stage': build_stage(c, 1, 2, 3).state_dict(), "
             f"'head': build_head(c, 3).state_dict()}}, {str(out)!r})")
@@ -262,15 +263,15 @@ def test_a_few_steps_learn():
 # ---------------------------------------------------------------------------- configuration
 
 def test_model_config_from_config():
-    assert Config().model_config() == ModelConfig()
+    assert model_config_of(Config()) == ModelConfig()
     config = load_config(None, {"SWARMD_MODEL_LAYERS": "8"},
                          {"model.share_layers": 2, "model.width": 64, "model.heads": 8,
                           "model.seq_len": 256, "model.dtype": "bfloat16",
                           "model.device": "cuda:1"})
-    assert config.model_config() == ModelConfig(width=64, heads=8, layers=8, seq_len=256,
+    assert model_config_of(config) == ModelConfig(width=64, heads=8, layers=8, seq_len=256,
                                                 share_layers=2)
     assert config.model.dtype == "bfloat16" and config.model.device == "cuda:1"
-    assert isinstance(config.model_config(), ModelConfig)
+    assert isinstance(model_config_of(config), ModelConfig)
     assert config.training.batch_size == 8 and config.training.lr == 3e-3
     assert config.training.seed == 0
 

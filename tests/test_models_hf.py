@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from swarmd.models.hf import HFCausalLM  # noqa: E402
 from swarmd.models.weights import Checkpoint  # noqa: E402
+from swarmd.models.registry import model_seam_of
 
 VOCAB, T, B = 101, 12, 3
 
@@ -104,7 +105,7 @@ def split_loss(trainer, stages, x, y, *, handover=lambda t: t):  # type: ignore[
 
 def over_the_wire(t: torch.Tensor) -> torch.Tensor:
     """What a hop with codec none does: wire_tensor, encode, bytes, decode."""
-    from swarmd.training.model import wire_tensor
+    from swarmd.models.gpt import wire_tensor
     from transport import codecs
     from transport.limits import Limits
 
@@ -242,12 +243,12 @@ def test_model_hf_takes_its_directorys_tokenizer_unless_data_tokenizer_says_othe
     transformers.AutoModelForCausalLM.from_config(
         llama_config(vocab_size=300)).config.save_pretrained(model)
     plain = load_config(None, {"SWARMD_MODEL_HF": str(model)}, {})
-    assert isinstance(plain.model_seam()[1], ByteTokenizer)  # no tokenizer.json: bytes
+    assert isinstance(model_seam_of(plain)[1], ByteTokenizer)  # no tokenizer.json: bytes
     path = train_bpe(["some text to learn from, " * 50, "more words here"], 280, model)
     config = load_config(None, {"SWARMD_MODEL_HF": str(model), "SWARMD_SWARM_NAME": "hf-tok"},
                          {})
-    seam, tok = config.model_seam()  # what `swarmd train` and `swarmd join` use
+    seam, tok = model_seam_of(config)  # what `swarmd train` and `swarmd join` use
     assert isinstance(tok, BPETokenizer) and tok.path == path
     forced = load_config(None, {"SWARMD_MODEL_HF": str(model), "SWARMD_DATA_TOKENIZER": "bytes",
                                 "SWARMD_SWARM_NAME": "hf-bytes"}, {})
-    assert isinstance(forced.model_seam()[1], ByteTokenizer)
+    assert isinstance(model_seam_of(forced)[1], ByteTokenizer)

@@ -21,7 +21,7 @@ from swarmd.models.builtin import BuiltinGPT, checkpoint_names
 from swarmd.models.registry import make_seam, resolve_factory
 from swarmd.models.seam import ModelSeam, check_fingerprint, split_evenly
 from swarmd.models.weights import Checkpoint
-from swarmd.training.model import FullModel, ModelConfig
+from swarmd.models.gpt import FullModel, ModelConfig
 
 CONFIG = ModelConfig(vocab=64, width=32, heads=4, layers=4, seq_len=16)
 

@@ -117,7 +117,7 @@ def test_a_trainer_of_another_dtype_is_refused_naming_the_dtype(tmp_path: Path,
 
 def test_a_trainer_killed_with_sigkill_resumes_its_step_data_and_weights(
         tmp_path: Path, bf16_swarm: Any) -> None:
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     data = text_data(tmp_path / "data")
     env = BF16_ENV

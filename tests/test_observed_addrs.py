@@ -1,5 +1,5 @@
 """Observed addresses (issue 12, "Addresses"): identify tells each peer where the other sees it;
-``transport.observed`` passes that on, ``swarmd.node.addresses`` turns it into our listen port
+``transport.observed`` passes that on, ``swarmd.addresses`` turns it into our listen port
 at the observed IP and believes it only once several distinct peers agree, and
 ``swarmd.node.nat`` announces it. Pure parts, real hosts on loopback, and the NAT lab (the NATed
 host learns its gateway's public address; skipped, with the reason, where the lab cannot run).
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarmd.node.addresses import ObservedAddresses, at_listen_port  # noqa: E402
+from swarmd.addresses import ObservedAddresses, at_listen_port  # noqa: E402
 
 
 def test_an_observed_address_takes_our_listen_port() -> None:

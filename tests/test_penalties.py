@@ -33,6 +33,7 @@ from transport.errors import PeerUnavailable, RemoteError
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from transport.signing import signer
+from swarmd.models.registry import model_config_of, model_hash_of
 
 PEERS = {"a": (1.0, 0), "b": (1.0, 0), "bad": (1.0, 0)}
 
@@ -256,7 +257,7 @@ def test_a_daemon_bans_a_peer_that_sends_a_wrong_shaped_backward_and_shows_why(
 
     wait_until(d1_online, 60, "d0 to see the honest stage-1 peer d1 online")
     config = load_config(None, {**os.environ, **ENV})
-    width, model = config.model_config().width, config.model_hash()
+    width, model = model_config_of(config).width, model_hash_of(config)
     proto = Protocols(config.swarm.name)
     pipe = proto.pipeline()
     outcomes: dict[str, list[str]] = {"forwards": [], "backward": []}
@@ -350,8 +351,8 @@ def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None
     """In this process over real libp2p: a one-stage swarm whose peer sends its result once
     with a wrong shape, then right; the trainer takes the right one and bans that peer as a
     violator in its wiring."""
-    from swarmd.pipeline.trainer import Trainer
-    from swarmd.training.model import ModelConfig
+    from swarmd.trainer.trainer import Trainer
+    from swarmd.models.gpt import ModelConfig
     from transport.codecs import CodecSpec
 
     cfg = ModelConfig(width=32, heads=2, layers=2, seq_len=16)

@@ -17,12 +17,13 @@ import uvloop
 from daemon_harness import ROOT, wait_until
 from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
-from swarmd.training.run import train
+from swarmd.trainer.run import train
 from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from swarmd.local.zygote import swarmd_run
+from swarmd.models.registry import model_config_of, model_hash_of
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +91,7 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
         two_stages: Any) -> None:
     d0, _ = two_stages
     config = load_config(None, {**os.environ, **ENV})
-    width = config.model_config().width
+    width = model_config_of(config).width
     forward = "/swarmd/pipeline-test/1/forward"
     backward = "/swarmd/pipeline-test/1/backward"
 
@@ -98,7 +99,7 @@ def test_bad_pipeline_requests_get_typed_errors_and_the_daemon_keeps_serving(
 
     def meta(**over: Any) -> dict[str, Any]:
         m = {"mb": "t/1", "stage": 0, "step": 0, "path": [], "trainer": me.peer_id, "model":
-             config.model_hash()}
+             model_hash_of(config)}
         m.update(over)
         return m
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import uvloop
 
-from swarmd.training.model import FullModel, ModelConfig
+from swarmd.models.gpt import FullModel, ModelConfig
 from swarmd.pipeline.server import StageServer
-from swarmd.pipeline.trainer import Trainer
+from swarmd.trainer.trainer import Trainer
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.host import Host, HostOptions

@@ -20,14 +20,15 @@ from swarmd.errors import StageBusy
 from swarmd.local.demo import DEMO_ENV
 from swarmd.pipeline.handlers import TRAINER_WAIT_S
 from swarmd.pipeline.server import StageServer
-from swarmd.pipeline.trainer import Trainer
+from swarmd.trainer.trainer import Trainer
 from swarmd.protocols import Protocols
-from swarmd.training.model import ModelConfig
+from swarmd.models.gpt import ModelConfig
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.errors import RemoteError
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.models.registry import model_config_of, model_hash_of
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +53,7 @@ def test_a_daemon_refuses_bad_forwards_and_backwards_and_dials_no_unannounced_tr
         daemons: Any) -> None:
     (d1,) = daemons(1)  # the last of two stages; stage 0 is the hostile peer below
     config = load_config(None, {**os.environ, **ENV})
-    width, model = config.model_config().width, config.model_hash()
+    width, model = model_config_of(config).width, model_hash_of(config)
     proto = Protocols(config.swarm.name).pipeline()
 
     async def scenario() -> None:

@@ -12,8 +12,8 @@ import torch
 import uvloop
 
 from swarmd.pipeline.server import StageServer
-from swarmd.pipeline.trainer import Trainer
-from swarmd.training.model import ModelConfig
+from swarmd.trainer.trainer import Trainer
+from swarmd.models.gpt import ModelConfig
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.host import Host, HostOptions

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarmd.models.builtin import BuiltinGPT
-from swarmd.training.model import ModelConfig
+from swarmd.models.gpt import ModelConfig
 from swarmd.training.optim import lr_at, make_optimizer
 from swarmd.training.precision import LossScaler, MasterWeights
 

@@ -26,7 +26,7 @@ from daemon_harness import DaemonProcess, start_swarm, stop_all, wait_until
 from swarmd.config import load_config
 from swarmd.local.demo import DEMO_ENV
 from swarmd.state.checkpoint import load_checkpoint
-from swarmd.training.run import train
+from swarmd.trainer.run import train
 from swarmd.local.zygote import swarmd_popen
 
 pytestmark = pytest.mark.integration

@@ -26,6 +26,7 @@ import torch
 from daemon_harness import ROOT, DaemonProcess, start_swarm, stop_all, wait_until
 from test_models_swarm import swarmd_train, text_data
 from swarmd.local.zygote import swarmd_popen
+from swarmd.models.registry import model_hash_of, model_seam_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # four daemon starts and a run
 
@@ -52,9 +53,9 @@ def saved_step(home: Path, stage: int) -> int:
 def weights_digest(config: Any, stage: int, params: dict[str, torch.Tensor]) -> str:
     """What a daemon serving ``stage`` with these weights reports as ``params_digest``
     (``Stepper.fingerprint``: its parameters' bytes in module order)."""
-    from swarmd.training.model import tensor_bytes
+    from swarmd.models.gpt import tensor_bytes
 
-    module = config.model_seam()[0].build_stage(stage, config.swarm.stages)
+    module = model_seam_of(config)[0].build_stage(stage, config.swarm.stages)
     h = hashlib.blake2b(digest_size=16)
     for name, _ in module.named_parameters():
         h.update(tensor_bytes(params[name]))
@@ -64,7 +65,7 @@ def weights_digest(config: Any, stage: int, params: dict[str, torch.Tensor]) -> 
 def test_a_swarm_and_its_trainer_killed_with_sigkill_resume_from_their_saved_state(
         tmp_path: Path) -> None:
     from swarmd.config import load_config
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     config = load_config(None, ENV)
     data = text_data(tmp_path / "data")
@@ -147,12 +148,12 @@ def test_a_daemon_placed_away_from_its_checkpoint_offers_it_to_that_stages_peer(
     env = {**ENV, "SWARMD_SWARM_NAME": "offer-swarm", "SWARMD_BALANCING_ENABLED": "false"}
     config = load_config(None, env)
     # the moved daemon's home: a checkpoint of stage 0 at step 7, trained weights
-    module = config.model_seam()[0].build_stage(0, 2, seed=config.training.seed)
+    module = model_seam_of(config)[0].build_stage(0, 2, seed=config.training.seed)
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.01)
     optimizer = SwarmOptimizer(module.parameters(), OptimSettings.from_config(config.training))
-    state = capture(module, optimizer, stage=0, step=7, model_hash=config.model_hash())
+    state = capture(module, optimizer, stage=0, step=7, model_hash=model_hash_of(config))
     save_checkpoint(checkpoint_dir(tmp_path / "moved"), state)
     expected = weights_digest(config, 0, state.params)
     daemons: list[Any] = []

@@ -34,10 +34,10 @@ import uvloop
 
 from swarmd.averaging.allreduce import Averager, protocol_id
 from swarmd.training.data import load_corpus
-from swarmd.training.model import ModelConfig
+from swarmd.models.gpt import ModelConfig
 from swarmd.pipeline.server import StageServer
 from swarmd.averaging.stage_sync import SyncSettings
-from swarmd.pipeline.trainer import Trainer
+from swarmd.trainer.trainer import Trainer
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.host import Host, HostOptions

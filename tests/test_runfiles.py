@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from swarmd.errors import HomeError
-from swarmd.node.runfiles import API_FILE, HomeLock, remove_api_file, write_api_file
+from swarmd.runfiles import API_FILE, HomeLock, remove_api_file, write_api_file
 
 
 def test_second_lock_on_the_same_home_is_refused_with_the_holders_pid(tmp_path: Path) -> None:
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, pathlib; sys.path.insert(0, %r);"
-        "from swarmd.node.runfiles import HomeLock;"
+        "from swarmd.runfiles import HomeLock;"
         "l = HomeLock(pathlib.Path(%r)); l.acquire(); print('locked', flush=True);"
         "sys.stdin.read()") % (str(Path(__file__).parents[1]), str(tmp_path))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -26,6 +26,7 @@ from transport import identity
 from transport.errors import RemoteError
 from transport.frames import Message
 from transport.host import Host, HostOptions
+from swarmd.models.registry import model_config_of, model_hash_of
 
 
 def _held(owner: str, n: int, since: float, start: int = 0) -> list[Held]:
@@ -138,7 +139,7 @@ def test_hostile_identities_filling_every_saved_slot_do_not_lock_an_honest_train
     a hostile microbatch whose slot was taken gets unknown_microbatch."""
     (d0,) = daemons(0)
     config = load_config(None, {**os.environ, **ENV})
-    model, width = config.model_hash(), config.model_config().width
+    model, width = model_hash_of(config), model_config_of(config).width
     per = BudgetConfig().max_saved
 
     async def scenario() -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from swarmd.training import run
+from swarmd.trainer import run
 
 
 class _Trainer:

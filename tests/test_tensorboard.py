@@ -139,7 +139,7 @@ def test_a_training_run_writes_its_curves_and_keeps_the_metrics_lines(tmp_path: 
     from daemon_harness import start_swarm, stop_all
     from swarmd.config import load_config
     from swarmd.local.demo import DEMO_ENV
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
            "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "tensorboard-test",

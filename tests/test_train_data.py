@@ -1,4 +1,4 @@
-"""`swarmd train`'s side of the data (swarmd.training.run): the held-out loss evaluated at the
+"""`swarmd train`'s side of the data (swarmd.trainer.run): the held-out loss evaluated at the
 start, every training.eval_every steps and at the end, each evaluation a metrics line and a
 progress line; the data shard in every step's metrics line; batches drawn from the pipeline."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from data_helpers import number_corpus, open_numbers
-from swarmd.training import run
+from swarmd.trainer import run
 
 
 class _Trainer:

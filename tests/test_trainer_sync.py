@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
-from swarmd.training.trainer_sync import TRAINERS_STAGE, TrainerSync
+from swarmd.trainer.trainer_sync import TRAINERS_STAGE, TrainerSync
 
 
 class _Host:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import DaemonProcess, wait_until
-from swarmd import __version__
+from swarmd.version import __version__
 from swarmd.local import zygote
 from swarmd.local.zygote import Forked, swarmd_popen, swarmd_run
 

@@ -116,13 +116,14 @@ def run(cap: int, seconds: float, streams: int, reference_s: float) -> dict[str,
 def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
     """Two daemons of one stage, one capped; a trainer trains through them (real processes).
     The stage averages every ``average_every`` trainer steps' samples (its target batch)."""
+    from swarmd.models.registry import model_seam_of
     import os
     import tempfile
 
     from swarmd.config import load_config
     from swarmd.local.demo import DEMO_ENV
     from swarmd.local.swarm import DaemonProcess, stop_all, wait_until
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     env = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
            "SWARMD_SWARM_STAGES": "1", "SWARMD_SWARM_NAME": "bench-limits"}
@@ -152,7 +153,7 @@ def routing(cap: int, steps: int, average_every: int = 20) -> dict[str, Any]:
             stop_all(started)
     from swarmd.node.host_options import upload_bytes_per_sample
 
-    seam, _ = config.model_seam()
+    seam, _ = model_seam_of(config)
     report = _routing_report(cap, steps, result.lost, rows, limits,
                              upload_bytes_per_sample(config, seam), config.training.batch_size,
                              hops.events)

@@ -9,13 +9,13 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 
 - ``swarm_tokens_per_s``: a local swarm of 2 stages with one peer each (two ``swarmd join``
   processes, ``swarmd.local.swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
-  wire codec, driven by ``swarmd.training.run.train()`` in this process (the trainer: embedding,
+  wire codec, driven by ``swarmd.trainer.run.train()`` in this process (the trainer: embedding,
   head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, pipelined: as many in flight as the trainer measures it needs, ``Trainer.train``).
   Every process of the swarm runs one torch thread (``model.threads = 1``, as in
   ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
   ``--trainer-threads`` override it). The first ``warmup_steps`` steps (connections, stream pool,
   allocator, first optimizer steps) are not measured.
-- ``single_tokens_per_s``: the reference. ``swarmd.training.model.FullModel`` (embedding, both stages,
+- ``single_tokens_per_s``: the reference. ``swarmd.models.gpt.FullModel`` (embedding, both stages,
   head) trained with AdamW on the same microbatches (the same corpus and the same seeded
   ``torch.Generator`` as ``train()``: the very same batches in the same order, from the same
   initial weights; ``swarm.window_mean_loss`` and ``single.window_mean_loss`` agree to 1e-3
@@ -26,7 +26,7 @@ on the same machine, with the same model, data, batch size, microbatches per ste
   driven over a pipe; it warms up before the daemons start.
 - Interleaving: the machine is shared and its load drifts, so the two are measured in
   alternating blocks (``blocks`` x ``block_steps`` steps each): at every block boundary the
-  wrapped trainer (``swarmd.pipeline.trainer.Trainer`` is replaced by a subclass for the run: ``train()``
+  wrapped trainer (``swarmd.trainer.trainer.Trainer`` is replaced by a subclass for the run: ``train()``
   imports it at call time) pauses between two steps, when nothing of the pipeline is in flight,
   and the reference runs one block while the swarm idles. Throughputs are totals over the
   blocks (batch sampling included on both sides, validation excluded); ``ratio`` = swarm /
@@ -202,10 +202,12 @@ class SingleProcess:
     decay), run in blocks of steps with ``threads`` torch intra-op threads."""
 
     def __init__(self, config: Any, *, microbatches: int, threads: int) -> None:
+        from swarmd.models.registry import model_seam_of
+
         from swarmd.training.data import load_corpus
         from swarmd.training.optim import make_optimizer
 
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         self.seq = min(config.model.seq_len, seam.max_seq_len)
         self.batch = config.training.batch_size
         self.microbatches = microbatches
@@ -435,12 +437,14 @@ def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
 def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_steps: int,
         microbatches: int, trainer_threads: int | None = None,
         daemon_threads: int | None = None) -> dict[str, Any]:
+    from swarmd.models.registry import model_seam_of
+
     import torch
     import uvloop
 
-    import swarmd.pipeline.trainer
+    import swarmd.trainer.trainer
     from swarmd.local.swarm import DaemonProcess, stop_all
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     say(f"single process: starting, {warmup} warm-up steps")
     single = SingleClient(env, microbatches=microbatches, threads=2)
@@ -452,7 +456,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
         env = {**env, "OMP_NUM_THREADS": str(daemon_threads)}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-pipeline-") as root:
         daemons: list[DaemonProcess] = []
-        original = swarmd.pipeline.trainer.Trainer
+        original = swarmd.trainer.trainer.Trainer
         try:
             single.run(warmup, measured=False)
             t0 = time.monotonic()
@@ -475,7 +479,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                            lambda: [os.getpid(), single.pid, *(d.proc.pid for d in daemons)])
             probe.named_pids = {"trainer": os.getpid(), "stage0": first.proc.pid,
                                 "stage1": second.proc.pid}
-            swarmd.pipeline.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
+            swarmd.trainer.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
             result = uvloop.run(train(config, bootstrap=[first.addr], steps=marks[-1],
                                       microbatches=microbatches,
                                       progress=lambda s: say(f"train: {s}")))
@@ -484,7 +488,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                               for name, d in (("stage0", first), ("stage1", second))}
             daemon_pids = {"stage0": first.proc.pid, "stage1": second.proc.pid}
         finally:
-            swarmd.pipeline.trainer.Trainer = original
+            swarmd.trainer.trainer.Trainer = original
             stop_all(daemons)
             single.close()
 
@@ -513,7 +517,7 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
     received = {h: total("bytes_received", h) for h in hosts}
     messages = {h: total("messages_sent", h) for h in hosts}
     wire = sum(sent.values())
-    seam, _ = config.model_seam()
+    seam, _ = model_seam_of(config)
     width, seq = seam.width, min(config.model.seq_len, seam.max_seq_len)
     crossings = 2 * (config.swarm.stages + 1)
     fp32 = sw_tokens * width * 4 * crossings
@@ -578,6 +582,8 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
 
 def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int | None = None,
             daemon_threads: int | None = None) -> dict[str, Any]:
+    from swarmd.models.registry import model_seam_of
+
     from swarmd.config import load_config
 
     t0 = time.monotonic()
@@ -585,7 +591,7 @@ def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int 
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-model-") as model_root:
         env = bench_env(model, Path(model_root))
         config = load_config(None, {**os.environ, **env})
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         seq = min(config.model.seq_len, seam.max_seq_len)
         load_before = os.getloadavg()
         out = run(config, env, warmup=warmup, blocks=blocks, block_steps=block_steps,

@@ -114,9 +114,10 @@ def batches_of(config: Any, tokenizer: Any) -> Any:
     """The trainer's batches for ``config``, as ``swarmd train`` makes them for a trainer
     alone in its swarm (shard 0 of 1): the same held-out batches, the same order. Close it
     (a context manager: batches are made ahead on a thread)."""
+    from swarmd.models.registry import model_seam_of
     from swarmd.training.batches import make_batches
 
-    seq_len = min(config.model.seq_len, config.model_seam()[0].max_seq_len)
+    seq_len = min(config.model.seq_len, model_seam_of(config)[0].max_seq_len)
     data = make_batches(config, tokenizer, data_path=None, batch=config.training.batch_size,
                         seq_len=seq_len, val_batches=config.training.val_batches,
                         say=lambda line: say(f"data: {line}"))
@@ -145,12 +146,13 @@ def reference(p: Preset) -> dict[str, Any]:
 def reference_model(p: Preset) -> tuple[Any, Any, Any]:
     """(the preset's configuration, its tokenizer, the whole model in one process with the
     swarm's initial weights), torch set up as the reference runs."""
+    from swarmd.models.registry import model_seam_of
     import torch
 
     from bench_pipeline import whole_model
 
     config = load(p.env)
-    seam, tokenizer = config.model_seam()
+    seam, tokenizer = model_seam_of(config)
     # one thread, as each process of the swarm (model.threads): on 2 shared cores torch's
     # default two threads spin-wait for each other, 30x slower under load
     torch.set_num_threads(max(1, config.model.threads))
@@ -220,8 +222,9 @@ def _mean(values: list[float]) -> float:
 
 def data_rate(p: Preset, n: int = 500) -> dict[str, float]:
     """Batches the data pipeline prepares per second (``TrainData.measure_rate``)."""
+    from swarmd.models.registry import model_seam_of
     config = load(p.env)
-    _, tokenizer = config.model_seam()
+    _, tokenizer = model_seam_of(config)
     with batches_of(config, tokenizer) as batches:
         rate = batches.measure_rate(n)
     return {"batches_per_s": rate.batches_per_s}
@@ -232,12 +235,13 @@ def data_rate(p: Preset, n: int = 500) -> dict[str, float]:
 def swarm_weights_loss(p: Preset, stage_homes: list[Path], trainer_home: Path) -> float:
     """The final weights the stage daemons saved on shutdown and the trainer's state, put
     together into one model here and evaluated in float32 on the held-out batches."""
+    from swarmd.models.registry import model_seam_of
     from bench_pipeline import whole_model
     from swarmd.state.checkpoint import checkpoint_dir, load_checkpoint
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     config = load(p.env)
-    seam, tokenizer = config.model_seam()
+    seam, tokenizer = model_seam_of(config)
     model = whole_model(seam, STAGES, config.training.seed)
     for i, home in enumerate(stage_homes):
         state = load_checkpoint(checkpoint_dir(home), i)

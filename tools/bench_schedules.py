@@ -7,7 +7,7 @@
 
 Each run starts a fresh local swarm (2 stages, one ``swarmd join`` per stage on 127.0.0.1,
 the demo model, int8 on the wire, as ``tools/bench_pipeline.py``), trains ``--steps`` steps of
-``training.microbatches`` microbatches with ``swarmd.training.run.train()`` (within a repeat
+``training.microbatches`` microbatches with ``swarmd.trainer.run.train()`` (within a repeat
 the same seed: the same batches in the same order, the same initial weights) and reports the validation loss on
 the same fixed held-out batches before and after. The synchronous schedule (``sync``: a step's
 microbatches, then the step) is the reference; each pipelined run pins the number in flight
@@ -47,11 +47,13 @@ def say(text: str) -> None:
 
 def one_run(env: dict[str, str], steps: int, schedule: str,
             in_flight: int | None) -> dict[str, Any]:
+    from swarmd.models.registry import model_config_of
+
     import uvloop
 
     from swarmd.config import load_config
     from swarmd.local.swarm import DaemonProcess, stop_all
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     config = load_config(None, {**os.environ, **env})
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-schedules-") as root:
@@ -85,7 +87,7 @@ def one_run(env: dict[str, str], steps: int, schedule: str,
     tail = lines[len(lines) // 2:]
     return {"schedule": schedule, "in_flight": in_flight, "steps": result.steps,
             "tokens": result.steps * config.training.microbatches * config.training.batch_size
-            * config.model_config().seq_len,
+            * model_config_of(config).seq_len,
             "initial_val_loss": result.initial_val_loss, "final_val_loss": result.final_val_loss,
             "train_loss_last_half": sum(x["loss"] for x in tail) / max(1, len(tail)),
             "tokens_per_s": result.tokens_per_s, "restarted": result.restarted,

@@ -399,6 +399,7 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
             overrides: dict[str, str] | None = None, repeats: int = 1) -> dict[str, Any]:
     """``overrides``: configuration for the daemons and the trainer (``SWARMD_*``);
     ``repeats``: pipeline runs per profile (``pipeline_again``)."""
+    from swarmd.models.registry import model_config_of
     from bench_pipeline import bench_env
 
     from swarmd.config import load_config
@@ -408,7 +409,7 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
     env = {**bench_env("demo"), **(overrides or {})}
     env["SWARMD_SWARM_NAME"] = f"bench-wan-{secrets.token_hex(4)}"
     config = load_config(None, {**os.environ, **env})
-    mc = config.model_config()
+    mc = model_config_of(config)
     tokens_per_step = config.training.microbatches * config.training.batch_size * mc.seq_len
     steps, stream_s = (10, 2.0) if quick else (40, 6.0)
     results: dict[str, Any] = {}

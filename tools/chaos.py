@@ -154,12 +154,13 @@ def run_phase(name: str, *, minutes: float, seed: int, steps: int, chaos: bool,
               tmp: Path, fill: bool = False) -> dict[str, Any]:
     """One run (a lab of its own): the swarm, the trainers, the faults when ``chaos``. With
     ``fill``, ``steps`` is a cap and the trainers are stopped when the window ends."""
+    from swarmd.models.registry import model_hash_of
     t0 = time.monotonic()
     swarm_name = f"chaos-{name}-{secrets.token_hex(4)}"
     env = lab_env(swarm_name)
     from swarmd.config import load_config
 
-    model_hash = load_config(None, {**os.environ, **env}).model_hash()
+    model_hash = model_hash_of(load_config(None, {**os.environ, **env}))
     link = link_of(PROFILE)
     hosts = [HostSpec(name=h, link=link) for h in STAGE_HOSTS + TRAINER_HOSTS
              + (HOSTILE_HOST,)]

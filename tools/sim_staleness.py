@@ -55,6 +55,8 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
         beta1: float | None = None, lr_scale: float = 1.0, momentum: float = 0.0,
         dc: float = 0.0, late_lr: float = 1.0, late_stage: int | None = None,
         lr: float | None = None) -> float:
+    from swarmd.models.registry import model_seam_of
+
     import torch
 
     from bench_pipeline import whole_model
@@ -63,7 +65,7 @@ def run(steps: int, in_flight: int, gain: float, *, stages_only: bool, seed: int
     from swarmd.training.optim import lr_at, make_optimizer
 
     config = load_config(None, _env(lr))
-    seam, _ = config.model_seam()
+    seam, _ = model_seam_of(config)
     seq = min(config.model.seq_len, seam.max_seq_len)
     batch, per_step = config.training.batch_size, config.training.microbatches
     corpus = load_corpus(Path(config.data.path) if config.data.path else None,

@@ -6,7 +6,7 @@ port it mapped. py-libp2p 0.8.1 records these in its ``ObservedAddrManager`` (on
 connections: one seen over a relay names the relay) and offers no event, so :func:`watch`
 wraps that manager's ``record_observation`` and hands each report, as (observer peer id,
 multiaddr text), to ``deliver`` on the trio side. Nothing here believes a report: one peer can
-claim anything (``swarmd.node.addresses.ObservedAddresses`` confirms across peers).
+claim anything (``swarmd.addresses.ObservedAddresses`` confirms across peers).
 
 py-libp2p identifies a peer once (its protocols stay cached in the peerstore): a peer first
 reached through a relay, or again after our router restarted, would never report what it sees

@@ -1,7 +1,7 @@
 """How the CLI finds and talks to a running daemon.
 
 The daemon writes its HTTP API's URL to ``<home>/api`` once it is listening and removes the
-file when it exits (``swarmd.node.runfiles.write_api_file`` and ``remove_api_file``). The CLI reads
+file when it exits (``swarmd.runfiles.write_api_file`` and ``remove_api_file``). The CLI reads
 it (:func:`find_daemon`) and calls the API with :class:`DaemonClient`, a small synchronous
 client (urllib, 5 s timeouts, no proxies) that returns the same typed values the daemon serves.
 """
@@ -19,7 +19,7 @@ from typing import Any
 from swarmd.api.token import token_path
 from swarmd.api.types import ConnectedPeer, IdInfo, StatusInfo, SwarmInfo
 from swarmd.errors import DaemonReplyError, DaemonUnreachable, HomeError
-from swarmd.node.runfiles import API_FILE
+from swarmd.runfiles import API_FILE
 
 __all__ = ["TIMEOUT_S", "api_file_path", "find_daemon", "DaemonClient", "wait_gone"]
 

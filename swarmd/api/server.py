@@ -6,7 +6,7 @@ prints (``swarmd status`` is ``GET /api/v0/status``)::
     token = create_token(home)
     async with HttpApi(daemon, listen=config.http.listen, token=token,
                        allow_non_loopback=config.http.allow_non_loopback) as http:
-        write_api_file(home, http.url)   # swarmd.node.runfiles: the CLI finds the daemon by it
+        write_api_file(home, http.url)   # swarmd.runfiles: the CLI finds the daemon by it
         ...
 
 Routes::

@@ -20,7 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from swarmd import __version__
+from swarmd.version import __version__
 from swarmd.cli.client import (_daemon_arguments, _stop_arguments, cmd_peers, cmd_status,
                                cmd_stop, cmd_swarm, text_peers, text_status, text_stop,
                                text_swarm)

@@ -77,7 +77,7 @@ def _daemon_addrs(args: argparse.Namespace) -> list[str]:
 
 def _trainer_home(args: argparse.Namespace) -> Path | None:
     """``--home``, when it is a trainer's (its saved state is the parts' last resort)."""
-    from swarmd.training.trainer_state import state_path
+    from swarmd.state.trainer_state import state_path
 
     if args.home is None and "SWARMD_HOME" not in os.environ:
         return None

@@ -156,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> Any:
     import uvloop
 
     from swarmd.errors import ConfigError
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     if args.steps < 1:
         raise ConfigError("command line flag --steps: must be at least 1")

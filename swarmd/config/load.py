@@ -1,5 +1,9 @@
 """Loading swarmd's configuration: defaults < ``--config`` file < environment < flags.
 
+A :class:`Config` is settings only: the model it describes is built by
+``swarmd.models.registry`` (``model_seam_of``, ``model_hash_of``, ...), its manifest by
+``swarmd.manifest.local.swarm_manifest``.
+
 Every problem raises :class:`swarmd.errors.ConfigError` with one line naming the source (the
 file, ``environment variable SWARMD_...`` or ``command line flag``), the key, the bad value and
 what is expected. The sections themselves are declared in :mod:`swarmd.config.sections`.
@@ -9,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from swarmd.config.fields import (FieldSpec, _Invalid, _Section, _convert, _invalid_message,
                                   _parse_text, _show, _toml_value)
@@ -26,9 +29,6 @@ from swarmd.config.stage import (AveragingConfig, BalancingSection, CheckpointCo
                                  ServingSection, StateSection)
 from swarmd.errors import ConfigError
 from transport.limits import Limits
-
-if TYPE_CHECKING:
-    from swarmd.training.model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -70,57 +70,10 @@ class Config:
             for s in _SECTIONS
         }
 
-    def model_config(self) -> ModelConfig:
-        """The model's shape as a :class:`swarmd.training.model.ModelConfig` (imports torch)."""
-        from swarmd.training.model import ModelConfig
-
-        m = self.model
-        return ModelConfig(width=m.width, heads=m.heads, layers=m.layers, seq_len=m.seq_len,
-                           share_layers=m.share_layers)
-
-    def torch_placement(self) -> tuple[Any, Any]:
-        """``(device, dtype)`` from ``[model]``, checked against this machine; also applies
-        ``limits.cpu_threads`` (else ``model.threads``). Raises ``ConfigError`` saying what to
-        change."""
-        import torch
-
-        from swarmd.training.model import resolve_device, resolve_dtype
-
-        threads = self.limits.threads or self.model.threads
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            return resolve_device(self.model.device), resolve_dtype(self.model.dtype)
-        except ValueError as exc:
-            raise ConfigError(f"model.device / model.dtype: {exc}") from None
-
     def target_batch_size(self) -> int:
         """Samples a stage accumulates over all its peers before it steps."""
         t = self.training
         return self.averaging.target_batch_size or t.batch_size * t.microbatches
-
-    def model_hash(self) -> str:
-        """What peers must agree on to train together: the swarm's model name and the hash of
-        the model's fingerprint (architecture, every setting that changes the computation,
-        dtype and optimizer; :func:`swarmd.models.registry.fingerprint_from_config`).
-        Announced by every peer; a mismatch keeps a peer out. Builds the model's seam once per
-        configuration (imports torch; raises ``ModelError`` for a model that cannot be built)."""
-        return f"{self.swarm.model}:{self.model_fingerprint().hash}"
-
-    def model_fingerprint(self) -> Any:
-        """The :class:`~swarmd.models.seam.Fingerprint` of this configuration's model."""
-        return _model_of(self)[2]
-
-    def manifest(self) -> Any:
-        """This configuration's swarm manifest (:class:`swarmd.manifest.document.Manifest`:
-        every setting the peers of a swarm share; its ``hash`` is announced). Reads config.json
-        and the tokenizer once per configuration (``ModelError`` when they cannot be read)."""
-        return _manifest_of(self)
-
-    def model_seam(self) -> tuple[Any, Any]:
-        """``(seam, tokenizer)`` of this configuration's model (built once, then cached)."""
-        seam, tokenizer, _ = _model_of(self)
-        return seam, tokenizer
 
     def wire_limits(self) -> Limits:
         """The receiver-side transport limits set by ``[wire]``."""
@@ -131,22 +84,6 @@ class Config:
             max_tensor_bytes=w.max_tensor_bytes,
             chunk_bytes=w.chunk_bytes,
         )
-
-
-@functools.lru_cache(maxsize=8)
-def _model_of(config: Config) -> tuple[Any, Any, Any]:
-    """(seam, tokenizer, fingerprint) of ``config`` (frozen, so equal configs share them)."""
-    from swarmd.models.registry import fingerprint_from_config, seam_from_config
-
-    seam, tokenizer = seam_from_config(config)
-    return seam, tokenizer, fingerprint_from_config(config, seam)
-
-
-@functools.lru_cache(maxsize=8)
-def _manifest_of(config: Config) -> Any:
-    from swarmd.manifest.local import manifest_of
-
-    return manifest_of(config)[0]
 
 
 _SECTIONS: dict[str, type[_Section]] = {

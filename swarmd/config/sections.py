@@ -38,7 +38,7 @@ def _zero_or(check: Any) -> Any:
             check(value)
     return zero_or
 
-#: allowed values of ``model.dtype`` (the names of ``swarmd.training.model.DTYPES``, kept torch-free here)
+#: allowed values of ``model.dtype`` (the names of ``swarmd.models.gpt.DTYPES``, kept torch-free here)
 DTYPES = ("float32", "bfloat16", "float16")
 
 #: allowed values of ``data.reader`` and ``data.mode`` (kept equal to swarmd.data's READERS, MODES)
@@ -46,7 +46,7 @@ DATA_READERS = ("auto", "swarmd", "datasets")
 DATA_MODES = ("cached", "stream")
 #: allowed values of ``training.lr_schedule``
 LR_SCHEDULES = ("constant", "cosine")
-#: ``training.schedule`` values (``swarmd.training.run``)
+#: ``training.schedule`` values (``swarmd.trainer.run``)
 SCHEDULES = ("sync", "pipelined")
 #: ``model.factory``: "package.module:callable" (kept equal to swarmd.models.registry.FACTORY_RE)
 _FACTORY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -55,7 +55,7 @@ _LIMITS = Limits()
 
 
 def _address_filters(values: tuple[str, ...]) -> None:
-    from swarmd.node.addresses import parse_filter  # pure
+    from swarmd.addresses import parse_filter  # pure
 
     for index, text in enumerate(values, 1):
         try:

@@ -35,7 +35,7 @@ def write_builtin(directory: Path, seam: object, tensors: Mapping[str, torch.Ten
     from swarmd.models.builtin import checkpoint_names
 
     directory = Path(directory)
-    config = seam.config  # type: ignore[attr-defined]  # swarmd.training.model.ModelConfig
+    config = seam.config  # type: ignore[attr-defined]  # swarmd.models.gpt.ModelConfig
     # every name of the whole model: the trainer's parts and all blocks as one stage
     expected = set(checkpoint_names(seam.build_trainer()).values())  # type: ignore[attr-defined]
     expected |= set(checkpoint_names(seam.build_stage(0, 1)).values())  # type: ignore[attr-defined]

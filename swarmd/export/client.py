@@ -19,6 +19,8 @@ from swarmd.errors import ModelMismatch, StageUnavailable
 from swarmd.export.collect import CollectSettings, PartsSource, Progress
 from swarmd.export.run import ExportResult, export_model, parse_dtype
 from swarmd.export.target import check_target
+from swarmd.models.registry import model_fingerprint_of, model_seam_of
+from swarmd.manifest.local import swarm_manifest
 
 __all__ = ["export_from_swarm", "VIEW_TIMEOUT_S"]
 
@@ -42,16 +44,18 @@ async def export_from_swarm(config: Any, *, bootstrap: Sequence[str], out: Path,
     from swarmd.export.trainer_parts import RemoteTrainers, SavedParts
     from swarmd.membership.service import LocalState, MembershipService
     from swarmd.node.host_options import host_options
+    from swarmd.node.interfaces import interface_ips
     from transport import identity
     from transport.host import Host
 
     parse_dtype(dtype)
     check_target(out)  # before any dial: a bad --out costs nothing
-    export_kind(config.model_seam()[0])
+    export_kind(model_seam_of(config)[0])
     me = identity.generate()
     async with Host(me, host_options(config, listen)) as host:
-        async with MembershipService(host, me, config,
-                                     lambda: LocalState(None, "joining")) as m:
+        async with MembershipService(host, me, config, lambda: LocalState(None, "joining"),
+                                     manifest=swarm_manifest(config).hash,
+                                     interfaces=interface_ips) as m:
             await _dial(host, bootstrap, say)
             try:
                 async with asyncio.timeout(VIEW_TIMEOUT_S):
@@ -96,4 +100,4 @@ async def _explain(host: Any, m: Any, config: Any) -> str | None:
     if not peers:
         return None
     return await explain_mismatch(host, config.swarm.name, config.swarm.model,
-                                  config.model_fingerprint(), peers)
+                                  model_fingerprint_of(config), peers)

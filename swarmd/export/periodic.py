@@ -11,7 +11,7 @@ It is written into ``<home>/exports/step-<N>`` atomically, in ``model.dtype``; t
 under way is skipped. A failed export is logged and training goes on; nothing half-written
 is left.
 
-Hooked into ``swarmd.training.run`` as one context (:func:`periodic_export`) chained onto the
+Hooked into ``swarmd.trainer.run`` as one context (:func:`periodic_export`) chained onto the
 trainer's ``after_step``; on exit it waits for the export under way (at most ``CLOSE_S``).
 """
 

@@ -25,6 +25,7 @@ from swarmd.export.manifest import ExportManifest
 from swarmd.export.parts import export_kind
 from swarmd.export.target import check_target, staging
 from swarmd.export.tokenizer_files import tokenizer_files
+from swarmd.models.registry import model_hash_of, model_seam_of
 
 __all__ = ["ExportResult", "export_model", "EXPORT_DTYPES", "parse_dtype"]
 
@@ -61,22 +62,22 @@ async def export_model(host: Any, view: SwarmView, config: Any, out: Path, *,
                        say: Callable[[str], None] = lambda line: None) -> ExportResult:
     """Export the model ``config`` trains, from the swarm ``host`` and ``view`` reach, into
     ``out`` (``replace``: an old export there is replaced, for the periodic export)."""
-    from swarmd.training.model import resolve_dtype
+    from swarmd.models.gpt import resolve_dtype
 
     t0 = time.monotonic()
     wanted = parse_dtype(dtype)
-    seam, _ = config.model_seam()
+    seam, _ = model_seam_of(config)
     kind = export_kind(seam)
     check_target(out, replace=replace)
     from swarmd.training.tokens import tokenizer_spec
 
     tokenizer = tokenizer_files(tokenizer_spec(config.data.tokenizer, config.model.hf))
     collected = await collect(host, view, seam, swarm=config.swarm.name,
-                              num_stages=config.swarm.stages, model_hash=config.model_hash(),
+                              num_stages=config.swarm.stages, model_hash=model_hash_of(config),
                               dtype=resolve_dtype(config.model.dtype), parts=parts,
                               settings=settings, progress=progress, say=say)
     manifest = ExportManifest(kind=kind, swarm=config.swarm.name,
-                              model_hash=config.model_hash(), dtype=dtype,
+                              model_hash=model_hash_of(config), dtype=dtype,
                               step=collected.step, tokenizer=tokenizer.spec,
                               parts=collected.reports)
     with staging(out, replace=replace) as tmp:

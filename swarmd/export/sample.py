@@ -23,6 +23,7 @@ import torch
 
 from swarmd.errors import ConfigError, ModelError
 from swarmd.export.manifest import ExportManifest
+from swarmd.models.registry import model_config_of
 
 __all__ = ["SampleResult", "sample"]
 
@@ -95,7 +96,7 @@ def _builtin(directory: Path, ids: list[int], max_new: int, temperature: float,
     from swarmd.config import load_config
     from swarmd.models.builtin import BuiltinGPT
     from swarmd.models.weights import Checkpoint
-    from swarmd.training.model import resolve_dtype
+    from swarmd.models.gpt import resolve_dtype
     from swarmd.training.tokens import load_tokenizer
 
     from swarmd.export.builtin_writer import CONFIG_NAME
@@ -103,7 +104,7 @@ def _builtin(directory: Path, ids: list[int], max_new: int, temperature: float,
     config = load_config(directory / CONFIG_NAME, {})
     spec = config.data.tokenizer
     vocab = load_tokenizer(spec if spec == "bytes" else str(directory / spec)).vocab_size
-    seam = BuiltinGPT(dataclasses.replace(config.model_config(), vocab=vocab))
+    seam = BuiltinGPT(dataclasses.replace(model_config_of(config), vocab=vocab))
     weights = Checkpoint(directory)
     dtype = resolve_dtype(config.model.dtype)
     parts = seam.build_trainer(weights=weights, dtype=dtype).eval()

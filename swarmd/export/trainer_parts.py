@@ -2,7 +2,7 @@
 
 * :class:`RemoteTrainers`: a trainer training now (else, when given, the state saved in a
   trainer's home), over the state protocol (the trainers are
-  a stage of their own, ``TRAINERS_STAGE``, ``swarmd.training.trainer_sync``): downloaded,
+  a stage of their own, ``TRAINERS_STAGE``, ``swarmd.trainer.trainer_sync``): downloaded,
   then checked against the round digest the trainer reports for that round. A trainer that
   stepped on during the download is asked again (``ATTEMPTS`` times; the last copy is then
   taken unverified, the transfer's own checks passed);
@@ -27,7 +27,7 @@ from swarmd.export.collect import Context, PartReport
 from swarmd.export.parts import NamedPart, PartMismatch, trainer_part
 from swarmd.state.fetch import ask_digest, fetch_state
 from swarmd.state.transfer import StateTransferFailed
-from swarmd.training.trainer_sync import MAX_PARTS_BYTES, TRAINERS_STAGE
+from swarmd.state.trainer_state import MAX_PARTS_BYTES, TRAINERS_STAGE
 
 __all__ = ["RemoteTrainers", "OwnParts", "SavedParts"]
 
@@ -129,7 +129,7 @@ class OwnParts:
 
     @classmethod
     async def copy_of(cls, trainer: Any) -> OwnParts:
-        """The parts of ``trainer`` (a ``swarmd.pipeline.trainer.Trainer``) now, on the CPU,
+        """The parts of ``trainer`` (a ``swarmd.trainer.trainer.Trainer``) now, on the CPU,
         copied in its compute thread (nothing steps them meanwhile)."""
         def own() -> tuple[dict[str, torch.Tensor], int]:
             return ({k: v.detach().to("cpu", copy=True)
@@ -144,13 +144,13 @@ class OwnParts:
 
 
 class SavedParts:
-    """The parts a trainer saved in ``home`` (``swarmd.training.trainer_state``)."""
+    """The parts a trainer saved in ``home`` (``swarmd.state.trainer_state``)."""
 
     def __init__(self, home: Path) -> None:
         self.home = Path(home)
 
     async def take(self, ctx: Context, cut_step: int | None) -> tuple[NamedPart, PartReport]:
-        from swarmd.training import trainer_state
+        from swarmd.state import trainer_state
 
         state = await asyncio.to_thread(trainer_state.load, self.home)
         path = trainer_state.state_path(self.home)

@@ -71,7 +71,7 @@ def run_demo(*, peers: int, stages: int, steps: int, model: Path | None = None,
 
     from swarmd.config import load_config
     from swarmd.local.swarm import DaemonProcess, start_swarm, stop_all
-    from swarmd.training.run import train
+    from swarmd.trainer.run import train
 
     if stages < 1 or peers < stages:
         raise ValueError(f"a demo needs at least one peer per stage ({peers} peers, "

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from typing import IO, Any, Sequence
 
+#: the ``swarmd`` package's directory (this module is ``swarmd/local/zygote.py``)
+SWARMD_DIR = Path(__file__).resolve().parents[1]
+
 ENABLE_ENV = "SWARMD_LOCAL_ZYGOTE"
 SOCKET_ENV = "SWARMD_ZYGOTE_SOCKET"
 
@@ -327,11 +330,11 @@ def _preload() -> None:
             importlib.import_module(name)
         except Exception:  # an optional library: the command imports it (or fails) itself
             pass
-    import swarmd
+    # every module of both packages, found on disk: the program's, not this module's imports
     import transport
 
-    for package in (swarmd, transport):
-        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+    for name, path in (("swarmd", str(SWARMD_DIR)), ("transport", *transport.__path__)):
+        for info in pkgutil.walk_packages([path], name + "."):
             if info.name.endswith("__main__") or info.name == "swarmd.local.zygote":
                 continue
             try:
@@ -434,9 +437,7 @@ def _child(request: dict[str, Any], stdio: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        import swarmd
-
-        sys.argv = [str(Path(swarmd.__file__).parent / "__main__.py"), *request["args"]]
+        sys.argv = [str(SWARMD_DIR / "__main__.py"), *request["args"]]
         code = _run(request["args"])
     finally:
         os._exit(code)
@@ -457,16 +458,19 @@ def _enter_netns(path: str) -> None:
 
 
 def _run(args: list[str]) -> int:
-    """``swarmd.cli.main(args)``, then what the interpreter does at exit: wait for the
-    threads that are not daemons, run the atexit functions, flush stdout and stderr."""
+    """The ``swarmd`` command with ``args``, run as ``python -m swarmd`` runs it (its
+    ``__main__``: the process's program, not a module this one imports), then what the
+    interpreter does at exit: wait for the threads that are not daemons, run the atexit
+    functions, flush stdout and stderr."""
     import atexit as exits
+    import runpy
     import traceback
-
-    from swarmd.cli import main
 
     status: Any
     try:
-        status = main(args)
+        sys.argv[1:] = args
+        runpy.run_module("swarmd", run_name="__main__")
+        status = 0
     except SystemExit as exc:
         status = exc.code
     except KeyboardInterrupt:

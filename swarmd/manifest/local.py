@@ -14,6 +14,7 @@ Each file is written atomically (``swarmd.files.write_atomic``). Adopting a mani
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -26,7 +27,8 @@ from swarmd.files import write_atomic
 from swarmd.manifest.document import (MAX_TOKENIZER_BYTES, SHAPE_KEYS, Manifest, TokenizerRef,
                                       decode, file_sha256, keys_of, model_config)
 
-__all__ = ["MANIFEST_FILE", "MODEL_DIR", "manifest_of", "own_keys", "validate", "adopt",
+__all__ = ["MANIFEST_FILE", "MODEL_DIR", "manifest_of", "swarm_manifest", "own_keys", "validate",
+           "adopt",
            "keep", "kept", "kept_tokenizer"]
 
 log = logging.getLogger("swarmd.manifest")
@@ -83,6 +85,15 @@ def manifest_of(config: Config) -> tuple[Manifest, bytes | None]:
     except ValueError as exc:
         raise ModelError(f"this peer's model cannot be described in a swarm manifest: "
                          f"{exc}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def swarm_manifest(config: Config) -> Manifest:
+    """This configuration's swarm manifest (every setting the peers of a swarm share; its
+    ``hash`` is announced), read once per configuration (frozen, so equal configs share it):
+    config.json and the tokenizer are read at the first call (``ModelError`` when they cannot
+    be read)."""
+    return manifest_of(config)[0]
 
 
 def own_keys(config: Config, manifest: Manifest) -> frozenset[str]:

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Sequence
 
-from swarmd import __version__
+from swarmd.version import __version__
 from swarmd.api.types import PeerRow, StageRow, SwarmInfo
 from swarmd.errors import BadPeerMessage
 from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConfig,
@@ -31,10 +31,10 @@ from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConf
 from transport.errors import TransportError
 from transport.frames import Message
 from transport.signing import signer, verify
-from swarmd.node.addresses import MAX_ANNOUNCED, AddressPolicy, announced_addrs
-from swarmd.node.interfaces import interface_ips
+from swarmd.addresses import MAX_ANNOUNCED, AddressPolicy, announced_addrs
 from swarmd.links import LinkEstimates, links_for
 from swarmd.protocols import Protocols
+from swarmd.models.registry import model_hash_of
 
 log = logging.getLogger("swarmd.membership")
 
@@ -66,13 +66,18 @@ class LocalState(NamedTuple):
 
 
 class MembershipService:
-    """``async with MembershipService(host, identity, config, local) as m:``
+    """``async with MembershipService(host, identity, config, local, manifest=...,
+    interfaces=...) as m:``
 
-    ``local()`` returns this peer's current :class:`LocalState`.
+    ``local()`` returns this peer's current :class:`LocalState`; ``manifest`` is the hash of the
+    swarm manifest this peer runs (``swarmd.manifest.local.swarm_manifest``), announced and
+    required of peers; ``interfaces()`` lists this machine's interface addresses
+    (``swarmd.node.interfaces.interface_ips``), read when the host is bound to ``0.0.0.0``.
     """
 
     def __init__(self, host: Any, identity: Any, config: Any,
-                 local: Callable[[], LocalState],
+                 local: Callable[[], LocalState], *, manifest: str,
+                 interfaces: Callable[[], Sequence[str]],
                  rng: random.Random | None = None, links: LinkEstimates | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
@@ -90,7 +95,7 @@ class MembershipService:
         self.push_protocol = Protocols(swarm).announce
         self.topic = Protocols(swarm).announce_topic
         self.view = View(ViewConfig(stages=config.swarm.stages, model_hash=self.model_hash(),
-                                    manifest=config.manifest().hash), verify)
+                                    manifest=manifest), verify)
         self.schedule = Schedule(now=clock(), rng=self._rng)
         self._counters: Counter[str] = Counter()
         self._pulled_from: set[str] = set()
@@ -108,6 +113,7 @@ class MembershipService:
         #: set (then cleared by waiters) whenever this peer announces
         self._announce_made = asyncio.Event()
         network = config.network
+        self._interfaces = interfaces
         self._address_policy = AddressPolicy(announce=tuple(network.announce),
                                              no_announce=tuple(network.no_announce))
         self._announced: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -118,13 +124,13 @@ class MembershipService:
         self.links = links if links is not None else links_for(host)
 
     def announced_addrs(self) -> tuple[str, ...]:
-        """What this peer announces it is reached at (``swarmd.node.addresses``): the bound
+        """What this peer announces it is reached at (``swarmd.addresses``): the bound
         addresses with 0.0.0.0 expanded, loopback left out unless alone, ``network.announce``
         and ``network.no_announce`` applied. Interfaces are read once per host address set."""
         bound = tuple(self.host.addrs)
         if self._announced is None or self._announced[0] != bound:
-            interfaces = interface_ips() if any("/0.0.0.0/" in a or "/::/" in a
-                                                for a in bound) else []
+            interfaces = list(self._interfaces()) if any("/0.0.0.0/" in a or "/::/" in a
+                                                        for a in bound) else []
             self._announced = (bound, announced_addrs(bound, interfaces, self._address_policy,
                                                       self.host.peer_id))
         # relayed addresses (only while peers cannot dial us) go first: dialers try in order
@@ -137,7 +143,7 @@ class MembershipService:
 
     def model_hash(self) -> str:
         """The swarm's model name and the hash of its architecture: both must match."""
-        return self.config.model_hash()
+        return model_hash_of(self.config)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def __aenter__(self) -> MembershipService:
@@ -385,7 +391,7 @@ class MembershipService:
 
     def trainers(self) -> dict[str, tuple[str, ...]]:
         """The other trainers: {peer_id: addrs} of peers announced online with no stage and
-        our model (``swarmd.training.trainer_sync``)."""
+        our model (``swarmd.trainer.trainer_sync``)."""
         now = self._wall()
         return {a.peer_id: a.addrs for a in self.view.announcements(now)
                 if a.stage is None and a.state is PeerState.ONLINE

@@ -1,7 +1,7 @@
-"""The built-in byte-level GPT (``swarmd.training.model``) behind the model seam.
+"""The built-in byte-level GPT (``swarmd.models.gpt``) behind the model seam.
 
 Stages cut between groups of shared layers (``model.share_layers``); weights are initialised
-exactly as :func:`swarmd.training.model.build_stage` does, so a swarm that used the built-in
+exactly as :func:`swarmd.models.gpt.build_stage` does, so a swarm that used the built-in
 model before the seam computes the same. Pretrained weights, when given, are read from a
 safetensors checkpoint whose names are those of one process's parts: ``embedding.*``,
 ``head.*`` and ``blocks.<group>.*`` (see :func:`checkpoint_names`).
@@ -16,14 +16,14 @@ import torch.nn as nn
 
 from swarmd.models.seam import Device, ModelSeam, Setting, TrainerParts
 from swarmd.models.weights import Checkpoint
-from swarmd.training import model as gpt
+from swarmd.models import gpt
 
 __all__ = ["BuiltinGPT", "BuiltinTrainer", "checkpoint_names"]
 
 
 class BuiltinTrainer(TrainerParts):
-    """The built-in model's :class:`~swarmd.training.model.Embedding` and
-    :class:`~swarmd.training.model.Head`."""
+    """The built-in model's :class:`~swarmd.models.gpt.Embedding` and
+    :class:`~swarmd.models.gpt.Head`."""
 
     def __init__(self, embedding: gpt.Embedding, head: gpt.Head) -> None:
         super().__init__()
@@ -52,7 +52,7 @@ def checkpoint_names(module: nn.Module) -> dict[str, str]:
 
 
 class BuiltinGPT(ModelSeam):
-    """The seam of :class:`~swarmd.training.model.ModelConfig`'s GPT."""
+    """The seam of :class:`~swarmd.models.gpt.ModelConfig`'s GPT."""
 
     def __init__(self, config: gpt.ModelConfig) -> None:
         self.config = config

@@ -19,7 +19,7 @@ from collections import deque
 __all__ = ["wire_bytes_per_value", "upload_bytes_per_sample", "capped_throughput", "tighter_cap",
            "stage_memory_bytes", "device_memory_refusal", "hop_upload_bytes", "UploadLeft"]
 
-#: activations travel as float32 (``swarmd.training.model.wire_tensor``) before the codec
+#: activations travel as float32 (``swarmd.models.gpt.wire_tensor``) before the codec
 _WIRE_FLOAT_BYTES = 4
 #: frame headers and message metadata per message, generously
 MESSAGE_OVERHEAD_BYTES = 512

@@ -22,15 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from swarmd import __version__
+from swarmd.version import __version__
 from swarmd.api.types import (ConnectedPeer, IdInfo, StageInfo, StatusInfo, SwarmInfo,
                               TrainingInfo, peer_rows, trainer_rows)
 from swarmd.config import Config
+from swarmd.manifest.local import swarm_manifest
+from swarmd.models.registry import (model_fingerprint_of, model_hash_of, model_seam_of,
+                                    torch_placement_of)
 from swarmd.errors import SwarmdError
 from swarmd.node.connectivity import keep_connected
 from swarmd.node.caps import UploadLeft
 from swarmd.node.host_options import announced_throughput, limits_status, stages_that_fit
-from swarmd.node.runfiles import HomeLock, remove_api_file, write_api_file
+from swarmd.runfiles import HomeLock, remove_api_file, write_api_file
 from swarmd.node.shutdown import BEGIN, HURRY, StopBudget, StopRequests, plan_stop
 from swarmd.peer_states import PeerState, transition
 from swarmd.pipeline.progress import TrainerBook
@@ -237,8 +240,8 @@ class Daemon:
         from transport.memory import keep_freed_memory
 
         home = self.options.home
-        self._device, self._dtype = self.config.torch_placement()  # bad settings fail here
-        self.config.model_hash()  # so does a model that cannot be built (ModelError)
+        self._device, self._dtype = torch_placement_of(self.config)  # bad settings fail here
+        model_hash_of(self.config)  # so does a model that cannot be built (ModelError)
         with HomeLock(home):
             identity = load_identity(home)
             keep_freed_memory()
@@ -265,8 +268,8 @@ class Daemon:
                                       self._bootstrap(), counters=self.manifest_counters)
         if settled.config is not self.config:
             self.config = settled.config
-            self._device, self._dtype = self.config.torch_placement()
-            await asyncio.to_thread(self.config.model_hash)  # the adopted model builds
+            self._device, self._dtype = torch_placement_of(self.config)
+            await asyncio.to_thread(model_hash_of, self.config)  # the adopted model builds
             self.host.options = dataclasses.replace(self.host.options,
                                                     codec=codec_spec(self.config))
         self.manifest = settled
@@ -282,17 +285,20 @@ class Daemon:
         from swarmd.averaging.allreduce import Averager, protocol_id
         from swarmd.manifest.service import ManifestServer
         from swarmd.membership.service import MembershipService
+        from swarmd.node.interfaces import interface_ips
         from swarmd.node.nat import NatService
         from swarmd.pipeline.model_info import serve_model_info
         from swarmd.state.offer import serve_offers
 
         http, home = self.config.http, self.options.home
-        membership = MembershipService(self.host, identity, self.config, self._local)
+        membership = MembershipService(self.host, identity, self.config, self._local,
+                                       manifest=swarm_manifest(self.config).hash,
+                                       interfaces=interface_ips)
         averager = Averager(self.host, protocol_id(self.config.swarm.name),
                             addrs_of=self._addrs_of)
         nat = NatService(self.host, membership, self.config)
         serve_model_info(self.host, self.config.swarm.name, self.config.swarm.model,
-                         self.config.model_fingerprint())
+                         model_fingerprint_of(self.config))
         ManifestServer(self.host, self.manifest.manifest, self.manifest.tokenizer,
                        membership.latest_announcement, self.manifest_counters).start()
         serve_offers(self.host, self.config.swarm.name,
@@ -398,7 +404,7 @@ class Daemon:
         from swarmd.node.stage_setup import build_keeper, build_server
 
         c = self.config
-        seam, _ = c.model_seam()
+        seam, _ = model_seam_of(c)
         stage = self.stage
         assert stage is not None
         if not self._enter(PeerState.SYNCING, unless_leaving=True):
@@ -469,7 +475,7 @@ class Daemon:
         if peers:
             c = self.config
             reason = await explain_mismatch(self.host, c.swarm.name, c.swarm.model,
-                                            c.model_fingerprint(), peers)
+                                            model_fingerprint_of(c), peers)
             log.warning("%s; they are kept out of this peer's routing and it out of theirs",
                         reason or f"{len(peers)} peer(s) announce another model hash")
 
@@ -526,7 +532,7 @@ class Daemon:
 
         directory = checkpoint_dir(self.options.home)
         found = await asyncio.to_thread(checkpoint_identity, directory, stage)
-        if found is None or found[1] != self.config.model_hash():
+        if found is None or found[1] != model_hash_of(self.config):
             return
         step, model_hash = found
         offer = CheckpointOffer(self.host, swarm=self.config.swarm.name, dir=directory,

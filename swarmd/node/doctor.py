@@ -66,6 +66,8 @@ def _python() -> Check:
 
 
 def _torch(config: Any) -> Check:
+    from swarmd.models.registry import torch_placement_of
+
     try:
         import torch
     except Exception as exc:
@@ -80,7 +82,7 @@ def _torch(config: Any) -> Check:
         found += ", no CUDA device (training runs on the CPU)"
     if config is not None:
         try:
-            device, dtype = config.torch_placement()
+            device, dtype = torch_placement_of(config)
             found += f"; model.device = {config.model.device!r} picks {device}, {dtype}"
         except Exception as exc:
             return Check("torch", "fail", f"{found}; {exc}", "set model.device to one this "
@@ -101,8 +103,10 @@ def _config_diff(config: Any) -> Check:
 def _manifest(config: Any) -> Check:
     """The swarm manifest this configuration runs (a joiner takes the swarm's instead, for
     every setting it left at its default)."""
+    from swarmd.manifest.local import swarm_manifest
+
     try:
-        manifest = config.manifest()
+        manifest = swarm_manifest(config)
     except Exception as exc:  # ModelError: a model directory or tokenizer cannot be read
         return Check("manifest", "fail", str(exc), "fix model.hf or data.tokenizer")
     return Check("manifest", "ok", f"{manifest.hash}: {manifest.model_text()}, swarm "
@@ -187,6 +191,7 @@ async def _pull(host: Any, peer: str, name: str, config: Any, swarm_name: str,
                 manifest_text: str) -> Check:
     """One page of the peer's view over ``swarm_name``'s protocol: its announcement, model
     hash (when no manifest settled it) and clock."""
+    from swarmd.models.registry import model_hash_of
     from swarmd.membership import View, ViewConfig
     from swarmd.membership.announcement import encode_request
     from swarmd.protocols import Protocols
@@ -194,7 +199,7 @@ async def _pull(host: Any, peer: str, name: str, config: Any, swarm_name: str,
     from transport.frames import Message
     from transport.signing import verify
 
-    view = View(ViewConfig(stages=config.swarm.stages, model_hash=config.model_hash()), verify)
+    view = View(ViewConfig(stages=config.swarm.stages, model_hash=model_hash_of(config)), verify)
     try:
         reply = await host.request(peer, Protocols(swarm_name).view, Message(
             kind="pull", meta={"r": encode_request(view.pull_request(time.time(), None))}),
@@ -209,9 +214,9 @@ async def _pull(host: Any, peer: str, name: str, config: Any, swarm_name: str,
     if ann is None:
         return Check(name, "warn", f"speaks swarm {swarm_name!r} but sent no signed "
                                    f"announcement of itself yet", "try again in a few seconds")
-    if not manifest_text and ann.model_hash != config.model_hash():
+    if not manifest_text and ann.model_hash != model_hash_of(config):
         return Check(name, "fail", f"wrong model hash: it trains {ann.model_hash}, this "
-                                   f"config trains {config.model_hash()}",
+                                   f"config trains {model_hash_of(config)}",
                      "use the swarm's [model] settings and swarm.model (its config.toml)")
     skew = time.time() - ann.timestamp
     found = (f"reachable, swarm {swarm_name!r}, "

@@ -150,13 +150,14 @@ def stages_that_fit(config: Config, dtype: Any) -> frozenset[int] | None:
     ``limits.device_memory_bytes`` (what the balancer and ``--stage auto`` may choose); None
     when there is no cap, or the stages cannot be sized. Each stage is built on torch's meta
     device (shapes, no memory); seconds for a big model: call it in a thread."""
+    from swarmd.models.registry import model_seam_of
     from swarmd.node.caps import device_memory_refusal
 
     cap, stages = config.limits.device_memory, config.swarm.stages
     if cap is None:
         return None
     try:
-        seam, _ = config.model_seam()
+        seam, _ = model_seam_of(config)
         sizes = [sum(p.numel() * p.element_size() for p in seam.build_stage(
             s, stages, device="meta", dtype=dtype).parameters()) for s in range(stages)]
     except Exception as exc:  # a model that cannot be built on meta: no filter, say why

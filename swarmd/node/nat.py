@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from swarmd.node.addresses import AddressPolicy, ObservedAddresses, at_listen_port
+from swarmd.addresses import AddressPolicy, ObservedAddresses, at_listen_port
 from swarmd.node.dialback import DialbackService
 from swarmd.node.reachability import PRIVATE, PUBLIC, Reachability
 from swarmd.protocols import Protocols

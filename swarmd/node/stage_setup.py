@@ -35,6 +35,7 @@ def build_server(config: Config, host: Any, *, stage: int, seam: Any, module: An
     the stage's keeper (built after the server), told when a mate is ahead or the stage
     drifted; ``trainers`` (a ``TrainerBook``) keeps what trainers tell of their runs. A stage
     that does not fit this machine's limits is refused here (``apply_stage_limits``)."""
+    from swarmd.models.registry import model_hash_of
     from swarmd.averaging.stage_sync import SyncSettings
     from swarmd.pipeline.server import MAX_BATCH, StageServer
     from swarmd.state.replay import ReplayLog
@@ -43,7 +44,7 @@ def build_server(config: Config, host: Any, *, stage: int, seam: Any, module: An
     c = config
     server = StageServer(
         host, swarm=c.swarm.name, stage=stage, num_stages=c.swarm.stages,
-        seam=seam, model_hash=c.model_hash(), codec=codec_spec(c),
+        seam=seam, model_hash=model_hash_of(c), codec=codec_spec(c),
         lr=c.training.lr, seed=c.training.seed, peers_of=membership.peers_of,
         max_tokens=4 * c.training.batch_size * min(seam.max_seq_len, c.model.seq_len),
         device=device, dtype=dtype, optim=OptimSettings.from_config(c.training),
@@ -65,10 +66,11 @@ def build_keeper(config: Config, host: Any, server: Any, *, home: Path, membersh
                  stage: int, bootstrapping: bool) -> Any:
     """The ``StageKeeper`` of ``server``'s stage: its state sources and announced steps are
     the view's, and it waits for mates the view shows (``mates_expected``)."""
+    from swarmd.models.registry import model_hash_of
     from swarmd.state.keeper import StageKeeper
 
     return StageKeeper(
-        host, server, swarm=config.swarm.name, home=home, model_hash=config.model_hash(),
+        host, server, swarm=config.swarm.name, home=home, model_hash=model_hash_of(config),
         every_steps=config.checkpoint.every_steps,
         sources=lambda: membership.state_sources(stage),
         mates_expected=mates_expected(membership, stage, bootstrapping=bootstrapping),

@@ -30,7 +30,7 @@ from swarmd.pipeline.worker import StageWorker
 from swarmd.state.replay import ReplayLog
 from swarmd.state.round_digest import (DIGEST_PIECE_BYTES, DIGEST_PIECES,  # noqa: F401
                                        round_digest_of)
-from swarmd.training.model import tensor_bytes, to_device
+from swarmd.models.gpt import tensor_bytes, to_device
 
 log = logging.getLogger("swarmd.stage")
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.func import functional_call
 
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
-from swarmd.training.model import to_device, wire_tensor
+from swarmd.models.gpt import to_device, wire_tensor
 
 #: a microbatch whose backward comes more than this many optimizer steps after its forward
 #: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from swarmd.training.model import tensor_bytes
+from swarmd.models.gpt import tensor_bytes
 
 __all__ = ["round_digest_of", "DIGEST_PIECES", "DIGEST_PIECE_BYTES"]
 

@@ -7,7 +7,7 @@ tokenizer or a tokenizer.json. It is tokenized once into a cached token file, sp
 held-out set (whole documents from across the corpus) and training windows, and this trainer's
 shard of the windows is read in a seeded random order, epoch after epoch, made ahead on a
 thread of its own. ``state()`` is what a trainer checkpoint keeps
-(``swarmd.training.trainer_state``); ``restore()`` continues with exactly the next batch.
+(``swarmd.state.trainer_state``); ``restore()`` continues with exactly the next batch.
 """
 
 from __future__ import annotations

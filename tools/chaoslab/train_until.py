@@ -4,7 +4,7 @@ the window ends).
 
     python tools/chaoslab/train_until.py STOP_FILE <swarmd train arguments>
 
-The file is looked at after every step (``swarmd.training.run.train``'s ``until``): the
+The file is looked at after every step (``swarmd.trainer.run.train``'s ``until``): the
 trainer then ends as after its last step (its state saved, the final validation, the JSON
 result), with the steps it did.
 """
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
         return 2
     stop = Path(argv[0])
     from swarmd import cli
-    from swarmd.training import run
+    from swarmd.trainer import run
 
     train = run.train
 

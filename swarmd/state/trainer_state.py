@@ -19,7 +19,13 @@ import torch
 from swarmd.errors import DataError, ModelMismatch
 
 __all__ = ["TrainerState", "state_path", "capture", "restore", "save", "load", "FORMAT",
-           "params_digest"]
+           "params_digest", "TRAINERS_STAGE", "MAX_PARTS_BYTES"]
+
+#: the stage number the trainers' rounds and state transfers use (a stage no model has): the
+#: trainers share one embedding and head as a stage of their own (``swarmd.trainer.trainer_sync``)
+TRAINERS_STAGE = (1 << 16) - 1
+#: the most a download of the trainers' parts may bring
+MAX_PARTS_BYTES = 16 << 30
 
 #: bump when the file's layout changes
 FORMAT = 1
@@ -49,7 +55,7 @@ def state_path(home: Path) -> Path:
 
 
 def capture(trainer: Any, data: dict[str, Any]) -> TrainerState:
-    """The state of ``trainer`` (a ``swarmd.pipeline.trainer.Trainer``) between two steps,
+    """The state of ``trainer`` (a ``swarmd.trainer.trainer.Trainer``) between two steps,
     copied to the CPU; ``data`` is the batches' ``state()``."""
     def cpu(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", copy=True)
@@ -113,7 +119,7 @@ def params_digest(params: dict[str, torch.Tensor]) -> str:
     """blake2b-128 over the names and bytes of ``params`` (a state dict), in name order."""
     import hashlib
 
-    from swarmd.training.model import tensor_bytes
+    from swarmd.models.gpt import tensor_bytes
 
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(params):

@@ -78,22 +78,23 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     (when given) is asked after every step and ends the run early once it returns true.
 
     With a ``home``, the trainer is the home's identity (created when missing) and its state
-    (``swarmd.training.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
+    (``swarmd.state.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
     and at the end; a restarted trainer resumes its step, weights, optimizer and data.
     ``microbatches`` overrides ``training.microbatches``. ``schedule`` (default
     ``training.schedule``) is ``sync`` or ``pipelined`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
     (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
+    from swarmd.models.registry import model_seam_of
     from swarmd.export.periodic import periodic_export
     from swarmd.training.batches import make_batches
-    from swarmd.training.trainer_sync import trainer_sync
+    from swarmd.trainer.trainer_sync import trainer_sync
     from transport.memory import keep_freed_memory
 
     schedule = schedule or config.training.schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: expected one of {SCHEDULES}")
     keep_freed_memory()
-    seam, tokenizer = config.model_seam()
+    seam, tokenizer = model_seam_of(config)
     seq_len = min(config.model.seq_len, seam.max_seq_len)
     plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
                  batch=config.training.batch_size, seq=seq_len, home=home,
@@ -145,7 +146,7 @@ def _home_lock(home: Path) -> Iterator[None]:
     may run with that home meanwhile."""
     from swarmd.errors import HomeError
     from swarmd.node.home import KEY_FILE, init_home
-    from swarmd.node.runfiles import HomeLock
+    from swarmd.runfiles import HomeLock
 
     if not (home / KEY_FILE).exists():
         init_home(home)
@@ -164,7 +165,7 @@ def _home_lock(home: Path) -> Iterator[None]:
 def _resume(trainer: Any, batches: Any, home: Path | None,
             progress: Callable[[str], None]) -> int:
     """Load the trainer state saved in ``home`` into ``trainer`` and ``batches``; its step."""
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     state = trainer_state.load(home) if home is not None else None
     if state is None:
@@ -184,7 +185,7 @@ def _plain_data(state: dict[str, Any]) -> dict[str, Any]:
 
 async def _save(trainer: Any, batches: Any, home: Path | None) -> None:
     """Save the trainer's state (between steps, so nothing changes it meanwhile)."""
-    from swarmd.training import trainer_state
+    from swarmd.state import trainer_state
 
     if home is not None:
         await asyncio.to_thread(
@@ -197,22 +198,27 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                   ) -> AsyncIterator[tuple[Any, Any]]:
     """A host with the home's identity (a fresh one without a home), membership (announced
     with no stage) and a started ``Trainer``; torn down in reverse."""
+    from swarmd.manifest.local import swarm_manifest
+    from swarmd.models.registry import model_hash_of, torch_placement_of
     from swarmd.manifest.join import check_trainer
     from swarmd.membership.service import LocalState, MembershipService
     from swarmd.node.home import load_identity
+    from swarmd.node.interfaces import interface_ips
     from swarmd.node.host_options import codec_spec, host_options
-    from swarmd.pipeline.trainer import Trainer
+    from swarmd.trainer.trainer import Trainer
     from swarmd.training.swarm_optim import OptimSettings
     from transport import identity
     from transport.host import Host
 
-    device, dtype = config.torch_placement()
+    device, dtype = torch_placement_of(config)
     me = load_identity(home) if home is not None else identity.generate()
     parts = await asyncio.to_thread(  # seconds for a big model: not on the event loop
         lambda: seam.build_trainer(seed=config.training.seed, device=device, dtype=dtype,
                                    weights=seam.own_weights()))
     async with Host(me, host_options(config, listen)) as host:
-        async with MembershipService(host, me, config, lambda: LocalState(None, "online")) as m:
+        async with MembershipService(host, me, config, lambda: LocalState(None, "online"),
+                                     manifest=swarm_manifest(config).hash,
+                                     interfaces=interface_ips) as m:
             dialed = []
             for addr in bootstrap:
                 try:
@@ -221,7 +227,7 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                     progress(f"bootstrap {addr} failed: {exc}")
             await check_trainer(host, config, dialed)  # its settings are the swarm's, or stop
             trainer = Trainer(host, swarm=config.swarm.name, num_stages=config.swarm.stages,
-                              seam=seam, parts=parts, model_hash=config.model_hash(),
+                              seam=seam, parts=parts, model_hash=model_hash_of(config),
                               codec=codec_spec(config), lr=config.training.lr,
                               seed=config.training.seed,
                               optim=OptimSettings.from_config(config.training),
@@ -428,11 +434,13 @@ def _mismatch_explainer(host: Any, m: Any, config: Any) -> Callable[[], Awaitabl
     asked: set[str] = set()
 
     async def explain() -> str | None:
+        from swarmd.models.registry import model_fingerprint_of
+
         peers = [p for p in mismatched_peers(m.swarm_info()) if p[0] not in asked]
         asked.update(p for p, _ in peers[:3])
         if not peers:
             return None
         return await explain_mismatch(host, config.swarm.name, config.swarm.model,
-                                      config.model_fingerprint(), peers)
+                                      model_fingerprint_of(config), peers)
 
     return explain

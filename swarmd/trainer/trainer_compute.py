@@ -1,7 +1,7 @@
 """The trainer's compute: its embedding, head and loss, and its optimizer step. No I/O.
 
 Run in the trainer's compute thread, never on the event loop (``Trainer._run``). A mixin of
-``swarmd.pipeline.trainer.Trainer``, which owns the attributes used here: ``parts`` (embed,
+``swarmd.trainer.trainer.Trainer``, which owns the attributes used here: ``parts`` (embed,
 head, loss), ``params`` (tied weights once), ``optimizer`` (a ``SwarmOptimizer``), ``scaler``
 (float16's loss scale, else None), ``device``, ``dtype``, ``counters`` and the step's running
 ``_samples`` and ``_overflow``.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from swarmd.training.model import to_device, wire_tensor
+from swarmd.models.gpt import to_device, wire_tensor
 
 
 class TrainerCompute:

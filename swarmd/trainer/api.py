@@ -50,10 +50,10 @@ async def train_async(bootstrap: str | Sequence[str], *, model: str | Path | Non
                       settings: Mapping[str, Any] | None = None,
                       progress: Callable[[str], None] = print) -> Any:
     """Join the swarm at ``bootstrap`` as a trainer and train until step ``steps``; the
-    :class:`~swarmd.training.run.TrainResult`. With ``home`` the trainer keeps its identity and
-    state there and resumes it (``swarmd.training.trainer_state``)."""
+    :class:`~swarmd.trainer.run.TrainResult`. With ``home`` the trainer keeps its identity and
+    state there and resumes it (``swarmd.state.trainer_state``)."""
     from swarmd.errors import ConfigError
-    from swarmd.training.run import train as run_train
+    from swarmd.trainer.run import train as run_train
 
     addrs = [bootstrap] if isinstance(bootstrap, str) else list(bootstrap)
     if not addrs:

@@ -47,16 +47,16 @@ from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, Tr
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
-from swarmd.pipeline.trainer_compute import TrainerCompute
+from swarmd.trainer.trainer_compute import TrainerCompute
 from swarmd.pipeline.wiring import Wiring
 from swarmd.models.seam import ModelSeam, TrainerParts
-from swarmd.training.model import wire_tensor
+from swarmd.models.gpt import wire_tensor
 from swarmd.training.precision import LossScaler
 from swarmd.training.swarm_optim import OptimSettings, SwarmOptimizer
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 
-log = logging.getLogger("swarmd.pipeline.trainer")
+log = logging.getLogger("swarmd.trainer.trainer")
 
 MAX_RESTARTS = 8
 #: validation batches in flight at once (``Trainer.evaluate``)

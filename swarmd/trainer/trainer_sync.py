@@ -35,16 +35,15 @@ from swarmd.state.fetch import fetch_state
 from swarmd.state.messages import SizeBound
 from swarmd.state.round_digest import round_digest_of
 from swarmd.state.serve import StateServer
+from swarmd.state.trainer_state import MAX_PARTS_BYTES, TRAINERS_STAGE
 from swarmd.state.transfer import StateTransferFailed
 from transport.errors import TransportError
+from swarmd.models.registry import model_hash_of
 
-log = logging.getLogger("swarmd.training.trainer_sync")
+log = logging.getLogger("swarmd.trainer.trainer_sync")
 
-#: the stage number the trainers' rounds and state transfers use (a stage no model has)
-TRAINERS_STAGE = (1 << 16) - 1
 #: a joining trainer's whole download of a mate's state (its parts are small)
 TRAINER_STATE_FETCH_TIMEOUT_S = 120.0
-MAX_PARTS_BYTES = 16 << 30
 
 
 class TrainerSync:
@@ -200,7 +199,7 @@ async def trainer_sync(host: Any, trainer: Any, membership: Any, config: Any
     async with Averager(host, protocol_id(config.swarm.name),
                         addrs_of=lambda peer: membership.trainers().get(peer, ())) as averager:
         sync = TrainerSync(host, trainer, swarm=config.swarm.name,
-                           model_hash=config.model_hash(), mates=membership.trainers,
+                           model_hash=model_hash_of(config), mates=membership.trainers,
                            averager=averager,
                            settings=SyncSettings(compression="none",
                                                  aggregator="mean",
