@@ -157,3 +157,23 @@ def test_a_peer_of_an_over_served_stage_migrates_to_the_bottleneck(tmp_path: Pat
                    "stages still served by 2, 2 and 1 peers")
     finally:
         stop_all(started)
+
+
+def test_two_peers_on_one_stage_fill_the_empty_one_before_any_training(
+        tmp_path: Path) -> None:
+    # what two --stage auto daemons racing onto one stage leave: stage 1 empty, nothing
+    # trained, so every announced throughput is 0 (the totals look balanced)
+    env = {**ENV, **FAST_CHECKS, "SWARMD_SWARM_STAGES": "2"}
+    started: list[DaemonProcess] = []
+    try:
+        d = start_swarm(tmp_path, [0, 0], env=env, into=started)
+
+        def stages() -> list[int]:
+            return [s["routable_peers"] for s in d[0].get("/api/v0/swarm")["stages"]]
+
+        wait_until(lambda: stages() == [1, 1], 120, "one peer moved to the empty stage")
+        counts = [int(p.get("/api/v0/status")["counters"].get("balance.migrations", 0))
+                  for p in d]
+        assert sorted(counts) == [0, 1], counts
+    finally:
+        stop_all(started)

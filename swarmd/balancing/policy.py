@@ -11,6 +11,24 @@ Policy:
   peers plus that of the peers ``joining`` or ``migrating`` to it (their announcement already
   names the stage they are loading); ``leaving`` peers count nowhere. Deciding on planned
   totals means that once enough peers are on their way, nobody else follows them.
+* **An empty stage is filled first, whatever the throughputs.** A stage with no online,
+  joining or migrating peer stops the whole pipeline, and before any training every peer
+  announces throughput 0 (the totals look balanced), so totals cannot be trusted to see it:
+  two ``--stage auto`` peers that raced onto one stage would wait forever. While some stage
+  is empty and another has at least 2 online peers, :func:`fill_plan` overrides everything
+  below: one peer per empty stage (lowest first) moves, and nobody else (``"not_chosen"``),
+  the gain being ``inf``. The donor is the stage with the most online peers left, then the
+  largest planned total, then the lowest index: counts are exact integers, so peers whose
+  views hold the same announcements agree even where float sums of totals could differ in
+  the last bit; the most crowded stage loses least by giving one peer. Its mover is its
+  online peer with the smallest throughput, then the largest peer id: the move can only
+  lower its source, which keeps serving the pipeline, so the smallest peer costs least
+  there; the empty stage only needs *a* peer (any peer beats none), and once measurements
+  exist the rules below move the right amount there, ranked largest first, so the fill
+  takes the other end of that ranking. With all throughputs 0 (the stuck case) it is simply
+  the largest peer id. A donor always keeps one online peer; when no stage can spare one,
+  the rules below apply as before. The move goes through the same ``confirmations``; once
+  the mover announces ``migrating`` there the stage is planned and the rules below resume.
 * **The level and the gain.** The peers together could bring every stage to about the mean
   planned total ``L`` (an upper bound on the best minimum; with many peers per stage it is
   reached within about one peer). The swarm's *gain* is ``L / min - 1``: how much a full
@@ -53,6 +71,8 @@ Policy:
   does not fit is passed over for the next deficit, lowest first, that fits and passes the
   overshoot rule; when none does the peer stays (``"does_not_fit"``). Its stage mates planned
   with it as a mover, so that deficit waits for the next checks, when the totals have changed.
+  Likewise a peer chosen to fill an empty stage it cannot hold stays (``"does_not_fit"``) and
+  nobody takes its place: the others cannot know why.
 
 New peers (``--stage auto``) use :func:`swarmd.balancing.placement.choose_stage`, fed with
 :meth:`SwarmLoad.planned_totals` and :meth:`SwarmLoad.planned_counts` so that simultaneous
@@ -71,7 +91,7 @@ from typing import Any
 from swarmd.peer_states import PeerState
 
 __all__ = ["STATES", "BalancingConfig", "PeerLoad", "Decision", "SwarmLoad", "swarm_gain",
-           "decide", "Balancer"]
+           "fill_plan", "decide", "Balancer"]
 
 #: the peer states the balancer counts: membership's (``swarmd.peer_states``), a peer still
 #: syncing counted as joining (it is arriving)
@@ -135,10 +155,10 @@ class Decision:
     #: the stage to move to, or None to stay
     move_to: int | None
     #: how much a full rebalancing would raise the minimum stage total, relative (inf: a stage
-    #: has nothing planned)
+    #: has nothing planned, or has no peer while another stage could spare one)
     gain: float
-    #: why: "move", "balanced", "not_online", "no_throughput", "not_donor", "not_chosen",
-    #: "last_peer", "overshoot", "does_not_fit"
+    #: why: "move", "fill" (a move to an empty stage), "balanced", "not_online",
+    #: "no_throughput", "not_donor", "not_chosen", "last_peer", "overshoot", "does_not_fit"
     reason: str
 
 
@@ -260,19 +280,59 @@ def _gain(level: float, low: float) -> float:
 
 
 def swarm_gain(load: SwarmLoad) -> float:
-    """How much a full rebalancing would raise the lowest planned stage total, relative.
+    """How much a full rebalancing would raise the lowest planned stage total, relative;
+    ``inf`` while an empty stage is to be filled (:func:`fill_plan`), whatever the totals.
 
     :func:`decide` says "stay" to every peer while this is at most the threshold, so a caller
     that checks many peers (the simulator) may skip their checks until it rises above it.
     """
+    if _has_empty_stage(load) and fill_plan(load):
+        return math.inf
     planned = load.planned_totals()
     return _gain(sum(planned) / len(planned), min(planned))
+
+
+def _has_empty_stage(load: SwarmLoad) -> bool:
+    return any(a + b == 0 for a, b in zip(load._online, load._arrivals))
+
+
+def fill_plan(load: SwarmLoad) -> dict[str, int]:
+    """The moves that fill the empty stages (no online, joining or migrating peer), peer id
+    to stage; empty when no stage is empty or no stage has an online peer to spare.
+
+    One peer per empty stage, lowest empty stage first, as long as some stage keeps two or
+    more online peers: the donor is the stage with the most online peers left (then the
+    largest planned total left, then the lowest index), and its mover the online peer with the
+    smallest throughput (then the largest peer id), not yet taken. Counts and announced
+    values only, so every peer with the same view computes the same plan; see the module
+    docstring for why these choices."""
+    counts = load.planned_counts()
+    empty = [s for s, n in enumerate(counts) if n == 0]
+    if not empty:
+        return {}
+    planned = load.planned_totals()
+    taken = [0] * load.stages
+    plan: dict[str, int] = {}
+    for target in empty:
+        spare = [s for s in range(load.stages) if load._online[s] - taken[s] >= 2]
+        if not spare:
+            break
+        donor = max(spare, key=lambda s: (load._online[s] - taken[s], planned[s], -s))
+        neg, pid = load._keys[donor][-1 - taken[donor]]  # smallest, then largest id
+        plan[pid] = target
+        taken[donor] += 1
+        planned[donor] += neg
+    return plan
 
 
 def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig,
            fits: Collection[int] | None = None) -> Decision:
     """Stay, or move ``peer_id`` to another stage (one of ``fits``, the stages it can hold,
     when given); see the module docstring. Deterministic."""
+    if _has_empty_stage(load):
+        fill = fill_plan(load)
+        if fill:
+            return _fill_decision(load, peer_id, fill, fits)
     planned = load.planned_totals()
     level = sum(planned) / len(planned)
     gain = _gain(level, min(planned))
@@ -323,6 +383,21 @@ def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig,
     if not _no_overshoot(planned, a, target, t):
         return Decision(move_to=None, gain=gain, reason="overshoot")
     return Decision(move_to=target, gain=gain, reason="move")
+
+
+def _fill_decision(load: SwarmLoad, peer_id: str, fill: dict[str, int],
+                   fits: Collection[int] | None) -> Decision:
+    """While an empty stage is being filled, only the peers of ``fill`` move; the others
+    stay until the movers' announcements (``migrating`` there) show the stage planned."""
+    me = load._peers.get(peer_id)
+    if me is None or me.state != "online":
+        return Decision(move_to=None, gain=math.inf, reason="not_online")
+    target = fill.get(peer_id)
+    if target is None:
+        return Decision(move_to=None, gain=math.inf, reason="not_chosen")
+    if fits is not None and target not in fits:
+        return Decision(move_to=None, gain=math.inf, reason="does_not_fit")
+    return Decision(move_to=target, gain=math.inf, reason="fill")
 
 
 def _no_overshoot(planned: list[float], source: int, target: int, t: float) -> bool:

@@ -88,7 +88,10 @@ class Daemon:
         self.balancer: Any = None
         self.balance_counters: Counter[str] = Counter()
         self.last_migration: dict[str, Any] | None = None
+        #: a moving peer's measured speed (``_migrate``): its new server starts from it and,
+        #: until that server exists, ``_local`` announces it with the caps applied
         self._throughput_hint = 0.0
+        self._moving_throughput = 0.0
         #: what the upload cap leaves for hops after averaging and state (swarmd.node.caps)
         self._upload_left = UploadLeft()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -394,7 +397,12 @@ class Daemon:
 
         server = self.stage_server
         if server is None:
-            return LocalState(self.stage, self.state)
+            # between its old server and its new one a moving peer announces the speed it
+            # measured, as its new server will: 0 would show its new stage still short of
+            # peers and make others follow it (a new peer has measured nothing: 0)
+            moving = self.peer_state in (PeerState.MIGRATING, PeerState.SYNCING)
+            return LocalState(self.stage, self.state,
+                              self._moving_throughput if moving else 0.0)
         throughput = announced_throughput(self.config, server, self.host, self._upload_left)
         return LocalState(self.stage, self.state, throughput, server.queue, server.step)
 
@@ -583,6 +591,7 @@ class Daemon:
         t0 = time.monotonic()
         if self.stage_server is not None:
             self._throughput_hint = self.stage_server.throughput
+            self._moving_throughput = announced_throughput(self.config, self.stage_server)
             unfinished = await self.stage_server.retire()
             self.balance_counters["migration_dropped_microbatches"] += unfinished
         await self._stop_serving()
