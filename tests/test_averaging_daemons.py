@@ -94,7 +94,9 @@ def test_three_peers_of_a_stage_step_together_and_hold_equal_weights(four: Any) 
     assert all(c.get("sync.rounds_failed", 0) == 0 for c in rounds)
     assert sum(c.get("stage.step_reports", 0) for c in rounds) >= 12, rounds
     assert all(c.get("stage.step_reports_expired", 0) == 0
-               and c.get("stage.step_report_failed", 0) == 0 for c in rounds), rounds
+               and c.get("stage.step_report_failed", 0) == 0 for c in rounds), [
+        {k: v for k, v in c.items() if k.startswith(("stage.step_report", "sync."))}
+        for c in rounds]
 
 
 def test_a_peer_killed_mid_training_leaves_the_others_equal(four: Any) -> None:

@@ -97,7 +97,11 @@ def _multiaddrs(*, need_peer_id: bool) -> Callable[[Any], None]:
             except Exception as exc:  # multiaddr raises several types, all ValueError-like
                 detail = str(exc).split(" (string:")[0]
                 raise _Invalid(f"entry {index} {_show(text)} is not a multiaddr: {detail}") from None
-            if need_peer_id and addr.protocols()[-1].name != "p2p":
+            protocols = list(addr.protocols())
+            if not protocols:
+                raise _Invalid(f"entry {index} {_show(text)} is not a multiaddr: it names no "
+                               f"protocol (e.g. /ip4/1.2.3.4/tcp/31337)")
+            if need_peer_id and protocols[-1].name != "p2p":
                 raise _Invalid(f"entry {index} {_show(text)} does not end in /p2p/<peer id>")
     return check
 

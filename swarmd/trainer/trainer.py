@@ -88,6 +88,11 @@ REPORTS_LAG_FACTOR = 3.0
 #: stage it served them at (moved, left or dropped from the view: that stage's report will
 #: not come, a leader's is refused, and its mates never reach the step's samples without it)
 REPORTS_POLL_S = 0.5
+#: a peer that served the step must have been missing from its stage this long, over
+#: consecutive polls, before its stage's report is given up: a view on a loaded machine can
+#: lose a live peer for a moment (an announcement late), and ending the wait then would take
+#: the step part by part for nothing
+LEFT_GRACE_S = 2.0
 
 
 @dataclass(slots=True, eq=False)
@@ -181,6 +186,8 @@ class Trainer(TrainerCompute):
         self._missed_at: dict[int, float] = {}
         #: stage -> the peers that served this step's microbatches there
         self._step_peers: dict[int, set[str]] = {}
+        #: peers of ``_step_peers`` not listed at their stage, since when (``LEFT_GRACE_S``)
+        self._missing_since: dict[str, float] = {}
         self.scaler = LossScaler() if dtype == torch.float16 else None
         #: a gradient overflowed during this step (float16): the step is skipped
         self._overflow = False
@@ -331,6 +338,7 @@ class Trainer(TrainerCompute):
         else:  # forwards name no stage step (another trainer's steps mix in)
             self._not_exact(step)
         self._step_peers.clear()
+        self._missing_since.clear()
         await self._run(self._step_and_zero, coefficient)
         self.step += 1
         if self.after_step is not None:
@@ -411,8 +419,15 @@ class Trainer(TrainerCompute):
     def _left_its_stage(self, step: int) -> bool:
         """Whether a peer that served ``step``'s microbatches at a stage that has not reported
         it is no longer listed at that stage (see ``REPORTS_POLL_S``); counted and said."""
+        now = time.monotonic()
+        missing: dict[str, float] = {}
         for stage in self.board.missing(step):
-            gone = self._step_peers.get(stage, set()) - self.peers_of(stage).keys()
+            for peer in self._step_peers.get(stage, set()) - self.peers_of(stage).keys():
+                missing[peer] = self._missing_since.get(peer, now)
+        self._missing_since = missing  # a peer listed again starts over
+        for stage in self.board.missing(step):
+            gone = {p for p in self._step_peers.get(stage, set()) & missing.keys()
+                    if now - missing[p] >= LEFT_GRACE_S}
             if gone:
                 self.counters["reports_left"] += 1
                 log.info("step %d: stage %d's report will not come (%s served it there and "
