@@ -34,7 +34,7 @@ the run: ``reference_settled``), else the run was too short to say anything.
 
 ``--noise N`` (default 2) also runs the reference N more times with every gradient perturbed by
 a relative 1e-6 (rounding's size, seeded): a small model's trajectory can land a few percent
-apart on float noise alone (the demo preset's seed 1: 1.6-1.8%), so each run also reports
+apart on float noise alone (the demo preset's seed 1: 2.0%), so each run also reports
 ``ratio_to_noisy_mean`` (swarm / the mean of the reference's runs) and the reference's
 ``spread``; ``first_step_apart``, ``train_losses`` and ``grad_norms`` show where the two first
 differ.
