@@ -23,7 +23,11 @@ pytestmark = pytest.mark.integration
 
 ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
        "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "replay-test",
-       "SWARMD_AVERAGING_TIMEOUT_S": "8", "SWARMD_BALANCING_ENABLED": "false"}
+       "SWARMD_AVERAGING_TIMEOUT_S": "8", "SWARMD_BALANCING_ENABLED": "false",
+       # the capped download takes ~6 s; this tiny stage steps up to ~7 times a second, so the
+       # default 8 kept steps were often too few (the joiner then downloaded again instead of
+       # replaying: the test failed under parallel load); ~300 kB a step, 256 steps ~77 MB
+       "SWARMD_STATE_REPLAY_STEPS": "256"}
 #: the joiner's download cap: its state takes seconds to arrive, a step far less
 SLOW = {"SWARMD_LIMITS_DOWNLOAD_BYTES_S": os.environ.get("SWARMD_TEST_REPLAY_CAP", "200000")}
 
