@@ -101,6 +101,8 @@ def test_registry_resolves_a_users_factory(tmp_path, monkeypatch) -> None:
     with pytest.raises(ModelError, match="set one of them"):
         make_seam(CONFIG, factory="mymodel:make", hf=str(tmp_path))
     assert resolve_factory("mymodel:make") is sys.modules["mymodel"].make
+    with pytest.raises(ModelError, match="expected"):  # "$" alone matched before a newline
+        resolve_factory("mymodel:make\n")
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -39,7 +39,7 @@ def metric_name(counter: str) -> tuple[str, str, float] | None:
     kind, factor = ("gauge" if counter in GAUGES else "counter"), 1.0
     if kind == "counter" and base.endswith("_ms"):
         base, factor = base[:-3] + "_seconds", 1e-3
-    if not base or not _VALID.match(base) or base in _RESERVED or base.endswith("_total"):
+    if not base or not _VALID.fullmatch(base) or base in _RESERVED or base.endswith("_total"):
         return None
     return f"swarmd_{base}", kind, factor
 

@@ -43,7 +43,7 @@ FACTORY_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 
 def resolve_factory(spec: str) -> Callable[[ModelConfig], ModelSeam]:
     """The callable ``spec`` names; :class:`ModelError` saying what is wrong otherwise."""
-    if not FACTORY_RE.match(spec):
+    if not FACTORY_RE.fullmatch(spec):
         raise ModelError(f'model.factory = "{spec}": expected "package.module:callable"')
     module_name, _, attr = spec.partition(":")
     try:

@@ -37,7 +37,7 @@ def config_for(*, model: str | Path | None = None, data: str | Path | None = Non
     overrides = dict(settings or {})
     if model is not None:
         spec = str(model)
-        key = "model.factory" if FACTORY_RE.match(spec) and not Path(spec).exists() else "model.hf"
+        key = "model.factory" if FACTORY_RE.fullmatch(spec) and not Path(spec).exists() else "model.hf"
         overrides[key] = spec
     if data is not None:
         overrides["data.path"] = str(data)
