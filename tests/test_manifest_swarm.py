@@ -148,8 +148,21 @@ def test_a_volunteer_with_only_a_bootstrap_address_serves_the_swarms_model(
             swarm["root"] / "llama" / "tokenizer.json").read_bytes()
         assert "settings taken: model" in volunteer.stderr()
         # the trainer's microbatches go through the newcomer
-        wait_until(lambda: _counters(volunteer).get("stage.backward", 0) >= 2, 120,
-                   "microbatches through the volunteer")
+        try:
+            wait_until(lambda: _counters(volunteer).get("stage.backward", 0) >= 2, 120,
+                       "microbatches through the volunteer")
+        except AssertionError as exc:  # seen once under heavy load: say what the peers saw
+            try:
+                stage = volunteer.get("/api/v0/stage")
+            except Exception as why:  # the volunteer gone: its log still says why
+                stage = {"state": f"unreachable: {why!r}"}
+            raise AssertionError(
+                f"{exc}; volunteer at stage {stage.get('stage')} step {stage.get('step')} "
+                f"({stage.get('state')}), counters "
+                f"{ {k: v for k, v in _counters(volunteer).items() if k.startswith(('stage.', 'state.', 'sync.'))} }; "
+                f"steps: first {first.get('/api/v0/stage').get('step')}, second "
+                f"{second.get('/api/v0/stage').get('step')}; its log:\n"
+                + "\n".join(volunteer.stderr().splitlines()[-40:])) from None
         result = training.finish()
         assert result.lost == 0 and result.steps > 0
         print(f"volunteer serving {serving_after:.1f} s after `swarmd join`")
