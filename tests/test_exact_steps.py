@@ -24,6 +24,8 @@ from swarmd.pipeline.messages import (Expect, Forward, StepAnswer, StepReport, p
                                       parse_step_answer, parse_step_report)
 from transport.frames import Message
 
+from inprocess_swarm import two_stage_swarm
+
 
 # ---- sources ---------------------------------------------------------------------------------
 
@@ -192,45 +194,17 @@ def test_round_messages_carry_the_sources_of_the_samples() -> None:
 
 # ---- three steps through a real swarm ----------------------------------------------------------
 
-@contextlib.asynccontextmanager
-async def _swarm(config: Any, optim: Any) -> AsyncIterator[tuple[list[Any], Any]]:
-    """Two stage servers (one peer each, a step target of 6 samples) and an exact trainer on
-    real libp2p hosts in this process, codec none; closed on the way out."""
-    from swarmd.pipeline.server import StageServer
-    from swarmd.trainer.trainer import Trainer
-    from transport import identity
-    from transport.codecs import CodecSpec
-    from transport.host import Host, HostOptions
+def _swarm(config: Any, optim: Any) -> Any:
+    """Two stage servers (one peer each, a step target of 6 samples) and an exact trainer."""
+    return _exact(two_stage_swarm(config, target_batch_size=6, swarm="exact-steps",
+                                  lr=optim.lr, optim=optim))
 
-    codec = CodecSpec(name="none")
-    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
-    for h in hosts:
-        await h.start()
-    try:
-        s0, s1, t = hosts
-        table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
-                 1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
-        common = dict(swarm="exact-steps", num_stages=2, model_config=config,
-                      model_hash=config.model_hash(), codec=codec, lr=optim.lr, seed=0,
-                      peers_of=lambda s: table.get(s, {}), optim=optim)
-        announced = {t.peer_id: tuple(t.addrs)}
-        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=6,
-                               addrs_of=lambda p: announced.get(p, ()), **common)
-                   for i, h in enumerate((s0, s1))]
-        for s in servers:
-            s.start()
-        trainer = Trainer(t, **common)
+
+@contextlib.asynccontextmanager
+async def _exact(swarm: Any) -> AsyncIterator[tuple[list[Any], Any]]:
+    async with swarm as (servers, trainer):
         trainer.exact = True
-        trainer.start()
-        try:
-            yield servers, trainer
-        finally:
-            for s in servers:
-                await s.close()
-            trainer.close()
-    finally:
-        for h in hosts:
-            await h.close()
+        yield servers, trainer
 
 
 async def _train(trainer: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:

@@ -14,9 +14,8 @@ from swarmd.pipeline.inflight import InFlight
 from swarmd.pipeline.server import StageServer
 from swarmd.trainer.trainer import Trainer
 from swarmd.models.gpt import ModelConfig
-from transport import identity
-from transport.codecs import CodecSpec
-from transport.host import Host, HostOptions
+
+from inprocess_swarm import two_stage_swarm
 
 pytestmark = pytest.mark.integration
 
@@ -26,26 +25,9 @@ STEPS, PER_STEP, IN_FLIGHT, BATCH = 6, 2, 6, 2
 
 
 async def _pipelined() -> tuple[Trainer, list[StageServer], list[tuple[int, float]], int]:
-    codec = CodecSpec(name="none")
-    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
-    for h in hosts:
-        await h.start()
-    try:
-        s0_host, s1_host, t_host = hosts
-        table = {0: {s0_host.peer_id: (1.0, 0, tuple(s0_host.addrs))},
-                 1: {s1_host.peer_id: (1.0, 0, tuple(s1_host.addrs))}}
-        common = dict(swarm=SWARM, num_stages=2, model_config=CONFIG,
-                      model_hash=CONFIG.model_hash(), codec=codec, lr=1e-3, seed=0,
-                      peers_of=lambda s: table.get(s, {}))
-        announced = {t_host.peer_id: tuple(t_host.addrs)}
-        # each stage steps once it holds a trainer step's samples, like the default
-        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=PER_STEP * BATCH,
-                               addrs_of=lambda p: announced.get(p, ()), **common)
-                   for i, h in enumerate((s0_host, s1_host))]
-        for s in servers:
-            s.start()
-        trainer = Trainer(t_host, **common)
-        trainer.start()
+    # each stage steps once it holds a trainer step's samples, like the default
+    async with two_stage_swarm(CONFIG, target_batch_size=PER_STEP * BATCH,
+                               swarm=SWARM) as (servers, trainer):
         g = torch.Generator().manual_seed(0)
         seen: list[tuple[int, float]] = []
         most = 0
@@ -63,13 +45,7 @@ async def _pipelined() -> tuple[Trainer, list[StageServer], list[tuple[int, floa
         await trainer.train(draw, steps=STEPS, microbatches=PER_STEP,
                             window=InFlight(floor=PER_STEP, ceiling=IN_FLIGHT, fixed=True),
                             on_step=on_step)
-        for s in servers:
-            await s.close()
-        trainer.close()
-        return trainer, servers, seen, most
-    finally:
-        for h in hosts:
-            await h.close()
+    return trainer, servers, seen, most
 
 
 def test_stages_step_while_microbatches_are_in_flight_and_nothing_is_lost() -> None:

@@ -11,11 +11,11 @@ import torch
 import uvloop
 
 from swarmd.models.gpt import FullModel, ModelConfig
-from swarmd.pipeline.server import StageServer
-from swarmd.trainer.trainer import Trainer
 from transport import identity
 from transport.codecs import CodecSpec
 from transport.host import Host, HostOptions
+
+from inprocess_swarm import two_stage_swarm
 
 pytestmark = pytest.mark.integration
 
@@ -24,27 +24,9 @@ SWARM = "exact-test"
 
 
 async def _swarm_grads(batches, codec: CodecSpec):
-    opts = HostOptions(pubsub=None, codec=codec)
-    hosts = [Host(identity.generate(), opts) for _ in range(3)]
-    for h in hosts:
-        await h.start()
-    try:
-        s0_host, s1_host, t_host = hosts
-        table = {0: {s0_host.peer_id: (1.0, 0, tuple(s0_host.addrs))},
-                 1: {s1_host.peer_id: (1.0, 0, tuple(s1_host.addrs))}}
-        common = dict(swarm=SWARM, num_stages=2, model_config=CONFIG,
-                      model_hash=CONFIG.model_hash(), codec=codec, lr=1e-3, seed=0,
-                      peers_of=lambda s: table.get(s, {}))
-        # the trainer's signed announcement, as membership would give it to the last stage
-        announced = {t_host.peer_id: tuple(t_host.addrs)}
-        # a target above the samples sent: nobody steps, the accumulated gradients stay
-        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=1000,
-                               addrs_of=lambda p: announced.get(p, ()), **common)
-                   for i, h in enumerate((s0_host, s1_host))]
-        for s in servers:
-            s.start()
-        trainer = Trainer(t_host, **common)
-        trainer.start()
+    # a target above the samples sent: nobody steps, the accumulated gradients stay
+    async with two_stage_swarm(CONFIG, target_batch_size=1000, swarm=SWARM,
+                               codec=codec) as (servers, trainer):
         losses = await trainer.accumulate(batches)
         samples = sum(int(x.shape[0]) for x, _ in batches)
         grads = {}  # gradients are sums over samples: the mean is what a step applies
@@ -56,14 +38,7 @@ async def _swarm_grads(batches, codec: CodecSpec):
             assert s.worker.samples_accumulated == samples
             for name, p in s.module.named_parameters():
                 grads[f"stages.{s.stage}.{name}"] = p.grad / samples
-        stats = trainer.stats
-        for s in servers:
-            await s.close()
-        trainer.close()
-        return losses, grads, stats
-    finally:
-        for h in hosts:
-            await h.close()
+        return losses, grads, trainer.stats
 
 
 def _reference(batches):

@@ -14,9 +14,8 @@ import uvloop
 from swarmd.pipeline.server import StageServer
 from swarmd.trainer.trainer import Trainer
 from swarmd.models.gpt import ModelConfig
-from transport import identity
-from transport.codecs import CodecSpec
-from transport.host import Host, HostOptions
+
+from inprocess_swarm import two_stage_swarm
 
 pytestmark = pytest.mark.integration
 
@@ -33,35 +32,9 @@ async def _until(condition, seconds: float = 30.0) -> None:  # type: ignore[no-u
 
 
 async def _scenario(dtype: torch.dtype, check) -> None:  # type: ignore[no-untyped-def]
-    codec = CodecSpec(name="none")
-    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
-    for h in hosts:
-        await h.start()
-    servers: list[StageServer] = []
-    trainer = None
-    try:
-        s0, s1, t = hosts
-        table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
-                 1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
-        common = dict(swarm=SWARM, num_stages=2, model_config=CONFIG,
-                      model_hash="precision", codec=codec, lr=1e-3, seed=0,
-                      peers_of=lambda s: table.get(s, {}), dtype=dtype)
-        announced = {t.peer_id: tuple(t.addrs)}
-        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=B * MICRO,
-                               addrs_of=lambda p: announced.get(p, ()), **common)
-                   for i, h in enumerate((s0, s1))]
-        for s in servers:
-            s.start()
-        trainer = Trainer(t, **common)
-        trainer.start()
+    async with two_stage_swarm(CONFIG, target_batch_size=B * MICRO, swarm=SWARM,
+                               model_hash="precision", dtype=dtype) as (servers, trainer):
         await check(trainer, servers)
-    finally:
-        for s in servers:
-            await s.close()
-        if trainer is not None:
-            trainer.close()
-        for h in hosts:
-            await h.close()
 
 
 def _batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,54 @@
+"""The in-process two-stage swarm of the pipeline tests: three libp2p hosts on 127.0.0.1 in
+this process (Noise + yamux, no transport mocked), a stage server on each of the first two
+(one peer per stage, listed in a fixed view) and a trainer on the third."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator
+
+from swarmd.pipeline.server import StageServer
+from swarmd.trainer.trainer import Trainer
+from transport import identity
+from transport.codecs import CodecSpec
+from transport.host import Host, HostOptions
+
+
+@contextlib.asynccontextmanager
+async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: str,
+                          codec: CodecSpec | None = None, model_hash: str | None = None,
+                          lr: float = 1e-3, **common: Any
+                          ) -> AsyncIterator[tuple[list[StageServer], Trainer]]:
+    """``(servers, trainer)``, started; each stage steps once it holds ``target_batch_size``
+    samples. ``common`` goes to the servers and the trainer alike (``optim``, ``dtype``...).
+    Everything is closed on the way out."""
+    codec = codec or CodecSpec(name="none")
+    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
+    for h in hosts:
+        await h.start()
+    servers: list[StageServer] = []
+    trainer: Trainer | None = None
+    try:
+        s0, s1, t = hosts
+        table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
+                 1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
+        shared = dict(swarm=swarm, num_stages=2, model_config=model_config,
+                      model_hash=model_hash or model_config.model_hash(), codec=codec, lr=lr,
+                      seed=0, peers_of=lambda s: table.get(s, {}), **common)
+        # the trainer's signed announcement, as membership would give it to the last stage
+        announced = {t.peer_id: tuple(t.addrs)}
+        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=target_batch_size,
+                               addrs_of=lambda p: announced.get(p, ()), **shared)
+                   for i, h in enumerate((s0, s1))]
+        for s in servers:
+            s.start()
+        trainer = Trainer(t, **shared)
+        trainer.start()
+        yield servers, trainer
+    finally:
+        for s in servers:
+            await s.close()
+        if trainer is not None:
+            trainer.close()
+        for h in hosts:
+            await h.close()
