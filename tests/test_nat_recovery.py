@@ -136,9 +136,11 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
         wait_until(lambda: not lab.gateway_is_down("n1"), OUTAGE_S + 15, "the gateway back")
         at_recovery, t_recovery = _forwards(n1), time.monotonic()
         assert trainer.poll() is None, (home / "train.stderr").read_text()[-3000:]
-        # two steps' worth of microbatches: new work, not a straggler from before the outage
+        # more than one step's microbatches (4): at least one is new work, not a straggler
+        # from the step in flight at the outage (two steps' worth, 8, measured throughput
+        # instead: n1, capped at a third of the stage, served 6 in 60 s on a loaded machine)
         try:
-            wait_until(lambda: _forwards(n1) >= at_recovery + 8, RECOVERY_S,
+            wait_until(lambda: _forwards(n1) >= at_recovery + 5, RECOVERY_S,
                        f"n1 to serve again within {RECOVERY_S:.0f} s of the recovery "
                        f"(served {at_recovery} before)")
         except AssertionError as exc:

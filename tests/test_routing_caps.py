@@ -11,7 +11,7 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarmd.pipeline.wiring import Kind, Wiring
@@ -353,6 +353,7 @@ def _noisy_share(f: float, compute_cv: float, latency_cv: float, latency_s: floa
 
 
 @settings(max_examples=20, deadline=None)
+@example(f=0.05078125, compute_cv=0.5, latency_cv=1.0, latency_s=0.05, waits=0.5, seed=2**32 - 1)
 @given(f=st.floats(0.05, 0.8), compute_cv=st.floats(0.0, 0.8), latency_cv=st.floats(0.0, 1.2),
        latency_s=st.floats(0.005, 0.05), waits=st.floats(0.0, 0.9),
        seed=st.integers(0, 2**32 - 1))
@@ -363,7 +364,11 @@ def test_a_capped_peer_s_long_run_share_converges_to_its_ceiling_s_share_under_n
     often waiting in its saturated upload: its share of forwards stays within 12% of its
     ceiling's share (the per-hop median share, or ``min(t_p, ...)``, gave it up to +19% and
     more)."""
-    assert _noisy_share(f, compute_cv, latency_cv, latency_s, waits, seed) == \
+    # enough hops that the capped peer takes ~1,500 after the warm-up whatever f: with 4,000
+    # hops in all, f = 0.05 left it ~145 picks, whose sampling spread alone (sd 0.094 over
+    # seeds) put one seed in five outside 12% (hypothesis found seed 2**32 - 1 at 0.74)
+    n = 1_000 + math.ceil(1_500 * (1 + f) / f)
+    assert _noisy_share(f, compute_cv, latency_cv, latency_s, waits, seed, n=n) == \
         pytest.approx(1.0, abs=0.12)
 
 

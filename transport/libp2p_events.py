@@ -29,6 +29,38 @@ EVENTS = {
     "Connection denied by resource manager": "inbound_rejected.resources",
 }
 
+#: the swarm's catch-all record for an inbound connection that failed, whatever the reason
+#: (its argument is the exception). Counted by the reason its exception names where no record
+#: before it counted that reason (``RAISED_ONLY``), skipped where one did (``LOGGED_BEFORE``),
+#: else ``inbound_rejected.error``: garbage whose bytes break the protocol negotiation with an
+#: exception libp2p does not wrap (one random 4 KB blob in a few) is logged only here
+FAILED_INBOUND = "Error handling incoming connection"
+RAISED_ONLY = {
+    "Connection denied by resource manager": "inbound_rejected.resources",
+    "Maximum connections limit reached": "inbound_rejected.cap",
+}
+LOGGED_BEFORE = ("failed to upgrade security", "Inbound upgrade timeout", "fail to upgrade mux")
+
+
+def counter_of(record: logging.LogRecord) -> str | None:
+    """The counter a swarm log record stands for, or None."""
+    message = record.msg if isinstance(record.msg, str) else ""
+    if message.startswith(FAILED_INBOUND):
+        try:
+            text = record.getMessage()
+        except Exception:  # a record whose arguments do not format: still a failed connection
+            text = message
+        for needle, name in RAISED_ONLY.items():
+            if needle in text:
+                return name
+        if any(needle in text for needle in LOGGED_BEFORE):
+            return None
+        return "inbound_rejected.error"
+    for needle, name in EVENTS.items():
+        if needle in message:
+            return name
+    return None
+
 _lock = threading.Lock()
 _counters: "weakref.WeakSet[Counters]" = weakref.WeakSet()
 _handler: "_EventHandler | None" = None
@@ -40,14 +72,12 @@ class _EventHandler(logging.Handler):
         self.passthrough_level = passthrough_level
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.msg if isinstance(record.msg, str) else ""
-        for needle, name in EVENTS.items():
-            if needle in message:
-                with _lock:
-                    targets = list(_counters)
-                for counters in targets:
-                    counters.add(name)
-                break
+        name = counter_of(record)
+        if name is not None:
+            with _lock:
+                targets = list(_counters)
+            for counters in targets:
+                counters.add(name)
         if record.levelno >= self.passthrough_level:
             parent = logging.getLogger(SWARM_LOGGER).parent
             if parent is not None:
