@@ -20,6 +20,30 @@ os.environ.setdefault("SWARMD_TRAINING_MICROBATCHES", "4")
 os.environ.setdefault("SWARMD_LOCAL_ZYGOTE", "1")
 
 
+#: The test files that take longest, slowest first (seconds of a loaded full run's
+#: `--durations`, 2026-12-04: 138 to 20). With `--dist loadfile` and `--no-loadscope-reorder`
+#: (pyproject), pytest-xdist hands whole files to its workers in collection order, each worker
+#: keeping a file or two ahead; these are collected first, so that the run does not end with
+#: one worker on a two-minute file while the others wait. (xdist's own reorder, by number of
+#: tests, put these few-test files last.) A new slow file belongs here.
+SLOW_FILES = (
+    "test_replay_daemons.py", "test_pipeline_daemons.py", "test_wan_deadlines.py",
+    "test_nat_recovery.py", "test_averaging_daemons.py", "test_drift_daemons.py",
+    "test_fuzz_protocols.py", "test_nat_lab.py", "test_models_swarm.py", "test_budgets.py",
+    "test_manifest_swarm.py", "test_nat_punch.py", "test_transport_integration.py",
+    "test_limits.py", "test_balancing_daemons.py", "test_models_api.py", "test_preemption.py",
+    "test_cli.py", "test_step_drains_daemons.py", "test_routing_caps.py",
+    "test_export_swarm.py", "test_restart_resume.py", "test_model.py", "test_wanlab.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow files first (``SLOW_FILES``), every other file after them in its order; tests
+    within a file keep theirs (the sort is stable)."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _zygote() -> None:
     """Start the zygote's imports at the first test, not at the first daemon's."""
