@@ -103,6 +103,15 @@ def load_hf_config(directory: Path | str) -> PreTrainedConfig:
 
 # ----------------------------------------------------------------------------- the modules
 
+def _mask(make: Any, config: PreTrainedConfig, x: torch.Tensor,
+          position_ids: torch.Tensor) -> Any:
+    """A causal mask for ``x`` with no padding and no cache, from ``transformers.masking_utils``.
+    Its first four arguments go by position: the fourth is ``past_key_values`` in transformers
+    5.17 and ``cache`` in 5.25, and a keyword for either is refused by the other (seen on a
+    machine with 5.17: every Llama stage failed its first forward)."""
+    return make(config, x, None, None, position_ids=position_ids)
+
+
 class RotaryStage(nn.Module):
     """A slice of a rotary decoder: (B, T, W) -> (B, T, W) through layers ``first..``."""
 
@@ -122,10 +131,9 @@ class RotaryStage(nn.Module):
             create_causal_mask, create_sliding_window_causal_mask)
 
         position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
-        args = dict(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-                    position_ids=position_ids)
-        masks = {kind: (create_sliding_window_causal_mask(**args) if kind == "sliding_attention"
-                        else create_causal_mask(**args)) for kind in set(self.kinds.values())}
+        masks = {kind: _mask(create_sliding_window_causal_mask if kind == "sliding_attention"
+                             else create_causal_mask, self.config, x, position_ids)
+                 for kind in set(self.kinds.values())}
         position_embeddings = self.rotary_emb(x, position_ids)  # cos, sin: (1, T, head_dim)
         for name, layer in self.layers.items():
             x = layer(x, attention_mask=masks[self.kinds[int(name)]],
@@ -145,8 +153,7 @@ class GPT2Stage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
-                                  cache=None, position_ids=position_ids)
+        mask = _mask(create_causal_mask, self.config, x, position_ids)
         for layer in self.layers.values():
             x = layer(x, attention_mask=mask, position_ids=position_ids)
         return x
