@@ -253,6 +253,7 @@ class StageSync:
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
         now = time.monotonic()  # a mate that just failed us is not waited for again
+        live = len(mates)
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
         ask = Prepare(stage=self.stage, step=step)
         digest, *answers = await asyncio.gather(
@@ -269,6 +270,7 @@ class StageSync:
             elif their.step > step:
                 self._on_behind(peer, their.step)
                 return  # we are behind: no round until we caught up
+        self._count_group(len(group), live)
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
         source = self._round_source(group, step)
         if len(group) > 1:
@@ -281,6 +283,16 @@ class StageSync:
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths, source=source)
+
+    def _count_group(self, size: int, live: int) -> None:
+        """A round this peer leads, of ``size`` members (itself included) out of ``live`` + 1
+        (its live mates and itself): ``group_members`` over ``rounds_led`` is the mean group,
+        ``mates_left_out`` the live mates that were not in it (suspected, busy, at another
+        step, silent), ``rounds_short`` the rounds that left one out."""
+        self.counters["group_members"] += size
+        left_out = max(0, live + 1 - size)
+        self.counters["mates_left_out"] += left_out
+        self.counters["rounds_short"] += left_out > 0
 
     def _round_source(self, group: list[str], step: int) -> Source | None:
         """The one trainer step every sample of the round came from (ours and those the
