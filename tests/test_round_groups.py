@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
@@ -45,8 +46,10 @@ class Host:
         pass
 
 
-def lead_one_round(answers: dict[str, bool | None]) -> dict[str, int]:
-    """Leader "a" (the smallest id) with mates ``answers``' keys, at its target: one round."""
+def lead_one_round(answers: dict[str, bool | None],
+                   suspected: tuple[str, ...] = ()) -> dict[str, int]:
+    """Leader "a" (the smallest id) with mates ``answers``' keys, at its target: one round.
+    ``suspected``: mates that failed it a moment ago."""
     async def snapshot() -> tuple[torch.Tensor, int]:
         return torch.zeros(4), 1
 
@@ -58,6 +61,9 @@ def lead_one_round(answers: dict[str, bool | None]) -> dict[str, int]:
                      mates=lambda: {p: () for p in answers}, snapshot=snapshot, apply=nothing,
                      give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0)
 
+    for p in suspected:
+        sync.trigger.suspect(p, time.monotonic())
+
     async def scenario() -> None:
         sync.progressed(1)
         for _ in range(100):
@@ -65,8 +71,9 @@ def lead_one_round(answers: dict[str, bool | None]) -> dict[str, int]:
         await sync.close()
 
     asyncio.run(scenario())
-    return {k: sync.counters[k] for k in ("rounds_led", "group_members", "mates_left_out",
-                                          "rounds_short")}
+    return {k: v for k, v in sync.counters.items() if k in (
+        "rounds_led", "group_members", "mates_left_out", "rounds_short") or k.startswith(
+        "left_out.")}
 
 
 def test_a_round_with_every_live_mate_counts_its_whole_group_and_leaves_none_out() -> None:
@@ -74,6 +81,7 @@ def test_a_round_with_every_live_mate_counts_its_whole_group_and_leaves_none_out
         "rounds_led": 1, "group_members": 4, "mates_left_out": 0, "rounds_short": 0}
 
 
-def test_busy_or_silent_live_mates_are_counted_as_left_out_of_the_round() -> None:
-    assert lead_one_round({"b": True, "c": False, "d": None}) == {
-        "rounds_led": 1, "group_members": 2, "mates_left_out": 2, "rounds_short": 1}
+def test_busy_silent_or_suspected_live_mates_are_counted_as_left_out_and_why() -> None:
+    assert lead_one_round({"b": True, "c": False, "d": None, "e": True}, suspected=("e",)) == {
+        "rounds_led": 1, "group_members": 2, "mates_left_out": 3, "rounds_short": 1,
+        "left_out.busy": 1, "left_out.silent": 1, "left_out.suspected": 1}

@@ -16,7 +16,8 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   (``GET /api/v0/swarm``) lists every daemon, and ``converge_periods`` in announcement periods
   (``period_s``: what the membership schedule gives a swarm of this size);
   ``rejoin_s``/``rejoin_periods``: per restart, from its start line until it and every live
-  daemon list each other; ``converged_at_end`` (within 3 periods after training) and
+  daemon list each other; ``converged_at_end_s`` (after training; None: not within
+  ``CONVERGE_LIMIT_S``) and
   ``peers_endpoint_lists_all``: the share of daemons whose ``GET /api/v0/peers`` lists every
   other live daemon at the end (connections, not the view).
 - ``stages``: per stage, the step each of its daemons ended at and the optimizer steps each
@@ -25,8 +26,10 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   taken alone), ``mean_group`` (members of a led round, ``sync.group_members`` over
   ``sync.rounds_led``) against ``size`` (its daemons), and after the first minute of training
   ``rounds_short_after_first_minute``: rounds whose leader left a live mate out
-  (``sync.rounds_short``; ``..._outside_kills``: in polls that were not between a kill and its
-  rejoin); ``rounds_failed``.
+  (``sync.rounds_short``; ``..._outside_kills``: in polls that were not between a kill and the
+  restarted daemon being at its stage's step again; ``rounds_short_outside_kills``: the same
+  over the whole training); ``left_out``: why live mates were left out of rounds (``sync.left_out.*``:
+  suspected, silent, busy, behind); ``rounds_failed``.
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
   tokens/s, rerouted, restarted, lost; ``expected_stage_steps``: the sum of the trainers' steps
   (a stage steps once per ``averaging.target_batch_size``, one trainer step's samples), which
@@ -75,7 +78,8 @@ SMALL_ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32
 POLL_S = 2.0
 #: the longest a trainer may take; the longest waits for starts, views and a restart
 TRAIN_LIMIT_S = 1800.0
-START_LIMIT_S = 300.0
+#: (a start line: 24 fresh interpreters importing torch at once on 2 loaded cores take minutes)
+START_LIMIT_S = 600.0
 CONVERGE_LIMIT_S = 180.0
 RESTART_AFTER_LIMIT_S = 60.0
 #: rounds before this much training are start-up (issue 28: "after the first minute")
@@ -188,6 +192,9 @@ class Kill:
     mates_step: int = 0
     restarted_at: float | None = None
     rejoined_at: float | None = None
+    restarted_at_trainer_step: int | None = None
+    #: when the restarted daemon was at its stage's step again
+    caught_up_at: float | None = None
 
 
 def start_trainer(root: Path, i: int, bootstrap: str, steps: int, env: dict[str, str]) -> Any:
@@ -248,7 +255,8 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
     t_begin = time.monotonic()
     try:
         say(f"{n} daemons: starting")
-        start_swarm(root, [i % STAGES for i in range(n)], env=env, into=daemons)
+        start_swarm(root, [i % STAGES for i in range(n)], env=env, into=daemons,
+                    seconds=START_LIMIT_S)
         slots = [Slot(i, i % STAGES, d) for i, d in enumerate(daemons)]
         first = daemons[0]
         t0 = time.monotonic()
@@ -265,7 +273,6 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
         victims = rng.sample(range(1, n), min(kills, n - 1))
         plan = [Kill(v, max(1, round(steps * (k + 1) / (kills + 1))))
                 for k, v in enumerate(victims)]
-        kill_windows: list[tuple[float, float]] = []
         polls: list[tuple[float, dict[int, int]]] = []  # (time, rounds_short per slot)
         deadline = t_train + TRAIN_LIMIT_S
         while any(p.poll() is None for p in running):
@@ -279,24 +286,26 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
             if slots[0].at_first_minute is None and now - t_train >= FIRST_MINUTE_S:
                 for s in slots:
                     s.at_first_minute = [dict(c) for c in s.counters]
+            for k in plan:
+                _caught_up(k, slots, now)
             progress = min(trainer_steps_so_far(h) for h in homes)
             pending = next((k for k in plan if k.rejoined_at is None), None)
             if pending is not None:
-                _kill_step(pending, slots, progress, env, first.addr, kill_windows, period,
-                           daemons)
+                _kill_step(pending, slots, progress, env, first.addr, period, daemons)
             time.sleep(POLL_S)  # the sampling period, not a wait for a condition
         results = [trainer_result(p, h) for p, h in zip(running, homes)]
         for k in plan:  # a daemon killed near the end is restarted all the same
             if k.killed_at is not None and k.rejoined_at is None:
-                _kill_step(k, slots, steps, env, first.addr, kill_windows, period, daemons,
-                           now=True)
+                _kill_step(k, slots, min(trainer_steps_so_far(h) for h in homes), env,
+                           first.addr, period, daemons, now=True)
         for s in slots:
             if s.alive:
                 s.sample()
+        polls.append((time.monotonic(), {s.index: s.total("sync.rounds_short") for s in slots}))
         live = [s.proc for s in slots if s.alive]
         t1 = time.monotonic()
         try:
-            wait_until(lambda: converged(live), TARGET_PERIODS * period, "views at the end",
+            wait_until(lambda: converged(live), CONVERGE_LIMIT_S, "views at the end",
                        interval=0.2)
             at_end: float | None = time.monotonic() - t1
         except AssertionError:
@@ -306,11 +315,11 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
         stop_trainers(running)
         stop_all(daemons, seconds=30.0)
     return _report(n, trainers, steps, slots, plan, results, period, converge, at_end,
-                   peers_share, polls, kill_windows, t_train, time.monotonic() - t_begin)
+                   peers_share, polls, t_train, time.monotonic() - t_begin)
 
 
 def _kill_step(k: Kill, slots: list[Slot], progress: int, env: dict[str, str], bootstrap: str,
-               kill_windows: list[tuple[float, float]], period: float,
+               period: float,
                daemons: list[DaemonProcess], now: bool = False) -> None:
     """Advance one planned kill: SIGKILL at its trainer step, restart (same home) once its
     stage's other live peers took a step without it (``now``: at once), then wait until the
@@ -347,17 +356,30 @@ def _kill_step(k: Kill, slots: list[Slot], progress: int, env: dict[str, str], b
             say(f"views did not agree within {CONVERGE_LIMIT_S:.0f} s of daemon {s.index}'s "
                 f"restart")
         k.rejoined_at = time.monotonic()
-        kill_windows.append((k.killed_at, k.rejoined_at))
-        say(f"daemon {s.index} restarted; views agree {k.rejoined_at - k.restarted_at:.1f} s "
+        k.restarted_at_trainer_step = progress
+        say(f"daemon {s.index} restarted at trainer step {progress}; views agree {k.rejoined_at - k.restarted_at:.1f} s "
             f"after its start ({(k.rejoined_at - k.restarted_at) / period:.1f} periods)")
+
+
+def _caught_up(k: Kill, slots: list[Slot], now: float) -> None:
+    """Note when a restarted daemon is at its stage's step again (its catch-up is part of
+    its kill's window)."""
+    if k.rejoined_at is None or k.caught_up_at is not None:
+        return
+    s = slots[k.slot]
+    mates = [m.step for m in slots if m.stage == s.stage and m is not s and m.alive]
+    if s.alive and s.step >= max(mates, default=0):
+        k.caught_up_at = now
 
 
 def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kill],
             results: list[dict[str, Any]], period: float, converge: float,
             at_end: float | None, peers_share: float, polls: list[tuple[float, dict[int, int]]],
-            kill_windows: list[tuple[float, float]], t_train: float,
+            t_train: float,
             seconds: float) -> dict[str, Any]:
     expected = sum(int(r["steps_taken"]) for r in results)
+    kill_windows = [(k.killed_at, k.caught_up_at or float("inf")) for k in plan
+                    if k.killed_at is not None]
     stages = []
     for stage in range(STAGES):
         mine = [s for s in slots if s.stage == stage]
@@ -373,10 +395,15 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             "rounds_per_step": sums["rounds_led"] / max(1, stage_step),
             "mean_group": sums["group_members"] / max(1, sums["rounds_led"]),
             "mates_left_out": sums["mates_left_out"], "rounds_short": sums["rounds_short"],
+            "left_out": {k.removeprefix("sync.left_out."): sum(s.total(k) for s in mine)
+                         for k in sorted({k for s in mine for c in s.counters for k in c
+                                          if k.startswith("sync.left_out.")})},
             "rounds_short_after_first_minute": (
                 late if slots[0].at_first_minute is not None else None),
             "rounds_short_after_first_minute_outside_kills": _short_outside(
                 polls, kill_windows, [s.index for s in mine], t_train + FIRST_MINUTE_S),
+            "rounds_short_outside_kills": _short_outside(
+                polls, kill_windows, [s.index for s in mine], t_train),
             "stage_steps_vs_expected": stage_step / max(1, expected)})
     rss = [s.rss_peak_mib for s in slots if s.rss_peak_mib > 0]
     rejoin = [k.rejoined_at - k.restarted_at for k in plan
@@ -395,7 +422,13 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
         "tokens_per_s": sum(float(r["tokens_per_s"] or 0) for r in results),
         "lost": sum(int(r["lost"] or 0) for r in results),
         "killed": [{"daemon": k.slot, "stage": slots[k.slot].stage,
-                    "at_trainer_step": k.at_trainer_step} for k in plan],
+                    "at_trainer_step": k.at_trainer_step,
+                    "restarted_at_trainer_step": k.restarted_at_trainer_step,
+                    "restarted_after_s": k.restarted_at - k.killed_at,
+                    "caught_up_after_restart_s": None if k.caught_up_at is None
+                    else k.caught_up_at - k.restarted_at}
+                   for k in plan if k.killed_at is not None and k.restarted_at is not None],
+        "kills_not_reached": sum(k.killed_at is None for k in plan),
         "seconds": seconds}
 
 
@@ -403,7 +436,7 @@ def _short_outside(polls: list[tuple[float, dict[int, int]]],
                    windows: list[tuple[float, float]], members: list[int],
                    after: float) -> int:
     """Rounds short of a live mate led by ``members`` between polls after ``after`` that did
-    not overlap a kill's window (from the kill until the restarted daemon's views agree)."""
+    not overlap a kill's window (from the kill until the restarted daemon caught up)."""
     out = 0
     for (ta, a), (tb, b) in zip(polls, polls[1:]):
         if ta < after or any(ta <= end and start <= tb for start, end in windows):
