@@ -319,8 +319,7 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
 
 
 def _kill_step(k: Kill, slots: list[Slot], progress: int, env: dict[str, str], bootstrap: str,
-               period: float,
-               daemons: list[DaemonProcess], now: bool = False) -> None:
+               period: float, daemons: list[DaemonProcess], now: bool = False) -> None:
     """Advance one planned kill: SIGKILL at its trainer step, restart (same home) once its
     stage's other live peers took a step without it (``now``: at once), then wait until the
     views agree."""
@@ -357,8 +356,9 @@ def _kill_step(k: Kill, slots: list[Slot], progress: int, env: dict[str, str], b
                 f"restart")
         k.rejoined_at = time.monotonic()
         k.restarted_at_trainer_step = progress
-        say(f"daemon {s.index} restarted at trainer step {progress}; views agree {k.rejoined_at - k.restarted_at:.1f} s "
-            f"after its start ({(k.rejoined_at - k.restarted_at) / period:.1f} periods)")
+        took = k.rejoined_at - k.restarted_at
+        say(f"daemon {s.index} restarted at trainer step {progress}; views agree {took:.1f} s "
+            f"after its start ({took / period:.1f} periods)")
 
 
 def _caught_up(k: Kill, slots: list[Slot], now: float) -> None:
