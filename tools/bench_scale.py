@@ -28,8 +28,8 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   ``rounds_short_after_first_minute``: rounds whose leader left a live mate out
   (``sync.rounds_short``; ``..._outside_kills``: in polls that were not between a kill and the
   restarted daemon being at its stage's step again; ``rounds_short_outside_kills``: the same
-  over the whole training); ``left_out``: why live mates were left out of rounds (``sync.left_out.*``:
-  suspected, silent, busy, behind); ``rounds_failed``.
+  over the whole training); ``left_out``: why live mates were left out of rounds
+  (``sync.left_out.*``: suspected, silent, busy, behind); ``rounds_failed``.
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
   tokens/s, rerouted, restarted, lost; ``expected_stage_steps``: the sum of the trainers' steps
   (a stage steps once per ``averaging.target_batch_size``, one trainer step's samples), which
