@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,9 +125,10 @@ def view_of(d: DaemonProcess) -> set[str]:
         p["peer_id"] for p in info["excluded"]}
 
 
-def converged(live: list[DaemonProcess]) -> bool:
+def converged(pool: ThreadPoolExecutor, live: list[DaemonProcess]) -> bool:
+    """Whether every daemon of ``live`` lists all of them (asked at once)."""
     everyone = {d.peer_id for d in live}
-    return all(everyone <= view_of(d) for d in live)
+    return all(everyone <= v for v in pool.map(view_of, live))
 
 
 def peers_listed_share(live: list[DaemonProcess]) -> float:
@@ -156,20 +158,20 @@ class Slot:
     rss_peak_mib: float = 0.0
 
     @property
-    def alive(self) -> bool:
-        return self.proc.proc.poll() is None
+    def ready(self) -> bool:
+        """Running, and it printed its start line (it has an API)."""
+        return self.proc.proc.poll() is None and bool(self.proc.started)
 
-    def sample(self) -> dict[str, int] | None:
-        """Its counters now (None: it did not answer), and its memory."""
+    def sample(self) -> None:
+        """Its counters now (kept when it does not answer), and its memory."""
         rss = rss_mib(self.proc.proc.pid)
         if rss is not None:
             self.rss_peak_mib = max(self.rss_peak_mib, rss)
         try:
             c = self.proc.get("/api/v0/status")["counters"]
         except (OSError, ValueError, KeyError):
-            return None
+            return
         self.counters[-1] = {k: int(v) for k, v in c.items()}
-        return self.counters[-1]
 
     def total(self, key: str, since_first_minute: bool = False) -> int:
         base = self.at_first_minute if since_first_minute else None
@@ -186,15 +188,101 @@ class Slot:
 
 @dataclass
 class Kill:
+    """One planned SIGKILL and restart, advanced a little at each poll (``Swarm.advance``)."""
+
     slot: int
     at_trainer_step: int
     killed_at: float | None = None
     mates_step: int = 0
+    spawned_at: float | None = None
     restarted_at: float | None = None
-    rejoined_at: float | None = None
     restarted_at_trainer_step: int | None = None
+    rejoined_at: float | None = None
+    #: the views did not agree within ``CONVERGE_LIMIT_S`` of its restart
+    rejoin_failed: bool = False
     #: when the restarted daemon was at its stage's step again
     caught_up_at: float | None = None
+
+    @property
+    def down(self) -> bool:
+        """Killed and not started again yet."""
+        return self.killed_at is not None and self.restarted_at is None
+
+
+@dataclass
+class Swarm:
+    """The daemons of one run, and what their kills need."""
+
+    slots: list[Slot]
+    daemons: list[DaemonProcess]  # every process started, stopped on exit
+    env: dict[str, str]
+    bootstrap: str
+    period: float
+    pool: ThreadPoolExecutor
+
+    def ready(self) -> list[DaemonProcess]:
+        return [s.proc for s in self.slots if s.ready]
+
+    def mates_step(self, s: Slot) -> int:
+        return max((m.step for m in self.slots if m.stage == s.stage and m is not s
+                    and m.ready), default=0)
+
+    def sample(self) -> None:
+        list(self.pool.map(Slot.sample, [s for s in self.slots if s.ready]))
+
+    def advance(self, k: Kill, progress: int, now: bool = False) -> None:
+        """One move of a kill, never blocking: SIGKILL at its trainer step; start it again
+        with its home once its stage's other peers took a step without it (``now``: at
+        once); note its start line, then when the views agree again, then when it is at its
+        stage's step again."""
+        s = self.slots[k.slot]
+        t = time.monotonic()
+        if k.killed_at is None:
+            if progress >= k.at_trainer_step:
+                say(f"SIGKILL daemon {s.index} (stage {s.stage}) at trainer step {progress}")
+                s.proc.proc.kill()
+                stop_all([s.proc], seconds=10.0)  # reaps it and closes its stderr
+                k.killed_at, k.mates_step = t, self.mates_step(s)
+        elif k.spawned_at is None:
+            if now or self.mates_step(s) > k.mates_step or (
+                    t - k.killed_at > RESTART_AFTER_LIMIT_S):
+                os.replace(s.proc.stderr_path, s.proc.home / f"daemon.stderr.{len(s.counters)}")
+                s.proc = DaemonProcess(s.proc.home, "--stage", str(s.stage), "--bootstrap",
+                                       self.bootstrap, env=self.env)
+                self.daemons.append(s.proc)
+                s.counters.append({})
+                if s.at_first_minute is not None:
+                    s.at_first_minute.append({})
+                k.spawned_at = t
+        elif k.restarted_at is None:
+            try:
+                s.proc.wait_started(0.05)
+            except TimeoutError:
+                if t - k.spawned_at > START_LIMIT_S:
+                    raise RuntimeError(f"daemon {s.index} did not start again within "
+                                       f"{START_LIMIT_S:.0f} s") from None
+                return
+            k.restarted_at, k.restarted_at_trainer_step = time.monotonic(), progress
+            say(f"daemon {s.index} started again at trainer step {progress}, "
+                f"{k.restarted_at - k.killed_at:.0f} s after its kill")
+        elif k.rejoined_at is None:
+            if converged(self.pool, self.ready()):
+                k.rejoined_at = time.monotonic()
+                took = k.rejoined_at - k.restarted_at
+                say(f"daemon {s.index}: views agree {took:.1f} s after its start "
+                    f"({took / self.period:.1f} periods)")
+            elif t - k.restarted_at > CONVERGE_LIMIT_S:
+                k.rejoined_at, k.rejoin_failed = t, True
+        elif k.caught_up_at is None and s.ready and s.step >= self.mates_step(s):
+            k.caught_up_at = t
+
+    def finish(self, k: Kill, progress: int) -> None:
+        """After training: a daemon still down is started again and its rejoin measured."""
+        deadline = time.monotonic() + START_LIMIT_S + CONVERGE_LIMIT_S
+        while k.killed_at is not None and (k.rejoined_at is None) and (
+                time.monotonic() < deadline):
+            self.advance(k, progress, now=True)
+            time.sleep(0.1)  # a poll of the restarted daemon's start and views
 
 
 def start_trainer(root: Path, i: int, bootstrap: str, steps: int, env: dict[str, str]) -> Any:
@@ -253,123 +341,78 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
     daemons: list[DaemonProcess] = []
     running: list[Any] = []
     t_begin = time.monotonic()
-    try:
-        say(f"{n} daemons: starting")
-        start_swarm(root, [i % STAGES for i in range(n)], env=env, into=daemons,
-                    seconds=START_LIMIT_S)
-        slots = [Slot(i, i % STAGES, d) for i, d in enumerate(daemons)]
-        first = daemons[0]
-        t0 = time.monotonic()
-        wait_until(lambda: converged(daemons), CONVERGE_LIMIT_S, f"{n} daemons' views agree",
-                   interval=0.1)
-        converge = time.monotonic() - t0
-        say(f"{n} daemons up in {t0 - t_begin:.0f} s, views agree {converge:.1f} s later "
-            f"({converge / period:.1f} periods of {period:.1f} s)")
-
-        homes = [root / f"trainer{i}" for i in range(trainers)]
-        for i in range(trainers):
-            running.append(start_trainer(root, i, first.addr, steps, env))
-        t_train = time.monotonic()
-        victims = rng.sample(range(1, n), min(kills, n - 1))
-        plan = [Kill(v, max(1, round(steps * (k + 1) / (kills + 1))))
-                for k, v in enumerate(victims)]
-        polls: list[tuple[float, dict[int, int]]] = []  # (time, rounds_short per slot)
-        deadline = t_train + TRAIN_LIMIT_S
-        while any(p.poll() is None for p in running):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the trainers did not finish within {TRAIN_LIMIT_S:.0f} s")
-            now = time.monotonic()
-            for s in slots:
-                if s.alive:
-                    s.sample()
-            polls.append((now, {s.index: s.total("sync.rounds_short") for s in slots}))
-            if slots[0].at_first_minute is None and now - t_train >= FIRST_MINUTE_S:
-                for s in slots:
-                    s.at_first_minute = [dict(c) for c in s.counters]
-            for k in plan:
-                _caught_up(k, slots, now)
-            progress = min(trainer_steps_so_far(h) for h in homes)
-            pending = next((k for k in plan if k.rejoined_at is None), None)
-            if pending is not None:
-                _kill_step(pending, slots, progress, env, first.addr, period, daemons)
-            time.sleep(POLL_S)  # the sampling period, not a wait for a condition
-        results = [trainer_result(p, h) for p, h in zip(running, homes)]
-        for k in plan:  # a daemon killed near the end is restarted all the same
-            if k.killed_at is not None and k.rejoined_at is None:
-                _kill_step(k, slots, min(trainer_steps_so_far(h) for h in homes), env,
-                           first.addr, period, daemons, now=True)
-        for s in slots:
-            if s.alive:
-                s.sample()
-        polls.append((time.monotonic(), {s.index: s.total("sync.rounds_short") for s in slots}))
-        live = [s.proc for s in slots if s.alive]
-        t1 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
         try:
-            wait_until(lambda: converged(live), CONVERGE_LIMIT_S, "views at the end",
-                       interval=0.2)
-            at_end: float | None = time.monotonic() - t1
-        except AssertionError:
-            at_end = None
-        peers_share = peers_listed_share(live)
-    finally:
-        stop_trainers(running)
-        stop_all(daemons, seconds=30.0)
-    return _report(n, trainers, steps, slots, plan, results, period, converge, at_end,
+            say(f"{n} daemons: starting")
+            start_swarm(root, [i % STAGES for i in range(n)], env=env, into=daemons,
+                        seconds=START_LIMIT_S)
+            swarm = Swarm([Slot(i, i % STAGES, d) for i, d in enumerate(daemons)], daemons,
+                          env, daemons[0].addr, period, pool)
+            t0 = time.monotonic()
+            wait_until(lambda: converged(pool, swarm.ready()), CONVERGE_LIMIT_S,
+                       f"{n} daemons' views agree", interval=0.1)
+            converge = time.monotonic() - t0
+            say(f"{n} daemons up in {t0 - t_begin:.0f} s, views agree {converge:.1f} s later "
+                f"({converge / period:.1f} periods of {period:.1f} s)")
+            homes = [root / f"trainer{i}" for i in range(trainers)]
+            for i in range(trainers):
+                running.append(start_trainer(root, i, swarm.bootstrap, steps, env))
+            t_train = time.monotonic()
+            plan = [Kill(v, max(1, round(steps * (k + 1) / (kills + 1))))
+                    for k, v in enumerate(rng.sample(range(1, n), min(kills, n - 1)))]
+            polls = _train(swarm, running, homes, plan, t_train)
+            results = [trainer_result(p, h) for p, h in zip(running, homes)]
+            for k in plan:  # a daemon killed near the end is started again all the same
+                swarm.finish(k, steps)
+            swarm.sample()
+            polls.append((time.monotonic(), _short_by_slot(swarm.slots)))
+            for k in plan:  # caught up by now?
+                swarm.advance(k, steps)
+            t1 = time.monotonic()
+            try:
+                wait_until(lambda: converged(pool, swarm.ready()), CONVERGE_LIMIT_S,
+                           "views at the end", interval=0.2)
+                at_end: float | None = time.monotonic() - t1
+            except AssertionError:
+                at_end = None
+            peers_share = peers_listed_share(swarm.ready())
+        finally:
+            try:
+                stop_trainers(running)
+            finally:
+                stop_all(daemons, seconds=30.0)
+    return _report(n, trainers, steps, swarm.slots, plan, results, period, converge, at_end,
                    peers_share, polls, t_train, time.monotonic() - t_begin)
 
 
-def _kill_step(k: Kill, slots: list[Slot], progress: int, env: dict[str, str], bootstrap: str,
-               period: float, daemons: list[DaemonProcess], now: bool = False) -> None:
-    """Advance one planned kill: SIGKILL at its trainer step, restart (same home) once its
-    stage's other live peers took a step without it (``now``: at once), then wait until the
-    views agree."""
-    s = slots[k.slot]
-    mates = [m for m in slots if m.stage == s.stage and m is not s and m.alive]
-    if k.killed_at is None:
-        if progress < k.at_trainer_step:
-            return
-        say(f"SIGKILL daemon {s.index} (stage {s.stage}) at trainer step {progress}")
-        s.proc.proc.kill()
-        stop_all([s.proc], seconds=10.0)  # reaps it and closes its stderr
-        k.killed_at = time.monotonic()
-        k.mates_step = max((m.step for m in mates), default=0)
-        return
-    if k.restarted_at is None:
-        stepped = max((m.step for m in mates), default=0) > k.mates_step
-        if not (stepped or now) and time.monotonic() - k.killed_at < RESTART_AFTER_LIMIT_S:
-            return
-        home = s.proc.home
-        os.replace(s.proc.stderr_path, home / f"daemon.stderr.{len(s.counters)}")
-        s.proc = DaemonProcess(home, "--stage", str(s.stage), "--bootstrap", bootstrap, env=env)
-        daemons.append(s.proc)  # stopped on exit with the others
-        s.proc.wait_started(START_LIMIT_S)
-        s.counters.append({})
-        if s.at_first_minute is not None:
-            s.at_first_minute.append({})
-        k.restarted_at = time.monotonic()
-        live = [m.proc for m in slots if m.alive]
-        try:
-            wait_until(lambda: converged(live), CONVERGE_LIMIT_S, "views after a restart",
-                       interval=0.1)
-        except AssertionError:
-            say(f"views did not agree within {CONVERGE_LIMIT_S:.0f} s of daemon {s.index}'s "
-                f"restart")
-        k.rejoined_at = time.monotonic()
-        k.restarted_at_trainer_step = progress
-        took = k.rejoined_at - k.restarted_at
-        say(f"daemon {s.index} restarted at trainer step {progress}; views agree {took:.1f} s "
-            f"after its start ({took / period:.1f} periods)")
+def _short_by_slot(slots: list[Slot]) -> dict[int, int]:
+    return {s.index: s.total("sync.rounds_short") for s in slots}
 
 
-def _caught_up(k: Kill, slots: list[Slot], now: float) -> None:
-    """Note when a restarted daemon is at its stage's step again (its catch-up is part of
-    its kill's window)."""
-    if k.rejoined_at is None or k.caught_up_at is not None:
-        return
-    s = slots[k.slot]
-    mates = [m.step for m in slots if m.stage == s.stage and m is not s and m.alive]
-    if s.alive and s.step >= max(mates, default=0):
-        k.caught_up_at = now
+def _train(swarm: Swarm, running: list[Any], homes: list[Path], plan: list[Kill],
+           t_train: float) -> list[tuple[float, dict[int, int]]]:
+    """Sample the swarm every ``POLL_S`` while the trainers train and move the kills on (one
+    daemon down at a time); returns the polls: (time, rounds short of a mate per slot)."""
+    polls: list[tuple[float, dict[int, int]]] = []
+    deadline = t_train + TRAIN_LIMIT_S
+    while any(p.poll() is None for p in running):
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError(f"the trainers did not finish within {TRAIN_LIMIT_S:.0f} s")
+        swarm.sample()
+        polls.append((now, _short_by_slot(swarm.slots)))
+        if swarm.slots[0].at_first_minute is None and now - t_train >= FIRST_MINUTE_S:
+            for s in swarm.slots:
+                s.at_first_minute = [dict(c) for c in s.counters]
+        progress = min(trainer_steps_so_far(h) for h in homes)
+        for k in plan:
+            if k.killed_at is None and any(other.down for other in plan):
+                break  # one daemon down at a time; the later kills wait
+            swarm.advance(k, progress)
+            if k.killed_at is None:
+                break  # kills happen in order
+        time.sleep(POLL_S)  # the sampling period, not a wait for a condition
+    return polls
 
 
 def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kill],
@@ -380,6 +423,8 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
     expected = sum(int(r["steps_taken"]) for r in results)
     kill_windows = [(k.killed_at, k.caught_up_at or float("inf")) for k in plan
                     if k.killed_at is not None]
+    target = int(SMALL_ENV["SWARMD_TRAINING_BATCH_SIZE"]) * int(
+        SMALL_ENV["SWARMD_TRAINING_MICROBATCHES"])
     stages = []
     for stage in range(STAGES):
         mine = [s for s in slots if s.stage == stage]
@@ -404,15 +449,18 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
                 polls, kill_windows, [s.index for s in mine], t_train + FIRST_MINUTE_S),
             "rounds_short_outside_kills": _short_outside(
                 polls, kill_windows, [s.index for s in mine], t_train),
-            "stage_steps_vs_expected": stage_step / max(1, expected)})
+            "stage_steps_vs_expected": stage_step / max(1, expected),
+            # the samples its peers stepped with, per stage step, against the target
+            "samples_per_step": sum(s.total("stage.stepped_samples") for s in mine)
+            / max(1, stage_step), "target_samples": target})
     rss = [s.rss_peak_mib for s in slots if s.rss_peak_mib > 0]
-    rejoin = [k.rejoined_at - k.restarted_at for k in plan
+    rejoin = [None if k.rejoin_failed else k.rejoined_at - k.restarted_at for k in plan
               if k.rejoined_at is not None and k.restarted_at is not None]
     return {
         "daemons": n, "trainers_count": trainers, "steps": steps, "kills": len(plan),
         "membership": {"period_s": period, "converge_s": converge,
                        "converge_periods": converge / period, "rejoin_s": rejoin,
-                       "rejoin_periods": [r / period for r in rejoin],
+                       "rejoin_periods": [None if r is None else r / period for r in rejoin],
                        "converged_at_end_s": at_end,
                        "peers_endpoint_lists_all": peers_share},
         "stages": stages,
@@ -451,7 +499,8 @@ def targets(big: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, bool |
         "rounds_include_live_mates_after_first_minute": all(
             s["rounds_short_after_first_minute_outside_kills"] == 0 for s in big["stages"]),
         "membership_within_3_periods": big["membership"]["converge_periods"] <= TARGET_PERIODS
-        and all(r <= TARGET_PERIODS for r in big["membership"]["rejoin_periods"]),
+        and all(r is not None and r <= TARGET_PERIODS
+                for r in big["membership"]["rejoin_periods"]),
         "memory_within_1_2x": None}
     if ref is not None:
         t["memory_within_1_2x"] = big["memory_ratio"] <= TARGET_MEMORY_RATIO
