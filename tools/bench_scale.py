@@ -328,6 +328,8 @@ def stop_trainers(trainers: list[Any]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        except RuntimeError as exc:  # a zygote's fork whose zygote died (signalled with us)
+            say(f"a trainer: {exc}")
 
 
 def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
