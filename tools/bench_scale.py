@@ -19,7 +19,8 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   daemon list each other; ``converged_at_end_s`` (after training; None: not within
   ``CONVERGE_LIMIT_S``) and
   ``peers_endpoint_lists_all``: the share of daemons whose ``GET /api/v0/peers`` lists every
-  other live daemon at the end (connections, not the view).
+  other live daemon at the end (connections and routing, not the view), and
+  ``peers_endpoint_missing``: for the others, which daemons they miss.
 - ``stages``: per stage, the step each of its daemons ended at and the optimizer steps each
   applied (over its restarts), ``rounds_per_step`` (rounds led over the stage's steps; a
   round with no mate answering counts, and is also one of ``local_steps``, which counts steps
@@ -131,17 +132,20 @@ def converged(pool: ThreadPoolExecutor, live: list[DaemonProcess]) -> bool:
     return all(everyone <= v for v in pool.map(view_of, live))
 
 
-def peers_listed_share(live: list[DaemonProcess]) -> float:
-    """The share of ``live`` whose ``/api/v0/peers`` lists every other live daemon."""
-    everyone = {d.peer_id for d in live}
-    full = 0
-    for d in live:
+def peers_missing(slots: list["Slot"]) -> dict[int, list[int]]:
+    """Per ready daemon whose ``/api/v0/peers`` (its connections and the peers its router
+    knows) misses another ready daemon: the missing ones' indices."""
+    ready = [s for s in slots if s.ready]
+    out: dict[int, list[int]] = {}
+    for s in ready:
         try:
-            rows = {r["peer_id"] for r in d.get("/api/v0/peers")}
+            rows = {r["peer_id"] for r in s.proc.get("/api/v0/peers")}
         except OSError:
             continue
-        full += (everyone - {d.peer_id}) <= rows
-    return full / max(1, len(live))
+        missing = [m.index for m in ready if m is not s and m.proc.peer_id not in rows]
+        if missing:
+            out[s.index] = missing
+    return out
 
 
 @dataclass
@@ -377,14 +381,14 @@ def run_swarm(n: int, trainers: int, steps: int, kills: int, seed: int,
                 at_end: float | None = time.monotonic() - t1
             except AssertionError:
                 at_end = None
-            peers_share = peers_listed_share(swarm.ready())
+            missing = peers_missing(swarm.slots)
         finally:
             try:
                 stop_trainers(running)
             finally:
                 stop_all(daemons, seconds=30.0)
     return _report(n, trainers, steps, swarm.slots, plan, results, period, converge, at_end,
-                   peers_share, polls, t_train, time.monotonic() - t_begin)
+                   missing, polls, t_train, time.monotonic() - t_begin)
 
 
 def _short_by_slot(slots: list[Slot]) -> dict[int, int]:
@@ -419,7 +423,8 @@ def _train(swarm: Swarm, running: list[Any], homes: list[Path], plan: list[Kill]
 
 def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kill],
             results: list[dict[str, Any]], period: float, converge: float,
-            at_end: float | None, peers_share: float, polls: list[tuple[float, dict[int, int]]],
+            at_end: float | None, missing: dict[int, list[int]],
+            polls: list[tuple[float, dict[int, int]]],
             t_train: float,
             seconds: float) -> dict[str, Any]:
     expected = sum(int(r["steps_taken"]) for r in results)
@@ -464,7 +469,8 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
                        "converge_periods": converge / period, "rejoin_s": rejoin,
                        "rejoin_periods": [None if r is None else r / period for r in rejoin],
                        "converged_at_end_s": at_end,
-                       "peers_endpoint_lists_all": peers_share},
+                       "peers_endpoint_lists_all": 1 - len(missing) / max(1, n),
+                       "peers_endpoint_missing": missing},
         "stages": stages,
         "trainers": results, "expected_stage_steps": expected,
         "memory": {"daemon_peak_rss_mib": rss, "mean_mib": sum(rss) / max(1, len(rss)),
