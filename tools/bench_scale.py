@@ -41,8 +41,9 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
 
 With ``--reference`` (the default) the same run with 4 daemons and no kills follows, and
 ``memory_ratio`` is the mean peak RSS per daemon of the big swarm over the reference's.
-``targets`` (issue 28): lost 0, rounds include all live mates after the first minute,
-membership within 3 periods, memory within 1.2x of the reference's. Every daemon and trainer is
+``targets`` (issue 28): lost 0, rounds include all live mates after the first minute (None
+when the training was shorter; ``..._outside_kills``: over the whole training), membership
+within 3 periods, memory within 1.2x of the reference's. Every daemon and trainer is
 stopped on exit (also on Ctrl-C, SIGTERM or an error); every loop is bounded in count and time.
 """
 
@@ -504,8 +505,12 @@ def _short_outside(polls: list[tuple[float, dict[int, int]]],
 def targets(big: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, bool | None]:
     t: dict[str, bool | None] = {
         "lost_0": big["lost"] == 0,
-        "rounds_include_live_mates_after_first_minute": all(
+        # None: the training did not last a minute (then see the next one)
+        "rounds_include_live_mates_after_first_minute": None if any(
+            s["rounds_short_after_first_minute"] is None for s in big["stages"]) else all(
             s["rounds_short_after_first_minute_outside_kills"] == 0 for s in big["stages"]),
+        "rounds_include_live_mates_outside_kills": all(
+            s["rounds_short_outside_kills"] == 0 for s in big["stages"]),
         "membership_within_3_periods": big["membership"]["converge_periods"] <= TARGET_PERIODS
         and all(r is not None and r <= TARGET_PERIODS
                 for r in big["membership"]["rejoin_periods"]),
