@@ -77,8 +77,10 @@ SMALL_ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32
              "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_TRAINING_VAL_BATCHES": "2",
              "SWARMD_MODEL_DEVICE": "cpu", "SWARMD_MODEL_THREADS": "1",
              "SWARMD_SWARM_STAGES": str(STAGES)}
-#: how often the run's counters, views and memory are sampled
+#: how often the run's counters, views and memory are sampled, and the trainers' steps
+#: looked at for the next kill
 POLL_S = 2.0
+KILL_WATCH_S = 0.2
 #: the longest a trainer may take; the longest waits for starts, views and a restart
 TRAIN_LIMIT_S = 1800.0
 #: (a start line: 24 fresh interpreters importing torch at once on 2 loaded cores take minutes)
@@ -198,6 +200,7 @@ class Kill:
     slot: int
     at_trainer_step: int
     killed_at: float | None = None
+    killed_at_trainer_step: int | None = None
     mates_step: int = 0
     spawned_at: float | None = None
     restarted_at: float | None = None
@@ -246,8 +249,11 @@ class Swarm:
             if progress >= k.at_trainer_step:
                 say(f"SIGKILL daemon {s.index} (stage {s.stage}) at trainer step {progress}")
                 s.proc.proc.kill()
+                k.killed_at, k.killed_at_trainer_step = t, progress
                 stop_all([s.proc], seconds=10.0)  # reaps it and closes its stderr
-                k.killed_at, k.mates_step = t, self.mates_step(s)
+                mates = [m for m in self.slots if m.stage == s.stage and m.ready]
+                list(self.pool.map(Slot.sample, mates))  # their step now, not a poll ago
+                k.mates_step = self.mates_step(s)
         elif k.spawned_at is None:
             if now or self.mates_step(s) > k.mates_step or (
                     t - k.killed_at > RESTART_AFTER_LIMIT_S):
@@ -418,7 +424,14 @@ def _train(swarm: Swarm, running: list[Any], homes: list[Path], plan: list[Kill]
             swarm.advance(k, progress)
             if k.killed_at is None:
                 break  # kills happen in order
-        time.sleep(POLL_S)  # the sampling period, not a wait for a condition
+        # until the next sample, the next kill is watched for more often: it happens at
+        # its trainer step, not up to a sampling period later
+        next_sample = now + POLL_S
+        while time.monotonic() < next_sample and any(p.poll() is None for p in running):
+            time.sleep(KILL_WATCH_S)
+            due = next((k for k in plan if k.killed_at is None), None)
+            if due is not None and not any(other.down for other in plan):
+                swarm.advance(due, min(trainer_steps_so_far(h) for h in homes))
     return polls
 
 
@@ -479,7 +492,8 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
         "tokens_per_s": sum(float(r["tokens_per_s"] or 0) for r in results),
         "lost": sum(int(r["lost"] or 0) for r in results),
         "killed": [{"daemon": k.slot, "stage": slots[k.slot].stage,
-                    "at_trainer_step": k.at_trainer_step,
+                    "planned_at_trainer_step": k.at_trainer_step,
+                    "at_trainer_step": k.killed_at_trainer_step,
                     "restarted_at_trainer_step": k.restarted_at_trainer_step,
                     "restarted_after_s": k.restarted_at - k.killed_at,
                     "caught_up_after_restart_s": None if k.caught_up_at is None
