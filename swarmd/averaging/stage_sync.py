@@ -253,7 +253,9 @@ class StageSync:
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
         now = time.monotonic()  # a mate that just failed us is not waited for again
+        live = len(mates)
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
+        left_out = Counter(suspected=live - len(mates))
         ask = Prepare(stage=self.stage, step=step)
         digest, *answers = await asyncio.gather(
             self._our_digest(), *(self._ask(p, addrs, "prepare", ask.to_meta())
@@ -262,6 +264,7 @@ class StageSync:
         for peer, reply in zip(mates, answers):
             their = self._prepared(peer, reply)
             if their is None:
+                left_out["silent"] += 1
                 continue
             if their.step == step and their.free:
                 group.append(peer)
@@ -269,6 +272,9 @@ class StageSync:
             elif their.step > step:
                 self._on_behind(peer, their.step)
                 return  # we are behind: no round until we caught up
+            else:
+                left_out["busy" if their.step == step else "behind"] += 1
+        self._count_group(len(group), left_out)
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
         source = self._round_source(group, step)
         if len(group) > 1:
@@ -281,6 +287,20 @@ class StageSync:
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths, source=source)
+
+    def _count_group(self, size: int, left_out: Counter[str]) -> None:
+        """A round this peer leads, of ``size`` members (itself included): ``group_members``
+        over ``rounds_led`` is the mean group; ``mates_left_out`` the live mates that were
+        not in it, and why (``left_out.<why>``: ``suspected`` after failing us, ``silent``
+        to the prepare, ``busy`` in a round or a state transfer, ``behind`` at an earlier
+        step); ``rounds_short`` the rounds that left one out."""
+        self.counters["group_members"] += size
+        for why, n in left_out.items():
+            if n:
+                self.counters[f"left_out.{why}"] += n
+        total = sum(left_out.values())
+        self.counters["mates_left_out"] += total
+        self.counters["rounds_short"] += total > 0
 
     def _round_source(self, group: list[str], step: int) -> Source | None:
         """The one trainer step every sample of the round came from (ours and those the

@@ -120,9 +120,11 @@ def wait_until(condition: Any, seconds: float, what: str, interval: float = 0.1)
 
 
 def start_swarm(root: Path, stages: Sequence[int | None], *, env: dict[str, str] | None = None,
-                into: list[DaemonProcess] | None = None) -> list[DaemonProcess]:
+                into: list[DaemonProcess] | None = None,
+                seconds: float = 60.0) -> list[DaemonProcess]:
     """Start one daemon per entry of ``stages`` under ``root`` (homes ``peer0``, ``peer1``...):
-    the first starts the swarm, the others join through it (``None``: ``--stage auto``).
+    the first starts the swarm, the others join through it (``None``: ``--stage auto``); each
+    must print its start line within ``seconds`` of the wait for it.
 
     Each daemon is appended to ``into`` as soon as it exists, so the caller can stop all of
     them in a ``finally`` even when a later one fails to start.
@@ -134,7 +136,7 @@ def start_swarm(root: Path, stages: Sequence[int | None], *, env: dict[str, str]
 
     first = DaemonProcess(root / "peer0", *stage_args(stages[0]), env=env)
     started.append(first)
-    first.wait_started()
+    first.wait_started(seconds)
     rest = []
     for i, stage in enumerate(stages[1:], start=1):
         d = DaemonProcess(root / f"peer{i}", *stage_args(stage), "--bootstrap", first.addr,
@@ -142,5 +144,5 @@ def start_swarm(root: Path, stages: Sequence[int | None], *, env: dict[str, str]
         started.append(d)
         rest.append(d)
     for d in rest:
-        d.wait_started()
+        d.wait_started(seconds)
     return [first, *rest]
