@@ -57,7 +57,10 @@ def sample_status() -> StatusInfo:
     return StatusInfo(peer_id=ME, swarm="demo", version="0.1.0.dev0", stage=1, state="online",
                       uptime_s=3723.5, connected_peers=5, throughput=7.25, queue=3,
                       counters={"protocol_errors.truncated": 2, "streams.opened": 41},
-                      trainers=(sample_trainer(curves=False),))
+                      trainers=(sample_trainer(curves=False),),
+                      histograms={"hop_seconds.forward": {
+                          "buckets": [[0.01, 3], [0.1, 5], ["+Inf", 6]], "sum": 2.5,
+                          "count": 6}})
 
 
 def sample_training() -> TrainingInfo:
@@ -387,6 +390,11 @@ def test_metrics_expose_the_daemon_state() -> None:
             assert m[("swarmd_protocol_errors_truncated_total", ())] == 2
             assert m[("swarmd_streams_opened_total", ())] == 41
             assert m[("process_resident_memory_bytes", ())] > 0  # the process collector
+            # hop times as a histogram, by kind
+            fwd = (("kind", "forward"),)
+            assert m[("swarmd_hop_seconds_bucket", (*fwd, ("le", "0.1")))] == 5
+            assert m[("swarmd_hop_seconds_count", fwd)] == 6
+            assert m[("swarmd_hop_seconds_sum", fwd)] == 2.5
             for stage, tp, peers in [("0", 40.5, 2), ("1", 11.25, 2), ("2", 30.0, 2)]:
                 assert m[("swarmd_stage_throughput", (("stage", stage),))] == tp
                 assert m[("swarmd_stage_peers", (("stage", stage),))] == peers

@@ -4,6 +4,7 @@ prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -52,3 +53,70 @@ def test_any_counters_render_as_a_valid_exposition(counters: dict[str, int]) -> 
     got = _families(counters)  # the parser raises on anything invalid
     exported = {metric_name(c)[0] for c in counters if metric_name(c) is not None}
     assert exported <= set(got)
+
+
+def _histogram_text(histograms: dict[str, object]) -> str:
+    from swarmd.api.metrics import histogram_families
+
+    class Collector:
+        def collect(self):  # type: ignore[no-untyped-def]
+            return histogram_families(histograms)  # type: ignore[arg-type]
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def test_hop_and_step_times_are_histograms_with_their_kind() -> None:
+    from swarmd.api.histogram import HOP_BOUNDS_S, STEP_BOUNDS_S, Histograms
+
+    h = Histograms()
+    for s in (0.002, 0.004, 0.3, 7.0):
+        h.observe("hop_seconds.forward", s, HOP_BOUNDS_S)
+    h.observe("hop_seconds.backward", 0.02, HOP_BOUNDS_S)
+    h.observe("step_seconds", 1.5, STEP_BOUNDS_S)
+    h.observe("step_seconds", 400.0, STEP_BOUNDS_S)  # past the last bound: +Inf only
+    h.observe("step_seconds", float("nan"), STEP_BOUNDS_S)  # not observed
+    text = _histogram_text({k: v.to_json() for k, v in h.snapshot().items()})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["swarmd_hop_seconds"].type == "histogram"
+    assert families["swarmd_step_seconds"].type == "histogram"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    fwd = (("kind", "forward"),)
+    assert samples[("swarmd_hop_seconds_count", fwd)] == 4
+    assert samples[("swarmd_hop_seconds_sum", fwd)] == pytest.approx(7.306)
+    assert samples[("swarmd_hop_seconds_bucket", (*fwd, ("le", "0.005")))] == 2
+    assert samples[("swarmd_hop_seconds_bucket", (*fwd, ("le", "+Inf")))] == 4
+    assert samples[("swarmd_hop_seconds_count", (("kind", "backward"),))] == 1
+    assert samples[("swarmd_step_seconds_count", ())] == 2
+    assert samples[("swarmd_step_seconds_bucket", (("le", "300.0"),))] == 1
+
+
+def test_unknown_or_malformed_histograms_are_left_out() -> None:
+    good = {"buckets": [[1.0, 1], ["+Inf", 1]], "sum": 0.5, "count": 1}
+    text = _histogram_text({"other_seconds": good, "hop_seconds.Bad Kind": good,
+                            "hop_seconds.forward": {"buckets": [[1.0, 1]], "sum": 0.5},
+                            "step_seconds": {"sum": 1}, "hop_seconds.backward": good})
+    names = {(s.name, s.labels.get("kind")) for f in text_string_to_metric_families(text)
+             for s in f.samples}
+    assert ("swarmd_hop_seconds_count", "backward") in names
+    assert not any(n.startswith(("swarmd_other", "swarmd_step")) for n, _ in names)
+    assert ("swarmd_hop_seconds_count", "forward") not in names
+
+
+@given(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                          st.integers(-5, 10**6)), max_size=50))
+def test_a_histogram_counts_every_finite_non_negative_value_once(values: list[float]) -> None:
+    from swarmd.api.histogram import HOP_BOUNDS_S, Histogram
+
+    h = Histogram(HOP_BOUNDS_S)
+    for v in values:
+        h.observe(v)
+    snap = h.snapshot()
+    kept = [v for v in values if v == v and abs(v) != float("inf") and v >= 0]
+    assert snap.count == len(kept) and h.rejected == len(values) - len(kept)
+    counts = [n for _, n in snap.buckets]
+    assert counts == sorted(counts) and counts[-1] == snap.count
+    for bound, n in snap.buckets:
+        assert n == sum(1 for v in kept if v <= bound)

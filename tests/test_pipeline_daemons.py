@@ -181,6 +181,18 @@ def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
             assert row["step"] >= last and row["loss"] > 0 and row["val_loss"] > 0, row
         # each trainer's data shard (swarmd.data.order: "auto" from the trainers it saw)
         assert all(re.fullmatch(r"\d+/\d+", r["shard"]) and r["epoch"] == 0 for r in rows), rows
+    # hop and step times as histograms: stage 0 timed its forwards and backwards to stage 1,
+    # both timed their steps (/api/v0/status, and /metrics as Prometheus histograms)
+    times = d0.get("/api/v0/status")["histograms"]
+    assert times["hop_seconds.forward"]["count"] >= 15 * config.training.microbatches, times
+    assert times["step_seconds"]["count"] >= 9, times
+    assert status["histograms"]["step_seconds"]["count"] >= 9, status["histograms"]
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(d0.url + "/metrics", timeout=15) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    assert families["swarmd_hop_seconds"].type == "histogram"
+    assert families["swarmd_step_seconds"].type == "histogram"
     curves = d1.get("/api/v0/training")["trainers"]
     assert all(len(t["losses"]) >= 14 and t["val_losses"] for t in curves), curves
     from swarmd.api.types import StatusInfo

@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from swarmd.api.metrics import counter_families
+from swarmd.api.metrics import counter_families, histogram_families
 from swarmd.api.types import PEER_STATES, DaemonApi, StatusInfo, SwarmInfo, to_json
 from swarmd.errors import ConfigError, InternalError, ListenError, SwarmdError
 
@@ -201,6 +201,7 @@ class _DaemonCollector:
         yield from _reachability_metrics(status)
         yield from _trainer_metrics(status)
         yield from counter_families(status.counters)
+        yield from histogram_families(status.histograms)
 
         stage_tp = GaugeMetricFamily("swarmd_stage_throughput",
                                      "Sum of a stage's routable peers' throughput, samples per "

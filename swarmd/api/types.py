@@ -274,6 +274,9 @@ class StatusInfo:
     manifest_from: str = ""
     #: the trainers this daemon's stage serves, as they last told (curves: ``TrainingInfo``)
     trainers: tuple[TrainerRow, ...] = ()
+    #: durations by dotted name (``hop_seconds.forward``, ``step_seconds``), each
+    #: ``swarmd.api.histogram.HistogramSnapshot.to_json``: cumulative buckets, sum, count
+    histograms: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StatusInfo:

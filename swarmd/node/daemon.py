@@ -148,6 +148,8 @@ class Daemon:
             stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
             connected_peers=len(await self.host.connected_peers()), throughput=throughput,
             queue=queue, counters=counters,
+            histograms=({k: v.to_json() for k, v in self.stage_server.histograms.snapshot().items()}
+                        if self.stage_server is not None else {}),
             reachability=nat.reachability if nat else "unknown",
             relays=nat.relays if nat else (), reachability_hint=nat.hint if nat else "",
             observed_addrs=nat.observed_addrs if nat else (),

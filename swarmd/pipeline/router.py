@@ -53,6 +53,7 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
+from swarmd.api.histogram import HOP_BOUNDS_S, Histograms
 from swarmd.errors import BadPeerMessage, OutputRefused, StageUnavailable, TrainerUnreachable
 from swarmd.links import LinkEstimates, links_for
 from swarmd.pipeline.held import HeldTimes
@@ -130,7 +131,9 @@ class Router:
                  counters: Counter[str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 links: LinkEstimates | None = None) -> None:
+                 links: LinkEstimates | None = None,
+                 histograms: Histograms | None = None) -> None:
+        """``histograms`` gets each answered try's seconds (``hop_seconds.<kind>``)."""
         self.host = host
         self.stage = stage
         self.protocol = protocol
@@ -144,6 +147,7 @@ class Router:
         self.links = links if links is not None else links_for(host)
         #: how long each peer held our requests (its compute and the chain after it)
         self.held = HeldTimes()
+        self.histograms = histograms if histograms is not None else Histograms()
 
     def hop_timeout(self, target: str, nbytes: int) -> float:
         """The deadline of one try of ``nbytes`` to ``target``: see the module docstring."""
@@ -251,6 +255,7 @@ class Router:
         except Exception as exc:
             return None, self._judged(target, kind, exc)
         self._observed(target, nbytes, self._clock() - t1, reply)
+        self.histograms.observe(f"hop_seconds.{kind}", self._clock() - t0, HOP_BOUNDS_S)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
                             self._clock(), compute_s=reply.compute_s)
         return reply, None

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from swarmd.api.histogram import Histograms
 from swarmd.averaging.allreduce import Averager
 from swarmd.averaging.stage_sync import StageSync, SyncSettings
 from swarmd.averaging.trigger import RoundTrigger, exact_source
@@ -115,13 +116,16 @@ class StageServer:
         self.batcher = Batcher(self.worker, self.compute, self.counters, max_batch=max_batch)
         self.gate = Gate(self.worker, self.compute, self.counters, stage,
                          drain_steps=step_drains, step_samples=max(1, target_batch_size))
+        #: hop and step times for ``/metrics`` (``swarmd.api.histogram``)
+        self.histograms = Histograms()
         self.stepper = Stepper(self.module, self.worker, self.optimizer, self.counters,
-                               replay=replay, step=lambda: self.sync.step)
+                               replay=replay, step=lambda: self.sync.step,
+                               histograms=self.histograms)
         self._throughput = Throughput()
         last = stage == num_stages - 1
         self.router = None if last else Router(
             host, stage=stage + 1, protocol=self.proto["forward"], peers_of=peers_of,
-            codec=codec, rng=rng, counters=self.counters)
+            codec=codec, rng=rng, counters=self.counters, histograms=self.histograms)
         self.handlers = PipelineHandlers(
             host, proto=self.proto, codec=codec, worker=self.worker, compute=self.compute,
             batcher=self.batcher, gate=self.gate, throughput=self._throughput,

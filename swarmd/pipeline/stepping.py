@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import torch
 
+from swarmd.api.histogram import STEP_BOUNDS_S, Histograms
 from swarmd.pipeline.batching import Compute
 from swarmd.pipeline.worker import StageWorker
 from swarmd.state.replay import ReplayLog
@@ -71,10 +72,12 @@ class Stepper:
 
     def __init__(self, module: torch.nn.Module, worker: StageWorker, optimizer: Any,
                  counters: Counter[str], *, replay: ReplayLog | None = None,
-                 step: Callable[[], int] | None = None) -> None:
+                 step: Callable[[], int] | None = None, histograms: Histograms | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``replay`` (with ``step()``, the stage's step before a step is applied) logs the
         gradient of every step taken here, so that a mate can replay it
-        (``swarmd.state.replay``)."""
+        (``swarmd.state.replay``). ``histograms`` gets the seconds between consecutive steps
+        (``step_seconds``), timed with ``clock``."""
         self.module = module
         self.worker = worker
         self.optimizer = optimizer
@@ -86,6 +89,9 @@ class Stepper:
         #: (``step()``) moves on the event loop only after a step returned, so a capture or
         #: digest queued right behind a step must read this, never ``step()``
         self.weights_step = 0
+        self.histograms = histograms if histograms is not None else Histograms()
+        self._clock = clock
+        self._last_step_at: float | None = None
 
     @property
     def numel(self) -> int:
@@ -176,6 +182,10 @@ class Stepper:
     def _stepped(self, at: int) -> None:
         self.weights_step = at + 1
         self.counters["optimizer_steps"] += 1
+        now = self._clock()
+        if self._last_step_at is not None:
+            self.histograms.observe("step_seconds", now - self._last_step_at, STEP_BOUNDS_S)
+        self._last_step_at = now
         dropped = self.worker.stepped()
         if dropped:  # their backward gets unknown_microbatch; the trainer restarts them
             self.counters["dropped_stale"] += len(dropped)
