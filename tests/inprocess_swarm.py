@@ -17,10 +17,13 @@ from transport.host import Host, HostOptions
 @contextlib.asynccontextmanager
 async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: str,
                           codec: CodecSpec | None = None, model_hash: str | None = None,
-                          lr: float = 1e-3, **common: Any
+                          lr: float = 1e-3, view: dict[int, dict[str, Any]] | None = None,
+                          **common: Any
                           ) -> AsyncIterator[tuple[list[StageServer], Trainer]]:
     """``(servers, trainer)``, started; each stage steps once it holds ``target_batch_size``
     samples. ``common`` goes to the servers and the trainer alike (``optim``, ``dtype``...).
+    ``view``: a dict the fixed view is written into, which every peer reads live (a test
+    lists another host at a stage in it: {stage: {peer id: (throughput, queue, addrs)}}).
     Everything is closed on the way out."""
     codec = codec or CodecSpec(name="none")
     hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
@@ -30,8 +33,9 @@ async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: s
     trainer: Trainer | None = None
     try:
         s0, s1, t = hosts
-        table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
-                 1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
+        table = view if view is not None else {}
+        table.update({0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
+                      1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}})
         shared = dict(swarm=swarm, num_stages=2, model_config=model_config,
                       model_hash=model_hash or model_config.model_hash(), codec=codec, lr=lr,
                       seed=0, peers_of=lambda s: table.get(s, {}), **common)

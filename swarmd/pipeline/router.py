@@ -55,6 +55,7 @@ from typing import Any, Awaitable, Callable
 
 from swarmd.errors import BadPeerMessage, OutputRefused, StageUnavailable, TrainerUnreachable
 from swarmd.links import LinkEstimates, links_for
+from swarmd.pipeline.hedging import Hedging
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.messages import HopReply, parse_hop_reply
 from swarmd.pipeline.wiring import Kind, Wiring
@@ -83,6 +84,8 @@ HOP_DIAL_TIMEOUT_S = 5.0
 RELAYED_SHARE = 0.25
 
 PeersOf = Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]]
+#: one try's outcome: (peer, its reply or None, the verdict recorded, its refusal of our output)
+_Outcome = tuple[str, "HopReply | None", "Verdict | None", "OutputRefused | None"]
 
 
 class Verdict(enum.Enum):
@@ -130,7 +133,10 @@ class Router:
                  counters: Counter[str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 links: LinkEstimates | None = None) -> None:
+                 links: LinkEstimates | None = None,
+                 hedging: Hedging | None | bool = True) -> None:
+        """``hedging``: the stage's hedging book (True: a default one; False or None: forwards
+        are never hedged)."""
         self.host = host
         self.stage = stage
         self.protocol = protocol
@@ -144,6 +150,8 @@ class Router:
         self.links = links if links is not None else links_for(host)
         #: how long each peer held our requests (its compute and the chain after it)
         self.held = HeldTimes()
+        #: the stage's recent hop times and race losers (None: no hedging)
+        self.hedging: Hedging | None = (Hedging() if hedging is True else hedging or None)
 
     def hop_timeout(self, target: str, nbytes: int) -> float:
         """The deadline of one try of ``nbytes`` to ``target``: see the module docstring."""
@@ -180,18 +188,18 @@ class Router:
             tried.append(target)
             if on_attempt is not None:
                 on_attempt(target)
-            try:
-                reply, verdict = await self._attempt(target, kind, message, rows, deadline)
-            except OutputRefused as exc:
-                if refused is not None:
-                    raise  # two peers refused it: our output is bad
-                refused, refuser, verdict, reply = exc, target, Verdict.OURS, None
-            if reply is not None:
-                if refused is not None:  # a stage mate took what it refused
-                    self._false_refusal(refuser, kind)
-                return target, reply
-            if verdict in (Verdict.SLOW, Verdict.OURS):
-                slow.add(target)
+            for peer, reply, verdict, exc in await self._try(
+                    target, kind, message, rows, deadline, set(tried) | slow, on_attempt):
+                if exc is not None:
+                    if refused is not None:
+                        raise exc  # two peers refused it: our output is bad
+                    refused, refuser, verdict = exc, peer, Verdict.OURS
+                if reply is not None:
+                    if refused is not None and refuser != peer:  # a mate took what it refused
+                        self._false_refusal(refuser, kind)
+                    return peer, reply
+                if verdict in (Verdict.SLOW, Verdict.OURS):
+                    slow.add(peer)
         if refused is not None:
             raise refused
         raise StageUnavailable(f"no peer of stage {self.stage} took the {kind} (tried "
@@ -231,9 +239,97 @@ class Router:
             self.counters["waited"] += 1
             await self._sleep(max(0.001, min(at, limit, now + POLL_S) - now))
 
+    async def _try(self, target: str, kind: Kind, message: Message, rows: int, deadline: float,
+                   tried: set[str], on_attempt: Callable[[str], None] | None) -> list[_Outcome]:
+        """One try of ``target``, hedged when it is a forward that runs past the stage's
+        usual hop time (``swarmd.pipeline.hedging``): then another peer of the stage, not in
+        ``tried``, gets the same message and the first ``ok`` wins; the other try is
+        cancelled (``hedge_lost``; ``Wiring.timeout`` once a peer lost ``slow_after`` in a
+        row). Returns every try's outcome, a winner last: (peer, reply, verdict, refusal)."""
+        if kind != "forward" or self.hedging is None:
+            return [await self._outcome(target, kind, message, rows, deadline, None)]
+        race: set[str] = set()  # the tries cancelled because another won
+        first = asyncio.ensure_future(
+            self._outcome(target, kind, message, rows, deadline, race))
+        tasks = {first: target}
+        outcomes: list[_Outcome] = []
+        try:
+            wait_s = min(self.hedging.delay(), deadline - self._clock())
+            done, _ = await asyncio.wait({first}, timeout=max(0.0, wait_s))
+            if not done:
+                other = self._hedge_target(kind, rows, tried | {target})
+                if other is None:
+                    self.counters["hedge_no_peer"] += 1
+                else:
+                    self.counters["hedged"] += 1
+                    log.info("stage %d peer %s: a %s took %.2f s: hedged to %s", self.stage,
+                             target, kind, wait_s, other)
+                    if on_attempt is not None:
+                        on_attempt(other)
+                    tasks[asyncio.ensure_future(self._outcome(
+                        other, kind, message, rows, deadline, race))] = other
+            pending = set(tasks)
+            winner: _Outcome | None = None
+            while pending and winner is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    outcome = task.result()  # (our own output or a stage after: raised)
+                    if outcome[1] is None:
+                        outcomes.append(outcome)
+                    elif winner is None:
+                        winner = outcome
+                    else:  # both answered in the same turn: the other's ok comes late
+                        self.counters["hedge_late_ok"] += 1
+            if winner is not None:
+                if len(tasks) > 1:
+                    self.counters["hedge_won" if winner[0] != target else "hedge_first_won"] += 1
+                for task in pending:
+                    race.add(tasks[task])
+                    task.cancel()
+                outcomes.append(winner)
+            return outcomes
+        finally:
+            for task in tasks:
+                task.cancel()  # (done ones: nothing; a caller that gave up: no word on them)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _hedge_target(self, kind: Kind, rows: int, exclude: set[str]) -> str | None:
+        """Another peer of the stage in service now for a hedge, or None (no waiting)."""
+        now = self._clock()
+        peers = self.peers_of(self.stage)
+        if not peers.keys() - exclude:
+            return None
+        target = self.wiring.choose(kind, rows, now, self._rng, exclude=exclude)
+        if target is not None and target not in peers:
+            self.wiring.released(target)
+            return None
+        return target
+
+    async def _outcome(self, target: str, kind: Kind, message: Message, rows: int,
+                       deadline: float, race: set[str] | None) -> _Outcome:
+        try:
+            reply, verdict = await self._attempt(target, kind, message, rows, deadline, race)
+        except OutputRefused as exc:
+            return target, None, Verdict.OURS, exc
+        return target, reply, verdict, None
+
+    def _lost_race(self, peer: str) -> None:
+        """``peer``'s try was cancelled: another peer of the stage answered the hedge first."""
+        self.counters["hedge_lost"] += 1
+        assert self.hedging is not None
+        if self.hedging.lost(peer):  # lost again and again: slow (its share shrinks)
+            self.counters["hedge_slow"] += 1
+            self.wiring.timeout(peer, self._clock())
+            log.info("stage %d peer %s lost %d hedged races in a row: marked slow",
+                     self.stage, peer, self.hedging.config.slow_after)
+        else:
+            self.wiring.released(peer)
+
     async def _attempt(self, target: str, kind: Kind, message: Message, rows: int,
-                       deadline: float) -> tuple[HopReply | None, Verdict | None]:
-        """One try: the reply, or None and the verdict once it was recorded (try another)."""
+                       deadline: float, race: set[str] | None = None
+                       ) -> tuple[HopReply | None, Verdict | None]:
+        """One try: the reply, or None and the verdict once it was recorded (try another).
+        ``race``: the peers whose try was cancelled because a hedge won (``_lost_race``)."""
         t0 = self._clock()
         nbytes = _message_bytes(message)
         try:
@@ -246,11 +342,17 @@ class Router:
                                                       deadline - t1))
             reply = parse_hop_reply(raw)
         except asyncio.CancelledError:
-            self.wiring.released(target)  # the sender gave up: no word on the peer
+            if race is not None and target in race:
+                self._lost_race(target)
+            else:
+                self.wiring.released(target)  # the sender gave up: no word on the peer
             raise
         except Exception as exc:
             return None, self._judged(target, kind, exc)
         self._observed(target, nbytes, self._clock() - t1, reply)
+        if self.hedging is not None and kind == "forward":
+            self.hedging.observe(self._clock() - t0)
+            self.hedging.won(target)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
                             self._clock(), compute_s=reply.compute_s)
         return reply, None

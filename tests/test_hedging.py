@@ -1,0 +1,331 @@
+"""Hedged hops (issue 28): a forward that runs well past its stage's usual hop time is sent a
+second time to another peer of the stage and the first ``ok`` wins. The pure book
+(``swarmd.pipeline.hedging``) first, then the router with a fake host (real short waits: a
+silent peer is one whose request never returns), the trainer's duplicate arrivals, and a
+silent liar claiming 1e12 samples/s at stage 1 of a real in-process swarm."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.pipeline.hedging import HedgeConfig, Hedging, percentile
+from swarmd.pipeline.router import Router
+from transport.errors import DeadlineExceeded
+from transport.frames import Message
+
+from inprocess_swarm import two_stage_swarm
+
+FAST = HedgeConfig(floor_s=0.02, cold_s=0.05, min_hops=1)
+
+
+# ---- the book --------------------------------------------------------------------------------
+
+def test_the_delay_is_cold_until_measured_then_a_multiple_of_the_percentile_within_bounds() -> None:
+    h = Hedging(HedgeConfig(multiple=3.0, percentile=0.9, floor_s=0.5, cap_s=30.0, cold_s=10.0,
+                            min_hops=4))
+    assert h.delay() == 10.0
+    for s in (0.1, 0.1, 0.1):
+        h.observe(s)
+    assert h.delay() == 10.0  # three hops: still cold
+    h.observe(0.4)
+    assert h.delay() == pytest.approx(1.2)  # 3 x p90 (0.4)
+    for s in (float("nan"), float("inf"), -1.0):
+        h.observe(s)  # ignored
+    assert h.delay() == pytest.approx(1.2)
+    for _ in range(64):
+        h.observe(0.01)  # the window forgets the slow one; the floor holds
+    assert h.delay() == 0.5
+    for _ in range(64):
+        h.observe(100.0)
+    assert h.delay() == 30.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=200),
+       st.floats(1.0, 10.0), st.floats(0.05, 1.0))
+def test_the_delay_is_bounded_and_few_kept_hops_take_longer_than_a_third_of_it(
+        hops: list[float], multiple: float, q: float) -> None:
+    cfg = HedgeConfig(multiple=multiple, percentile=q, floor_s=0.5, cap_s=60.0, min_hops=1)
+    h = Hedging(cfg)
+    for s in hops:
+        h.observe(s)
+    d = h.delay()
+    assert cfg.floor_s <= d <= cfg.cap_s
+    kept = hops[-cfg.window:]
+    if d < cfg.cap_s:  # not clamped from above: at most 1 - q of the kept hops take longer
+        slower = sum(1 for s in kept if s > d / multiple * (1 + 1e-9))
+        assert slower <= (1 - q) * len(kept) + 1e-9
+    assert percentile(kept, q) in kept
+
+
+def test_a_peer_losing_races_in_a_row_is_marked_slow_and_a_win_forgives() -> None:
+    h = Hedging(HedgeConfig(slow_after=2, keep=3))
+    assert h.lost("a") is False and h.losses("a") == 1
+    h.won("a")
+    assert h.lost("a") is False  # the win ended the streak
+    assert h.lost("a") is True and h.losses("a") == 0  # two in a row: slow, starts over
+    for p in "bcde":
+        h.lost(p)
+    assert h.losses("b") == 0 and h.losses("e") == 1  # at most ``keep`` remembered
+
+
+@pytest.mark.parametrize("bad", [dict(multiple=0.5), dict(percentile=0.0), dict(floor_s=-1.0),
+                                 dict(cap_s=0.1, floor_s=1.0), dict(window=0),
+                                 dict(cold_s=float("nan")), dict(slow_after=1.5)])
+def test_a_bad_config_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        HedgeConfig(**bad)
+
+
+# ---- the router (a fake host) ----------------------------------------------------------------
+
+MSG = Message(kind="forward", meta={}, tensors=(torch.zeros(2, 3, 4),))
+OK = Message(kind="ok", meta={"service_s": 0.005, "held_s": 0.008})
+
+
+class SilentHost:
+    """Peers in ``silent`` never answer (until the request's own deadline); the others answer
+    ``ok`` at once, or after ``lag`` seconds."""
+
+    def __init__(self, silent: set[str], lag: dict[str, float] | None = None) -> None:
+        self.silent, self.lag = silent, lag or {}
+        self.requests: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def connect(self, peer: str, addrs: Any, *, timeout: float) -> None:
+        pass
+
+    async def request(self, peer: str, protocol: str, message: Message, *, codec: Any,
+                      timeout: float) -> Message:
+        self.requests.append(peer)
+        try:
+            if peer in self.silent:
+                await asyncio.sleep(timeout)
+                raise DeadlineExceeded(f"{peer} said nothing in {timeout:.1f} s")
+            await asyncio.sleep(self.lag.get(peer, 0.0))
+            return OK
+        except asyncio.CancelledError:
+            self.cancelled.append(peer)
+            raise
+
+
+def _router(host: SilentHost, tput: dict[str, float], **kw: Any) -> Router:
+    peers = {p: (t, 0, (f"/ip4/127.0.0.1/tcp/1/p2p/{p}",)) for p, t in tput.items()}
+    return Router(host, stage=1, protocol="/p", peers_of=lambda s: dict(peers), codec=None,
+                  rng=random.Random(0), hedging=Hedging(kw.pop("config", FAST)), **kw)
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_forward_held_by_a_silent_liar_is_hedged_and_the_honest_answer_wins() -> None:
+    """A liar claiming 1e12 beside a measured honest peer: it gets its probes; each forward
+    it holds is re-sent to the honest peer once past the stage's usual hop time, the honest
+    ``ok`` wins, the liar's try is cancelled, and after two lost races it is marked slow."""
+    host = SilentHost({"liar"})
+    router = _router(host, {"honest": 1.0})
+    told: list[str] = []
+
+    async def scenario() -> list[str]:
+        await router.send(MSG, timeout=20.0)  # measures the honest peer
+        router.peers_of = lambda s: {"honest": (1.0, 0, ("/ip4/127.0.0.1/tcp/1/p2p/honest",)),
+                                     "liar": (1e12, 0, ("/ip4/127.0.0.1/tcp/1/p2p/liar",))}
+        winners = []
+        for _ in range(2):
+            peer, _reply = await router.send(MSG, timeout=20.0, on_attempt=told.append)
+            winners.append(peer)
+        return winners
+
+    winners = _run(scenario())
+    assert winners == ["honest", "honest"]
+    assert told == ["liar", "honest", "liar", "honest"]  # the liar first (its claim), hedged
+    assert router.counters["hedged"] == 2 and router.counters["hedge_lost"] == 2
+    assert router.counters["hedge_won"] == 2 and router.counters["hedge_slow"] == 1
+    assert router.counters["hop_slow"] == 0  # no try waited out its deadline
+    assert host.cancelled == ["liar", "liar"]
+    (row,) = [r for r in router.wiring.snapshot(0.0) if r.peer_id == "liar"]
+    assert row.slow and row.timeouts == 1
+    # its probes were all freed: a peer not yet measured is still tried, at a smaller share
+    assert router.wiring._peers["liar"].probing == 0
+
+
+def test_a_peer_alone_in_its_stage_is_not_hedged_and_waits_out_its_deadline() -> None:
+    host = SilentHost({"liar"})
+    router = _router(host, {"liar": 1e12})
+    from swarmd.errors import StageUnavailable
+    with pytest.raises(StageUnavailable):
+        _run(router.send(MSG, timeout=0.3))
+    assert router.counters["hedged"] == 0 and router.counters["hedge_no_peer"] == 1
+    assert router.counters["hop_slow"] == 1
+
+
+def test_a_backward_is_never_hedged() -> None:
+    """Only the peer that saved a forward's activations can run its backward."""
+    host = SilentHost({"a"})
+    router = _router(host, {"a": 10.0, "b": 1.0})
+    from swarmd.errors import StageUnavailable
+    with pytest.raises(StageUnavailable):
+        _run(router.send(MSG, timeout=0.3, kind="backward"))
+    assert router.counters["hedged"] == 0 and "b" not in host.requests[:1]
+
+
+def test_when_the_first_try_answers_before_the_hedge_the_hedge_is_the_loser() -> None:
+    host = SilentHost(set(), lag={"a": 0.3, "b": 5.0})
+    router = _router(host, {"a": 10.0, "b": 1.0})
+    peer, _ = _run(router.send(MSG, timeout=20.0))
+    assert peer == "a" and host.requests == ["a", "b"]
+    assert router.counters["hedge_first_won"] == 1 and router.counters["hedge_lost"] == 1
+    assert host.cancelled == ["b"]
+    assert router.hedging is not None and router.hedging.losses("b") == 1
+    assert router.counters["hedge_slow"] == 0  # one lost race: not slow yet
+
+
+def test_without_hedging_the_send_waits_for_the_silent_peer() -> None:
+    """The same liar with hedging off: the forward it holds waits out the whole deadline
+    (what the tests above show hedging avoids)."""
+    host = SilentHost({"liar"})
+    router = _router(host, {"honest": 1.0})
+    router.hedging = None
+    from swarmd.errors import StageUnavailable
+
+    async def scenario() -> None:
+        await router.send(MSG, timeout=20.0)  # measures the honest peer
+        router.peers_of = lambda s: {"honest": (1.0, 0, ("/ip4/127.0.0.1/tcp/1/p2p/honest",)),
+                                     "liar": (1e12, 0, ("/ip4/127.0.0.1/tcp/1/p2p/liar",))}
+        await router.send(MSG, timeout=0.5)
+
+    with pytest.raises(StageUnavailable):
+        _run(scenario())
+    assert host.requests == ["honest", "liar"] and router.counters["hop_slow"] == 1
+    assert router.counters["hedged"] == 0
+
+
+# ---- the trainer: a hedge's second result or grad -----------------------------------------------
+
+def test_a_second_result_or_grad_of_a_microbatch_is_ignored_and_counted() -> None:
+    from swarmd.models.gpt import ModelConfig
+
+    config = ModelConfig(width=32, heads=2, layers=2, seq_len=16)
+
+    async def scenario() -> None:
+        from swarmd.trainer.trainer import Trainer
+        from transport import identity
+        from transport.codecs import CodecSpec
+        from transport.host import Host, HostOptions
+
+        codec = CodecSpec(name="none")  # the handler alone: the host is never started
+        host = Host(identity.generate(), HostOptions(pubsub=None, codec=codec))
+        trainer = Trainer(host, swarm="hedge-dup", num_stages=2, model_config=config,
+                          model_hash=config.model_hash(), codec=codec, lr=1e-3, seed=0,
+                          peers_of=lambda s: {})
+        s0, s1 = (identity.generate().peer_id for _ in range(2))
+        try:
+            other = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBInPUJtB6hq7QZ"
+            shape = (2, 16, 32)
+            first = torch.ones(shape)
+            expected = trainer._expect("result", "m/1", shape, first={s0})
+            meta = {"mb": "m/1", "path": [s0, s1]}
+            reply = await trainer._on_arrival(
+                Message(kind="result", meta=meta, tensors=(first,)), s1)
+            assert "late" not in reply.meta
+            # the hedge's copy through another last-stage peer: the first one counts
+            reply = await trainer._on_arrival(Message(kind="result", meta={
+                "mb": "m/1", "path": [s0, other]}, tensors=(torch.zeros(shape),)), other)
+            assert reply.meta["late"] is True and trainer.counters["duplicate_results"] == 1
+            assert expected.path == (s0, s1) and torch.equal(expected.future.result(), first)
+            grad = trainer._expect("grad", "m/1", shape, first={s0})
+            for g in (first, torch.zeros(shape)):
+                await trainer._on_arrival(Message(kind="grad", meta={"mb": "m/1"},
+                                                  tensors=(g,)), s0)
+            assert trainer.counters["duplicate_grads"] == 1
+            assert torch.equal(grad.future.result(), first)
+        finally:
+            trainer.close()
+
+    uvloop.run(asyncio.wait_for(scenario(), 60))
+
+
+# ---- the figure: a silent liar at stage 1 of a real swarm ---------------------------------------
+
+def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines() -> None:
+    """Issue 28's figure, in process: two stages on real libp2p hosts, exact steps, then a
+    host listed at stage 1 announcing 1e12 samples/s that takes forwards and never answers.
+    The trainer trains on: nothing lost, no hop waited out its deadline, every forward the
+    liar took was hedged and answered by the honest peer (which served every path). The
+    longest gap between steps over the median step is printed (issue 28: at most 3)."""
+    from swarmd.models.gpt import ModelConfig
+    from swarmd.pipeline.inflight import InFlight
+    from swarmd.pipeline.server import protocols
+    from transport import identity
+    from transport.codecs import CodecSpec
+    from transport.host import Host, HostOptions
+
+    config = ModelConfig(width=32, heads=2, layers=2, seq_len=16)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 256, (2, 16), generator=g),
+                torch.randint(0, 256, (2, 16), generator=g)) for _ in range(4 * 20)]
+
+    async def scenario() -> tuple[list[float], dict[str, Any], Any, list[str], Any, Any]:
+        view: dict[int, dict[str, Any]] = {}
+        liar = Host(identity.generate(), HostOptions(pubsub=None, codec=CodecSpec(name="none")))
+        await liar.start()
+        taken: list[str] = []
+        never = asyncio.Event()
+
+        async def on_forward(message: Message, peer: str) -> Message:
+            taken.append(str(message.meta.get("mb")))
+            await never.wait()
+            return Message(kind="ok")
+
+        liar.set_request_handler(protocols("hedge-liar")["forward"], on_forward)
+        try:
+            async with two_stage_swarm(config, target_batch_size=8, swarm="hedge-liar",
+                                       view=view) as (servers, trainer):
+                trainer.exact = True
+                drawn = iter(batches)
+                stamps: list[float] = []
+
+                async def stepped(step: int, loss: float) -> bool:
+                    stamps.append(time.monotonic())
+                    if step == 4:  # the honest peers are measured: the liar joins stage 1
+                        view[1][liar.peer_id] = (1e12, 0, tuple(liar.addrs))
+                    return False
+
+                stamps.append(time.monotonic())
+                await trainer.train(lambda: next(drawn), steps=20, microbatches=4,
+                                    window=InFlight(floor=4, ceiling=4), on_step=stepped,
+                                    barrier=True)
+                gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+                assert servers[0].router is not None and servers[0].router.hedging is not None
+                print(f"\nstage 1's hedge delay at the end: "
+                      f"{servers[0].router.hedging.delay():.3f} s")
+                return (gaps, dict(servers[0].counters), trainer.stats, taken,
+                        servers[1].host.peer_id, dict(trainer.counters))
+        finally:
+            never.set()
+            await liar.close()
+
+    gaps, s0, stats, taken, honest, tc = uvloop.run(asyncio.wait_for(scenario(), 120))
+    after = gaps[4:]
+    print(f"\nsilent liar at stage 1: {len(taken)} forwards taken by it, hedged {s0['hedged']}, "
+          f"longest gap / median step = {max(after) / statistics.median(gaps):.2f} "
+          f"(median {statistics.median(gaps):.3f} s, longest {max(after):.3f} s; gaps "
+          f"{' '.join(f'{g:.2f}' for g in gaps)})")
+    assert stats.lost == 0 and len(gaps) == 20
+    assert taken, "the liar was never sent a forward: the figure tests nothing"
+    assert s0["hedged"] >= len(set(taken)) and s0["hedge_won"] >= len(set(taken))
+    assert s0.get("hop_slow", 0) == 0  # no forward waited out its deadline on the liar
+    assert stats.routes[1].keys() == {honest}  # every path went through the honest peer
+    assert s0.get("hedge_slow", 0) >= 1  # a peer that keeps losing is marked slow
+    assert tc.get("hedged", 0) == 0  # one stage-0 peer: the trainer had nobody to hedge to
