@@ -329,3 +329,67 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines() -> 
     assert stats.routes[1].keys() == {honest}  # every path went through the honest peer
     assert s0.get("hedge_slow", 0) >= 1  # a peer that keeps losing is marked slow
     assert tc.get("hedged", 0) == 0  # one stage-0 peer: the trainer had nobody to hedge to
+
+
+def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() -> None:
+    """Two peers at stage 1, one stalls (the forwards it takes wait, as a SIGSTOPped peer's
+    would, until the trainer took 4 more steps, then run): stage 0 hedges the forwards it holds to
+    its mate, training goes on, nothing is lost, and every microbatch's backward ran exactly
+    once at each stage (the stalled peer's late forwards never get one): no gradient twice."""
+    from swarmd.models.gpt import ModelConfig
+    from swarmd.pipeline.inflight import InFlight
+
+    config = ModelConfig(width=32, heads=2, layers=2, seq_len=16)
+    g = torch.Generator().manual_seed(5)
+    steps, per_step = 10, 4
+    batches = [(torch.randint(0, 256, (2, 16), generator=g),
+                torch.randint(0, 256, (2, 16), generator=g)) for _ in range(steps * per_step)]
+
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]], Any, dict[str, Any],
+                                  list[str], int]:
+        async with two_stage_swarm(config, target_batch_size=8, swarm="hedge-stall",
+                                   stage1_peers=2) as (servers, trainer):
+            trainer.exact = True
+            stalled = servers[2]
+            serve = stalled.handlers._forward
+            resume = asyncio.Event()
+            held: list[str] = []
+
+            async def stalling(message: Message, peer: str) -> Message:
+                if not resume.is_set():
+                    held.append(str(message.meta.get("mb")))
+                    await resume.wait()
+                return await serve(message, peer)
+
+            drawn = iter(batches)
+
+            async def stepped(step: int, loss: float) -> bool:
+                if step == 2:  # its forwards stall from now on (the handler's work behind it)
+                    stalled.handlers._forward = stalling  # type: ignore[method-assign]
+                if step == 6:
+                    resume.set()
+                return False
+
+            await trainer.train(lambda: next(drawn), steps=steps, microbatches=per_step,
+                                window=InFlight(floor=4, ceiling=4), on_step=stepped,
+                                barrier=True)
+            resume.set()
+            return (dict(servers[0].counters), [dict(s.counters) for s in servers[1:]],
+                    trainer.stats, dict(trainer.counters), held,
+                    trainer.board.samples_mismatch)
+
+    s0, s1, stats, tc, held, mismatch = uvloop.run(asyncio.wait_for(scenario(), 120))
+    total = steps * per_step
+    print(f"\nstalled stage-1 peer held {len(held)} forwards; stage 0 hedged {s0['hedged']}, "
+          f"won {s0.get('hedge_won', 0)}, marked slow {s0.get('hedge_slow', 0)}; trainer: "
+          f"duplicate results {tc.get('duplicate_results', 0)}, late "
+          f"{tc.get('late_arrivals', 0)}, restarted {stats.restarted}")
+    assert stats.lost == 0 and stats.microbatches == total
+    assert held, "no forward reached the stalled peer: the test tests nothing"
+    assert s0["hedged"] >= len(held) and s0.get("hedge_won", 0) >= len(held)
+    assert s0.get("hop_slow", 0) == 0  # no forward waited out its deadline
+    # each microbatch that came back whole ran its backward once at each stage
+    if stats.restarted == 0:  # (a restart may have run a backward at stage 1 only)
+        assert s0["backward"] == total == sum(c["backward"] for c in s1)
+    assert sum(c["stepped_samples"] for c in s1) == s0["stepped_samples"]
+    assert mismatch == 0  # every stage step held exactly its trainer step's samples
