@@ -38,6 +38,13 @@ says): a capped peer announces what its upload cap carries (``swarmd.node.caps``
 hop time shows; the time its ``ok`` says it waited in that cap (``upload_wait_s``) is left
 out of the hop's cost, not of the link estimates (docs/limits.md "Routing").
 
+A forward that runs past its stage's usual hop time is *hedged* (``swarmd.pipeline.hedging``,
+pure; docs/pipeline.md "Hedged hops"): after 2 x the p90 of the stage's recent hop times (at
+least 0.2 s; 10 s until 4 were measured) the same message goes to another peer of the stage
+in service (``hedged``; none: ``hedge_no_peer``), the first ``ok`` wins and the other try is
+cancelled (``hedge_lost``; a peer that loses 2 in a row is judged ``Wiring.timeout``, slow:
+``hedge_slow``). A backward is never hedged: only one peer holds its activations.
+
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
 sender, never one a message names) and only when membership lists it for this stage.
@@ -256,7 +263,7 @@ class Router:
         try:
             wait_s = min(self.hedging.delay(), deadline - self._clock())
             done, _ = await asyncio.wait({first}, timeout=max(0.0, wait_s))
-            if not done:
+            if not done and self._clock() < deadline:  # (at the deadline: too late to help)
                 other = self._hedge_target(kind, rows, tried | {target})
                 if other is None:
                     self.counters["hedge_no_peer"] += 1
