@@ -160,6 +160,29 @@ def test_a_forward_held_by_a_silent_liar_is_hedged_and_the_honest_answer_wins() 
     assert router.wiring._peers["liar"].probing == 0
 
 
+def test_a_hedge_goes_to_a_peer_that_answered_before_not_to_another_claim() -> None:
+    """Eight silent identities claiming 1e12 beside one measured honest peer: every forward a
+    liar holds is hedged to the honest peer, never to another liar (which would be silent
+    too)."""
+    liars = {f"liar{i}" for i in range(8)}
+    host = SilentHost(liars)
+    router = _router(host, {"honest": 1.0})
+
+    async def scenario() -> list[str]:
+        await router.send(MSG, timeout=20.0)  # measures the honest peer
+        listed = {p: (1e12, 0, (f"/ip4/127.0.0.1/tcp/1/p2p/{p}",)) for p in liars}
+        listed["honest"] = (1.0, 0, ("/ip4/127.0.0.1/tcp/1/p2p/honest",))
+        router.peers_of = lambda s: dict(listed)
+        sends = [router.send(MSG, timeout=20.0) for _ in range(8)]
+        return [peer for peer, _ in await asyncio.gather(*sends)]
+
+    winners = _run(scenario())
+    assert winners == ["honest"] * 8
+    assert router.counters["hedged"] == router.counters["hedge_won"] >= 1
+    assert host.requests.count("honest") == 1 + 8  # each send answered by it, once
+    assert router.counters.get("hop_slow", 0) == 0
+
+
 def test_a_peer_alone_in_its_stage_is_not_hedged_and_waits_out_its_deadline() -> None:
     host = SilentHost({"liar"})
     router = _router(host, {"liar": 1e12})
@@ -258,9 +281,11 @@ def test_a_second_result_or_grad_of_a_microbatch_is_ignored_and_counted() -> Non
 
 # ---- the figure: a silent liar at stage 1 of a real swarm ---------------------------------------
 
-def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines() -> None:
+@pytest.mark.parametrize("liars", [1, 8])
+def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines(liars: int) -> None:
     """Issue 28's figure, in process: two stages on real libp2p hosts, exact steps, then a
-    host listed at stage 1 announcing 1e12 samples/s that takes forwards and never answers.
+    host listed at stage 1 announcing 1e12 samples/s that takes forwards and never answers
+    (or 8 such hosts, 8 identities).
     The trainer trains on: nothing lost, no hop waited out its deadline, every forward the
     liar took was hedged and answered by the honest peer (which served every path). The
     longest gap between steps over the median step is printed (issue 28: at most 3)."""
@@ -278,8 +303,7 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines() -> 
 
     async def scenario() -> tuple[list[float], dict[str, Any], Any, list[str], Any, Any]:
         view: dict[int, dict[str, Any]] = {}
-        liar = Host(identity.generate(), HostOptions(pubsub=None, codec=CodecSpec(name="none")))
-        await liar.start()
+        hosts: list[Host] = []
         taken: list[str] = []
         never = asyncio.Event()
 
@@ -288,18 +312,29 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines() -> 
             await never.wait()
             return Message(kind="ok")
 
-        liar.set_request_handler(protocols("hedge-liar")["forward"], on_forward)
         try:
             async with two_stage_swarm(config, target_batch_size=8, swarm="hedge-liar",
                                        view=view) as (servers, trainer):
                 trainer.exact = True
+                # ids after the honest peer's: no liar leads stage 1's rounds (the smallest
+                # id does); a silent leader of a stage's rounds is another matter (issue 28
+                # follow-up): here the hops are tested
+                while len(hosts) < liars:
+                    ident = identity.generate()
+                    if ident.peer_id > servers[1].host.peer_id:
+                        hosts.append(Host(ident, HostOptions(pubsub=None,
+                                                             codec=CodecSpec(name="none"))))
+                for liar in hosts:
+                    await liar.start()
+                    liar.set_request_handler(protocols("hedge-liar")["forward"], on_forward)
                 drawn = iter(batches)
                 stamps: list[float] = []
 
                 async def stepped(step: int, loss: float) -> bool:
                     stamps.append(time.monotonic())
                     if step == 4:  # the honest peers are measured: the liar joins stage 1
-                        view[1][liar.peer_id] = (1e12, 0, tuple(liar.addrs))
+                        for liar in hosts:
+                            view[1][liar.peer_id] = (1e12, 0, tuple(liar.addrs))
                     return False
 
                 stamps.append(time.monotonic())
@@ -314,11 +349,12 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines() -> 
                         servers[1].host.peer_id, dict(trainer.counters))
         finally:
             never.set()
-            await liar.close()
+            for liar in hosts:
+                await liar.close()
 
     gaps, s0, stats, taken, honest, tc = uvloop.run(asyncio.wait_for(scenario(), 120))
     after = gaps[4:]
-    print(f"\nsilent liar at stage 1: {len(taken)} forwards taken by it, hedged {s0['hedged']}, "
+    print(f"\n{liars} silent liar(s) at stage 1: {len(taken)} forwards taken by them, hedged {s0['hedged']}, "
           f"longest gap / median step = {max(after) / statistics.median(gaps):.2f} "
           f"(median {statistics.median(gaps):.3f} s, longest {max(after):.3f} s; gaps "
           f"{' '.join(f'{g:.2f}' for g in gaps)})")
@@ -374,6 +410,10 @@ def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() ->
                                 window=InFlight(floor=4, ceiling=4), on_step=stepped,
                                 barrier=True)
             resume.set()
+            for _ in range(400):  # the stages apply the last step once the trainer answered
+                if all(s.step == steps for s in servers):
+                    break
+                await asyncio.sleep(0.05)
             return (dict(servers[0].counters), [dict(s.counters) for s in servers[1:]],
                     trainer.stats, dict(trainer.counters), held,
                     trainer.board.samples_mismatch)
@@ -391,5 +431,6 @@ def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() ->
     # each microbatch that came back whole ran its backward once at each stage
     if stats.restarted == 0:  # (a restart may have run a backward at stage 1 only)
         assert s0["backward"] == total == sum(c["backward"] for c in s1)
-    assert sum(c["stepped_samples"] for c in s1) == s0["stepped_samples"]
+    # every stage stepped on each sample once: the stalled peer's forwards counted nowhere
+    assert s0["stepped_samples"] == 2 * total == sum(c["stepped_samples"] for c in s1)
     assert mismatch == 0  # every stage step held exactly its trainer step's samples

@@ -301,12 +301,17 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _hedge_target(self, kind: Kind, rows: int, exclude: set[str]) -> str | None:
-        """Another peer of the stage in service now for a hedge, or None (no waiting)."""
+        """Another peer of the stage in service now for a hedge, or None (no waiting): one
+        that answered before when there is one (a hedge exists because a peer did not
+        answer; another claim, from another identity of the same liar, could do the same)."""
         now = self._clock()
         peers = self.peers_of(self.stage)
         if not peers.keys() - exclude:
             return None
-        target = self.wiring.choose(kind, rows, now, self._rng, exclude=exclude)
+        target = self.wiring.choose(kind, rows, now, self._rng,
+                                    exclude=exclude | self.wiring.unmeasured())
+        if target is None:
+            target = self.wiring.choose(kind, rows, now, self._rng, exclude=exclude)
         if target is not None and target not in peers:
             self.wiring.released(target)
             return None
