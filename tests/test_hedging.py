@@ -79,9 +79,50 @@ def test_a_peer_losing_races_in_a_row_is_marked_slow_and_a_win_forgives() -> Non
     assert h.losses("b") == 0 and h.losses("e") == 1  # at most ``keep`` remembered
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=300),
+       st.floats(0.0, 0.5), st.floats(0.0, 20.0))
+def test_needless_hedges_are_bounded_by_the_budget_and_needed_ones_are_not(
+        sends: list[tuple[bool, bool]], share: float, burst: float) -> None:
+    """Each send: (it runs long, its hedge would win). Hedges the first try beat anyway are
+    at most ``burst + share x sends``; once the budget allows one, a winning hedge never
+    stops the next from being sent (it is refunded)."""
+    h = Hedging(HedgeConfig(budget_share=share, budget_burst=burst))
+    needless = 0
+    for long, wins in sends:
+        h.sent()
+        if long and h.may_hedge():
+            h.hedged()
+            if wins:
+                before = h.tokens
+                h.hedge_won()
+                assert h.may_hedge() or before + 1 > burst  # (capped by the burst only)
+            else:
+                needless += 1
+    assert needless <= burst + share * len(sends) + 1e-9
+
+
+def test_a_stalled_peer_is_hedged_every_time_while_needless_hedges_run_out() -> None:
+    h = Hedging(HedgeConfig(budget_share=0.1, budget_burst=2.0))
+    for _ in range(50):  # every hedge wins: a silent peer
+        h.sent()
+        assert h.may_hedge()
+        h.hedged()
+        h.hedge_won()
+    for _ in range(2):  # needless hedges: the burst, then nothing until earned again
+        h.sent()
+        h.hedged()
+    h.sent()
+    assert not h.may_hedge()
+    for _ in range(9):
+        h.sent()
+    assert h.may_hedge()
+
+
 @pytest.mark.parametrize("bad", [dict(multiple=0.5), dict(percentile=0.0), dict(floor_s=-1.0),
                                  dict(cap_s=0.1, floor_s=1.0), dict(window=0),
-                                 dict(cold_s=float("nan")), dict(slow_after=1.5)])
+                                 dict(cold_s=float("nan")), dict(slow_after=1.5),
+                                 dict(budget_share=-0.1), dict(budget_burst=float("inf"))])
 def test_a_bad_config_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         HedgeConfig(**bad)
@@ -191,6 +232,23 @@ def test_a_peer_alone_in_its_stage_is_not_hedged_and_waits_out_its_deadline() ->
         _run(router.send(MSG, timeout=0.3))
     assert router.counters["hedged"] == 0 and router.counters["hedge_no_peer"] == 1
     assert router.counters["hop_slow"] == 1
+
+
+def test_hedges_the_first_try_wins_anyway_stop_when_the_budget_is_spent() -> None:
+    """A loaded stage where every hop is slow but answers: the first hedge is sent, loses to
+    the first try (``hedge_first_won``), and with no budget left the next is not sent."""
+    host = SilentHost(set(), lag={"a": 0.3, "b": 5.0})
+    router = _router(host, {"a": 10.0, "b": 1.0},
+                     config=HedgeConfig(floor_s=0.02, cold_s=0.05, min_hops=4,
+                                        budget_share=0.0, budget_burst=1.0))
+
+    async def scenario() -> None:
+        for _ in range(2):
+            await router.send(MSG, timeout=20.0)
+
+    _run(scenario())
+    assert router.counters["hedged"] == 1 and router.counters["hedge_first_won"] == 1
+    assert router.counters["hedge_over_budget"] == 1 and host.requests.count("b") == 1
 
 
 def test_a_backward_is_never_hedged() -> None:

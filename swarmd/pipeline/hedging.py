@@ -10,6 +10,13 @@ requests). ``Hedging`` is one stage's book, owned by the router that sends to it
   of the kept hop times, at least ``floor_s`` and at most ``cap_s``; ``cold_s`` while fewer
   than ``min_hops`` were measured (a stage whose first hops all went to a silent peer still
   hedges, later than a measured one).
+* ``may_hedge()`` / ``hedged()`` / ``hedge_won()``: a budget, as in tail-latency practice,
+  so that hedging cannot double the work of a loaded stage: each try sent earns
+  ``budget_share`` (0.1) of a hedge, at most ``budget_burst`` (10) saved; a hedge spends one,
+  and one that won (the first try was the straggler) is refunded. So hedges that turn out
+  needless (the first try answered first after all, as on a loaded machine where every hop
+  is slow) are at most ``budget_share`` of the tries, while a silent or stalled peer's
+  forwards are hedged as often as they come.
 * ``lost(peer)`` / ``won(peer)``: the outcome of a race. A peer that loses ``slow_after``
   races in a row (no win, no ``ok`` in between) is to be marked slow (``lost`` returns True,
   and the count starts over); the router does it with ``Wiring.timeout``. At most ``keep``
@@ -47,6 +54,10 @@ class HedgeConfig:
     slow_after: int = 2
     #: peers remembered at most
     keep: int = 1024
+    #: each try earns this share of a hedge; a hedge costs one (refunded when it won) ...
+    budget_share: float = 0.1
+    #: ... and at most this many are saved up
+    budget_burst: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("multiple", "floor_s", "cap_s", "cold_s"):
@@ -57,6 +68,10 @@ class HedgeConfig:
             raise ValueError("multiple must be >= 1")
         if not 0 < self.percentile <= 1:
             raise ValueError("percentile must be in (0, 1]")
+        for name in ("budget_share", "budget_burst"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0")
         if self.cap_s < self.floor_s:
             raise ValueError("cap_s must be >= floor_s")
         for name in ("min_hops", "window", "slow_after", "keep"):
@@ -80,6 +95,23 @@ class Hedging:
 
     def __post_init__(self) -> None:
         self._hops = deque(maxlen=self.config.window)
+        #: hedges that may be sent now (the budget)
+        self.tokens = self.config.budget_burst
+
+    def sent(self) -> None:
+        """A try was sent: it earns ``budget_share`` of a hedge."""
+        self.tokens = min(self.config.budget_burst, self.tokens + self.config.budget_share)
+
+    def may_hedge(self) -> bool:
+        return self.tokens >= 1.0
+
+    def hedged(self) -> None:
+        """A hedge was sent: it spends one."""
+        self.tokens = max(0.0, self.tokens - 1.0)
+
+    def hedge_won(self) -> None:
+        """The hedge answered first (it was needed): refunded."""
+        self.tokens = min(self.config.budget_burst, self.tokens + 1.0)
 
     def observe(self, seconds: float) -> None:
         """A hop of the stage answered after ``seconds``; not finite or negative: ignored."""

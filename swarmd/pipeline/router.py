@@ -41,7 +41,9 @@ out of the hop's cost, not of the link estimates (docs/limits.md "Routing").
 A forward that runs past its stage's usual hop time is *hedged* (``swarmd.pipeline.hedging``,
 pure; docs/pipeline.md "Hedged hops"): after 2 x the p90 of the stage's recent hop times (at
 least 0.2 s; 10 s until 4 were measured) the same message goes to another peer of the stage
-in service (``hedged``; none: ``hedge_no_peer``), the first ``ok`` wins and the other try is
+in service, one that answered before if any (``hedged``; none: ``hedge_no_peer``; hedges
+that lost to the first try spent the budget: ``hedge_over_budget``), the first ``ok`` wins
+and the other try is
 cancelled (``hedge_lost``; a peer that loses 2 in a row is judged ``Wiring.timeout``, slow:
 ``hedge_slow``). A backward is never hedged: only one peer holds its activations.
 
@@ -255,6 +257,7 @@ class Router:
         row). Returns every try's outcome, a winner last: (peer, reply, verdict, refusal)."""
         if kind != "forward" or self.hedging is None:
             return [await self._outcome(target, kind, message, rows, deadline, None)]
+        self.hedging.sent()
         race: set[str] = set()  # the tries cancelled because another won
         first = asyncio.ensure_future(
             self._outcome(target, kind, message, rows, deadline, race))
@@ -264,10 +267,13 @@ class Router:
             wait_s = min(self.hedging.delay(), deadline - self._clock())
             done, _ = await asyncio.wait({first}, timeout=max(0.0, wait_s))
             if not done and self._clock() < deadline:  # (at the deadline: too late to help)
-                other = self._hedge_target(kind, rows, tried | {target})
+                other = (self._hedge_target(kind, rows, tried | {target})
+                         if self.hedging.may_hedge() else None)
                 if other is None:
-                    self.counters["hedge_no_peer"] += 1
+                    self.counters["hedge_no_peer" if self.hedging.may_hedge()
+                                  else "hedge_over_budget"] += 1
                 else:
+                    self.hedging.hedged()
                     self.counters["hedged"] += 1
                     log.info("stage %d peer %s: a %s took %.2f s: hedged to %s", self.stage,
                              target, kind, wait_s, other)
@@ -290,6 +296,8 @@ class Router:
             if winner is not None:
                 if len(tasks) > 1:
                     self.counters["hedge_won" if winner[0] != target else "hedge_first_won"] += 1
+                    if winner[0] != target:
+                        self.hedging.hedge_won()
                 for task in pending:
                     race.add(tasks[task])
                     task.cancel()
