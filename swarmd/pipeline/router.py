@@ -44,8 +44,9 @@ least 0.2 s; 10 s until 4 were measured) the same message goes to another peer o
 in service, one that answered before if any (``hedged``; none: ``hedge_no_peer``; hedges
 that lost to the first try spent the budget: ``hedge_over_budget``), the first ``ok`` wins
 and the other try is
-cancelled (``hedge_lost``; a peer that loses 2 in a row is judged ``Wiring.timeout``, slow:
-``hedge_slow``). A backward is never hedged: only one peer holds its activations.
+cancelled (``hedge_lost``; a peer that loses 2 in a row, or any while it never answered, is judged
+``Wiring.timeout``, slow: ``hedge_slow``). A backward is never hedged: only one peer holds
+its activations.
 
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
@@ -337,11 +338,12 @@ class Router:
         """``peer``'s try was cancelled: another peer of the stage answered the hedge first."""
         self.counters["hedge_lost"] += 1
         assert self.hedging is not None
-        if self.hedging.lost(peer):  # lost again and again: slow (its share shrinks)
+        # lost again and again, or never answered at all (a claim, which its first answer
+        # would clear): slow, its share shrinks
+        if self.hedging.lost(peer) or peer in self.wiring.unmeasured():
             self.counters["hedge_slow"] += 1
             self.wiring.timeout(peer, self._clock())
-            log.info("stage %d peer %s lost %d hedged races in a row: marked slow",
-                     self.stage, peer, self.hedging.config.slow_after)
+            log.info("stage %d peer %s lost hedged races: marked slow", self.stage, peer)
         else:
             self.wiring.released(peer)
 
