@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from swarmd.pipeline.hedging import HedgeConfig, Hedging, percentile
 from swarmd.pipeline.router import Router
-from transport.errors import DeadlineExceeded
+from transport.errors import DeadlineExceeded, RemoteError
 from transport.frames import Message
 
 from inprocess_swarm import two_stage_swarm
@@ -138,8 +138,9 @@ class SilentHost:
     """Peers in ``silent`` never answer (until the request's own deadline); the others answer
     ``ok`` at once, or after ``lag`` seconds."""
 
-    def __init__(self, silent: set[str], lag: dict[str, float] | None = None) -> None:
-        self.silent, self.lag = silent, lag or {}
+    def __init__(self, silent: set[str], lag: dict[str, float] | None = None,
+                 busy: dict[str, set[int]] | None = None) -> None:
+        self.silent, self.lag, self.busy = silent, lag or {}, busy or {}
         self.requests: list[str] = []
         self.cancelled: list[str] = []
 
@@ -148,7 +149,10 @@ class SilentHost:
 
     async def request(self, peer: str, protocol: str, message: Message, *, codec: Any,
                       timeout: float) -> Message:
+        n = self.requests.count(peer)
         self.requests.append(peer)
+        if n in self.busy.get(peer, set()):
+            raise RemoteError("busy", "full")
         try:
             if peer in self.silent:
                 await asyncio.sleep(timeout)
@@ -199,6 +203,27 @@ def test_a_forward_held_by_a_silent_liar_is_hedged_and_the_honest_answer_wins() 
     assert row.slow and row.timeouts == 2  # it never answered: slow at each loss
     # its probes were all freed: a peer not yet measured is still tried, at a smaller share
     assert router.wiring._peers["liar"].probing == 0
+
+
+def test_a_hedge_answered_busy_is_sent_again_once_the_peer_is_back() -> None:
+    """The honest peer answers the hedge ``busy`` (a step behind, its queue full): it sits
+    out its pause, and the silent try is hedged to it again once it is back, not left to
+    run to its deadline."""
+    host = SilentHost({"liar"}, busy={"honest": {1}})
+    router = _router(host, {"honest": 1.0})
+
+    async def scenario() -> str:
+        await router.send(MSG, timeout=20.0)  # measures the honest peer
+        router.peers_of = lambda s: {"honest": (1.0, 0, ("/ip4/127.0.0.1/tcp/1/p2p/honest",)),
+                                     "liar": (1e12, 0, ("/ip4/127.0.0.1/tcp/1/p2p/liar",))}
+        peer, _ = await router.send(MSG, timeout=20.0)
+        return peer
+
+    assert _run(scenario()) == "honest"
+    assert host.requests == ["honest", "liar", "honest", "honest"]
+    assert router.counters["hedged"] == 2 and router.counters["hop_busy"] == 1
+    assert router.counters["hedge_no_peer"] == 1 and router.counters["hedge_won"] == 1
+    assert router.counters.get("hop_slow", 0) == 0
 
 
 def test_a_hedge_goes_to_a_peer_that_answered_before_not_to_another_claim() -> None:
@@ -425,6 +450,10 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines(liars
                 assert servers[0].router is not None and servers[0].router.hedging is not None
                 print(f"\nstage 1's hedge delay at the end: "
                       f"{servers[0].router.hedging.delay():.3f} s")
+                print("trainer:", {k: v for k, v in trainer.counters.items()
+                                   if "report" in k or "hop" in k or "hedge" in k},
+                      "stage 1:", {k: v for k, v in servers[1].counters.items()
+                                   if k not in ("forward", "backward")})
                 return (gaps, dict(servers[0].counters), trainer.stats, taken,
                         servers[1].host.peer_id, dict(trainer.counters))
         finally:
@@ -436,7 +465,9 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines(liars
     after = gaps[8:]
     print(f"\n{liars} silent liar(s) at stage 1: {len(taken)} forwards taken by them, hedged {s0['hedged']}, "
           f"longest gap / median step = {max(after) / statistics.median(gaps):.2f} "
-          f"(median {statistics.median(gaps):.3f} s, longest {max(after):.3f} s; gaps "
+          f"(median {statistics.median(gaps):.3f} s, {statistics.median(gaps[:8]):.3f} s "
+          f"before it joined, {statistics.median(after):.3f} s after; longest "
+          f"{max(after):.3f} s; gaps "
           f"{' '.join(f'{g:.2f}' for g in gaps)})")
     assert stats.lost == 0 and len(gaps) == 20
     assert taken, "the liar was never sent a forward: the figure tests nothing"

@@ -88,6 +88,11 @@ BUSY_WAIT_S = 2.0
 POLL_S = 0.5
 #: a dial to the next hop's peer, at most (another peer of the stage is tried next)
 HOP_DIAL_TIMEOUT_S = 5.0
+#: a try past its hedge delay whose stage has no other peer in service now (paused busy,
+#: banned) looks for one again this often at most (seconds)
+HEDGE_POLL_S = 1.0
+#: hedges of one try at most (each while the tries before it failed or ran on alone)
+MAX_HEDGES = 3
 #: a peer announced only at relayed addresses (``/p2p-circuit``) counts with this share of its
 #: announced throughput: its traffic crosses a relay's links too, so peers reached directly
 #: are preferred while they have room (measured hop times then take over)
@@ -254,38 +259,31 @@ class Router:
         """One try of ``target``, hedged when it is a forward that runs past the stage's
         usual hop time (``swarmd.pipeline.hedging``): then another peer of the stage, not in
         ``tried``, gets the same message and the first ``ok`` wins; the other try is
-        cancelled (``hedge_lost``; ``Wiring.timeout`` once a peer lost ``slow_after`` in a
-        row). Returns every try's outcome, a winner last: (peer, reply, verdict, refusal)."""
+        cancelled (``hedge_lost``, ``_lost_race``). While one try alone runs (the first, or
+        a hedge after the other failed), it is hedged once it ran ``delay``, up to
+        ``MAX_HEDGES`` times; with no other peer in service at that moment (paused busy,
+        banned), looked for again every ``HEDGE_POLL_S`` at most. Returns every try's
+        outcome, a winner last: (peer, reply, verdict, refusal)."""
         if kind != "forward" or self.hedging is None:
             return [await self._outcome(target, kind, message, rows, deadline, None)]
-        self.hedging.sent()
+        hedging = self.hedging
+        hedging.sent()
         race: set[str] = set()  # the tries cancelled because another won
         first = asyncio.ensure_future(
             self._outcome(target, kind, message, rows, deadline, race))
         tasks = {first: target}
         outcomes: list[_Outcome] = []
+        winner: _Outcome | None = None
+        delay = hedging.delay()
+        hedge_at: float | None = self._clock() + delay  # None: no more hedges for this try
+        told = False
         try:
-            wait_s = min(self.hedging.delay(), deadline - self._clock())
-            done, _ = await asyncio.wait({first}, timeout=max(0.0, wait_s))
-            if not done and self._clock() < deadline:  # (at the deadline: too late to help)
-                other = (self._hedge_target(kind, rows, tried | {target})
-                         if self.hedging.may_hedge() else None)
-                if other is None:
-                    self.counters["hedge_no_peer" if self.hedging.may_hedge()
-                                  else "hedge_over_budget"] += 1
-                else:
-                    self.hedging.hedged()
-                    self.counters["hedged"] += 1
-                    log.info("stage %d peer %s: a %s took %.2f s: hedged to %s", self.stage,
-                             target, kind, wait_s, other)
-                    if on_attempt is not None:
-                        on_attempt(other)
-                    tasks[asyncio.ensure_future(self._outcome(
-                        other, kind, message, rows, deadline, race))] = other
-            pending = set(tasks)
-            winner: _Outcome | None = None
+            pending: set[asyncio.Future[_Outcome]] = {first}
             while pending and winner is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                now = self._clock()
+                timeout = None if hedge_at is None else max(0.0, min(hedge_at, deadline) - now)
+                done, pending = await asyncio.wait(pending, timeout=timeout,
+                                                   return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     outcome = task.result()  # (our own output or a stage after: raised)
                     if outcome[1] is None:
@@ -294,11 +292,51 @@ class Router:
                         winner = outcome
                     else:  # both answered in the same turn: the other's ok comes late
                         self.counters["hedge_late_ok"] += 1
+                if winner is not None or not pending or hedge_at is None:
+                    continue
+                now = self._clock()
+                if now >= deadline:
+                    hedge_at = None  # too late to help: the tries run on to their deadline
+                elif now >= hedge_at and len(pending) == 1:  # one try alone, running long
+                    if not hedging.may_hedge():
+                        self.counters["hedge_over_budget"] += 1
+                        hedge_at = None
+                        continue
+                    # not a peer trying it now, nor one that timed out on it or refused it;
+                    # one that answered busy may take it once its pause is over
+                    busy_only = {o[0] for o in outcomes if o[2] is Verdict.BUSY}
+                    exclude = tried | (set(tasks.values()) - busy_only) | {
+                        tasks[t] for t in pending}
+                    other = self._hedge_target(kind, rows, exclude)
+                    if other is not None:
+                        hedging.hedged()
+                        self.counters["hedged"] += 1
+                        log.info("stage %d peer %s: a %s ran past %.2f s: hedged to %s",
+                                 self.stage, tasks[next(iter(pending))], kind, delay, other)
+                        if on_attempt is not None:
+                            on_attempt(other)
+                        hedge = asyncio.ensure_future(self._outcome(
+                            other, kind, message, rows, deadline, race))
+                        tasks[hedge] = other
+                        pending.add(hedge)
+                        hedges = len(tasks) - 1
+                        hedge_at = now + delay if hedges < MAX_HEDGES else None
+                        continue
+                    if not told:
+                        self.counters["hedge_no_peer"] += 1
+                        told = True
+                    if not self.peers_of(self.stage).keys() - exclude:
+                        hedge_at = None  # nobody else listed: the try runs on to its deadline
+                    else:  # others are listed but paused (busy) or banned now: look again
+                        hedge_at = now + max(hedging.config.floor_s, min(delay, HEDGE_POLL_S))
+                elif now >= hedge_at:  # two tries run: the next hedge waits for one to end
+                    hedge_at = now + delay
             if winner is not None:
                 if len(tasks) > 1:
-                    self.counters["hedge_won" if winner[0] != target else "hedge_first_won"] += 1
-                    if winner[0] != target:
-                        self.hedging.hedge_won()
+                    won_hedge = winner[0] != target
+                    self.counters["hedge_won" if won_hedge else "hedge_first_won"] += 1
+                    if won_hedge:
+                        hedging.hedge_won()
                 for task in pending:
                     race.add(tasks[task])
                     task.cancel()
