@@ -273,7 +273,7 @@ def test_hedges_the_first_try_wins_anyway_stop_when_the_budget_is_spent() -> Non
 
     _run(scenario())
     assert router.counters["hedged"] == 1 and router.counters["hedge_first_won"] == 1
-    assert router.counters["hedge_over_budget"] == 1 and host.requests.count("b") == 1
+    assert router.counters["hedge_over_budget"] >= 1 and host.requests.count("b") == 1
 
 
 def test_a_peer_that_answered_before_is_marked_slow_only_after_two_lost_races() -> None:

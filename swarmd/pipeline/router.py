@@ -91,7 +91,7 @@ HOP_DIAL_TIMEOUT_S = 5.0
 #: a try past its hedge delay whose stage has no other peer in service now (paused busy,
 #: banned) looks for one again this often at most (seconds)
 HEDGE_POLL_S = 1.0
-#: hedges of one try at most (each while the tries before it failed or ran on alone)
+#: hedges of one try at most (one more every hedge delay while no try answered)
 MAX_HEDGES = 3
 #: a peer announced only at relayed addresses (``/p2p-circuit``) counts with this share of its
 #: announced throughput: its traffic crosses a relay's links too, so peers reached directly
@@ -259,10 +259,9 @@ class Router:
         """One try of ``target``, hedged when it is a forward that runs past the stage's
         usual hop time (``swarmd.pipeline.hedging``): then another peer of the stage, not in
         ``tried``, gets the same message and the first ``ok`` wins; the other try is
-        cancelled (``hedge_lost``, ``_lost_race``). While one try alone runs (the first, or
-        a hedge after the other failed), it is hedged once it ran ``delay``, up to
-        ``MAX_HEDGES`` times; with no other peer in service at that moment (paused busy,
-        banned), looked for again every ``HEDGE_POLL_S`` at most. Returns every try's
+        cancelled (``hedge_lost``, ``_lost_race``). Every ``delay`` with no answer, another
+        hedge, up to ``MAX_HEDGES``; with no other peer in service at that moment (paused
+        busy, banned), looked for again every ``HEDGE_POLL_S`` at most. Returns every try's
         outcome, a winner last: (peer, reply, verdict, refusal)."""
         if kind != "forward" or self.hedging is None:
             return [await self._outcome(target, kind, message, rows, deadline, None)]
@@ -297,7 +296,7 @@ class Router:
                 now = self._clock()
                 if now >= deadline:
                     hedge_at = None  # too late to help: the tries run on to their deadline
-                elif now >= hedge_at and len(pending) == 1:  # one try alone, running long
+                elif now >= hedge_at:  # no try answered within the delay since the last
                     if not hedging.may_hedge():
                         self.counters["hedge_over_budget"] += 1
                         hedge_at = None
@@ -329,8 +328,6 @@ class Router:
                         hedge_at = None  # nobody else listed: the try runs on to its deadline
                     else:  # others are listed but paused (busy) or banned now: look again
                         hedge_at = now + max(hedging.config.floor_s, min(delay, HEDGE_POLL_S))
-                elif now >= hedge_at:  # two tries run: the next hedge waits for one to end
-                    hedge_at = now + delay
             if winner is not None:
                 if len(tasks) > 1:
                     won_hedge = winner[0] != target
@@ -355,9 +352,11 @@ class Router:
         peers = self.peers_of(self.stage)
         if not peers.keys() - exclude:
             return None
-        target = self.wiring.choose(kind, rows, now, self._rng,
-                                    exclude=exclude | self.wiring.unmeasured())
-        if target is None:
+        unmeasured = self.wiring.unmeasured()
+        if peers.keys() - exclude - unmeasured:  # (paused or banned now: None, look again)
+            target = self.wiring.choose(kind, rows, now, self._rng,
+                                        exclude=exclude | unmeasured)
+        else:  # claims are all there is
             target = self.wiring.choose(kind, rows, now, self._rng, exclude=exclude)
         if target is not None and target not in peers:
             self.wiring.released(target)
