@@ -463,7 +463,8 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines(liars
 
     gaps, s0, stats, taken, honest, tc = uvloop.run(asyncio.wait_for(scenario(), 120))
     after = gaps[8:]
-    print(f"\n{liars} silent liar(s) at stage 1: {len(taken)} forwards taken by them, hedged {s0['hedged']}, "
+    print(f"\n{liars} silent liar(s) at stage 1: {len(taken)} forwards taken by them, "
+          f"hedged {s0['hedged']}, "
           f"longest gap / median step = {max(after) / statistics.median(gaps):.2f} "
           f"(median {statistics.median(gaps):.3f} s, {statistics.median(gaps[:8]):.3f} s "
           f"before it joined, {statistics.median(after):.3f} s after; longest "

@@ -43,10 +43,9 @@ pure; docs/pipeline.md "Hedged hops"): after 2 x the p90 of the stage's recent h
 least 0.2 s; 10 s until 4 were measured) the same message goes to another peer of the stage
 in service, one that answered before if any (``hedged``; none: ``hedge_no_peer``; hedges
 that lost to the first try spent the budget: ``hedge_over_budget``), the first ``ok`` wins
-and the other try is
-cancelled (``hedge_lost``; a peer that loses 2 in a row, or any while it never answered, is judged
-``Wiring.timeout``, slow: ``hedge_slow``). A backward is never hedged: only one peer holds
-its activations.
+and the other try is cancelled (``hedge_lost``; a peer that loses 2 in a row, or any while
+it never answered, is judged ``Wiring.timeout``, slow: ``hedge_slow``). A backward is never
+hedged: only one peer holds its activations.
 
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
