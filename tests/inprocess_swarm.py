@@ -17,21 +17,27 @@ from transport.host import Host, HostOptions
 @contextlib.asynccontextmanager
 async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: str,
                           codec: CodecSpec | None = None, model_hash: str | None = None,
-                          lr: float = 1e-3, **common: Any
+                          lr: float = 1e-3, view: dict[int, dict[str, Any]] | None = None,
+                          stage1_peers: int = 1, **common: Any
                           ) -> AsyncIterator[tuple[list[StageServer], Trainer]]:
     """``(servers, trainer)``, started; each stage steps once it holds ``target_batch_size``
     samples. ``common`` goes to the servers and the trainer alike (``optim``, ``dtype``...).
-    Everything is closed on the way out."""
+    ``view``: a dict the fixed view is written into, which every peer reads live (a test
+    lists another host at a stage in it: {stage: {peer id: (throughput, queue, addrs)}}).
+    ``stage1_peers``: peers serving stage 1 (mates, averaging their steps), after stage 0's in
+    ``servers``. Everything is closed on the way out."""
     codec = codec or CodecSpec(name="none")
-    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec)) for _ in range(3)]
+    hosts = [Host(identity.generate(), HostOptions(pubsub=None, codec=codec))
+             for _ in range(2 + stage1_peers)]
     for h in hosts:
         await h.start()
     servers: list[StageServer] = []
     trainer: Trainer | None = None
     try:
-        s0, s1, t = hosts
-        table = {0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
-                 1: {s1.peer_id: (1.0, 0, tuple(s1.addrs))}}
+        s0, *s1, t = hosts
+        table = view if view is not None else {}
+        table.update({0: {s0.peer_id: (1.0, 0, tuple(s0.addrs))},
+                      1: {h.peer_id: (1.0, 0, tuple(h.addrs)) for h in s1}})
         shared = dict(swarm=swarm, num_stages=2, model_config=model_config,
                       model_hash=model_hash or model_config.model_hash(), codec=codec, lr=lr,
                       seed=0, peers_of=lambda s: table.get(s, {}), **common)
@@ -39,7 +45,7 @@ async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: s
         announced = {t.peer_id: tuple(t.addrs)}
         servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=target_batch_size,
                                addrs_of=lambda p: announced.get(p, ()), **shared)
-                   for i, h in enumerate((s0, s1))]
+                   for i, h in [(0, s0), *((1, h) for h in s1)]]
         for s in servers:
             s.start()
         trainer = Trainer(t, **shared)

@@ -4,7 +4,8 @@ trainer routes around the failed peer (its hop deadlines follow the link, swarmd
 
 Real ``swarmd join`` daemons and ``swarmd train`` in lab hosts (tools/wanlab/daemons.py), the
 demo model. Slow (``SWARMD_SLOW_TESTS=1``); skipped with the reason where the lab cannot run.
-No timing is asserted: the trainer finishes its steps, ``lost`` is 0, something was rerouted.
+No timing is asserted: the trainer finishes its steps, ``lost`` is 0, something was rerouted
+or hedged.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _train_with_fault(wanlab: Any, tmp_path: Path, fault: Callable[[Any, Any], N
         # stage 0's router: what it judged of the stage-1 peers (the trainer sees only stage 0)
         result["stage0"] = {k: v for k, v in s0.get("/api/v0/status")["counters"].items()
                             if k.startswith("stage.") and ("hop_" in k or "rerouted" in k
-                                                           or k in DROPPED)}
+                                                           or "hedge" in k or k in DROPPED)}
         return result
     finally:
         daemons.stop_all(started)
@@ -106,6 +107,8 @@ def test_a_stage_peer_whose_link_stalls_for_20_s_is_routed_around(wanlab,
     print("20 s stall:", {k: result.get(k) for k in ("steps", "lost", "rerouted", "restarted",
                                                      "seconds", "stage0")})
     assert result["steps"] == STEPS and result["lost"] == 0
-    # the stalled peer missed its derived hop deadline and stage 0 sent elsewhere
-    assert result["stage0"].get("stage.hop_slow", 0) >= 1
-    assert result["stage0"].get("stage.rerouted", 0) >= 1
+    # stage 0 sent elsewhere what the stalled peer held: hedged once past the stage's usual
+    # hop time (docs/pipeline.md "Hedged hops"), or rerouted at its derived hop deadline
+    c0 = result["stage0"]
+    assert c0.get("stage.hedge_won", 0) + c0.get("stage.hop_slow", 0) >= 1
+    assert c0.get("stage.hedge_won", 0) + c0.get("stage.rerouted", 0) >= 1

@@ -38,6 +38,15 @@ says): a capped peer announces what its upload cap carries (``swarmd.node.caps``
 hop time shows; the time its ``ok`` says it waited in that cap (``upload_wait_s``) is left
 out of the hop's cost, not of the link estimates (docs/limits.md "Routing").
 
+A forward that runs past its stage's usual hop time is *hedged* (``swarmd.pipeline.hedging``,
+pure; docs/pipeline.md "Hedged hops"): after 2 x the p90 of the stage's recent hop times (at
+least 0.2 s; 10 s until 4 were measured) the same message goes to another peer of the stage
+in service, one that answered before if any (``hedged``; none: ``hedge_no_peer``; hedges
+that lost to the first try spent the budget: ``hedge_over_budget``), the first ``ok`` wins
+and the other try is cancelled (``hedge_lost``; a peer that loses 2 in a row, or any while
+it never answered, is judged ``Wiring.timeout``, slow: ``hedge_slow``). A backward is never
+hedged: only one peer holds its activations.
+
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
 sender, never one a message names) and only when membership lists it for this stage.
@@ -56,6 +65,7 @@ from typing import Any, Awaitable, Callable
 from swarmd.api.histogram import HOP_BOUNDS_S, Histograms
 from swarmd.errors import BadPeerMessage, OutputRefused, StageUnavailable, TrainerUnreachable
 from swarmd.links import LinkEstimates, links_for
+from swarmd.pipeline.hedging import Hedging
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.messages import HopReply, parse_hop_reply
 from swarmd.pipeline.wiring import Kind, Wiring
@@ -78,12 +88,19 @@ BUSY_WAIT_S = 2.0
 POLL_S = 0.5
 #: a dial to the next hop's peer, at most (another peer of the stage is tried next)
 HOP_DIAL_TIMEOUT_S = 5.0
+#: a try past its hedge delay whose stage has no other peer in service now (paused busy,
+#: banned) looks for one again this often at most (seconds)
+HEDGE_POLL_S = 1.0
+#: hedges of one try at most (one more every hedge delay while no try answered)
+MAX_HEDGES = 3
 #: a peer announced only at relayed addresses (``/p2p-circuit``) counts with this share of its
 #: announced throughput: its traffic crosses a relay's links too, so peers reached directly
 #: are preferred while they have room (measured hop times then take over)
 RELAYED_SHARE = 0.25
 
 PeersOf = Callable[[int], dict[str, tuple[float, int, tuple[str, ...]]]]
+#: one try's outcome: (peer, its reply or None, the verdict recorded, its refusal of our output)
+_Outcome = tuple[str, "HopReply | None", "Verdict | None", "OutputRefused | None"]
 
 
 class Verdict(enum.Enum):
@@ -132,8 +149,11 @@ class Router:
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  links: LinkEstimates | None = None,
+                 hedging: Hedging | None | bool = True,
                  histograms: Histograms | None = None) -> None:
-        """``histograms`` gets each answered try's seconds (``hop_seconds.<kind>``)."""
+        """``hedging``: the stage's hedging book (True: a default one; False or None: forwards
+        are never hedged). ``histograms`` gets each answered try's seconds
+        (``hop_seconds.<kind>``)."""
         self.host = host
         self.stage = stage
         self.protocol = protocol
@@ -148,6 +168,8 @@ class Router:
         #: how long each peer held our requests (its compute and the chain after it)
         self.held = HeldTimes()
         self.histograms = histograms if histograms is not None else Histograms()
+        #: the stage's recent hop times and race losers (None: no hedging)
+        self.hedging: Hedging | None = (Hedging() if hedging is True else hedging or None)
 
     def hop_timeout(self, target: str, nbytes: int) -> float:
         """The deadline of one try of ``nbytes`` to ``target``: see the module docstring."""
@@ -184,18 +206,18 @@ class Router:
             tried.append(target)
             if on_attempt is not None:
                 on_attempt(target)
-            try:
-                reply, verdict = await self._attempt(target, kind, message, rows, deadline)
-            except OutputRefused as exc:
-                if refused is not None:
-                    raise  # two peers refused it: our output is bad
-                refused, refuser, verdict, reply = exc, target, Verdict.OURS, None
-            if reply is not None:
-                if refused is not None:  # a stage mate took what it refused
-                    self._false_refusal(refuser, kind)
-                return target, reply
-            if verdict in (Verdict.SLOW, Verdict.OURS):
-                slow.add(target)
+            for peer, reply, verdict, exc in await self._try(
+                    target, kind, message, rows, deadline, set(tried) | slow, on_attempt):
+                if exc is not None:
+                    if refused is not None:
+                        raise exc  # two peers refused it: our output is bad
+                    refused, refuser, verdict = exc, peer, Verdict.OURS
+                if reply is not None:
+                    if refused is not None and refuser != peer:  # a mate took what it refused
+                        self._false_refusal(refuser, kind)
+                    return peer, reply
+                if verdict in (Verdict.SLOW, Verdict.OURS):
+                    slow.add(peer)
         if refused is not None:
             raise refused
         raise StageUnavailable(f"no peer of stage {self.stage} took the {kind} (tried "
@@ -235,9 +257,141 @@ class Router:
             self.counters["waited"] += 1
             await self._sleep(max(0.001, min(at, limit, now + POLL_S) - now))
 
+    async def _try(self, target: str, kind: Kind, message: Message, rows: int, deadline: float,
+                   tried: set[str], on_attempt: Callable[[str], None] | None) -> list[_Outcome]:
+        """One try of ``target``, hedged when it is a forward that runs past the stage's
+        usual hop time (``swarmd.pipeline.hedging``): then another peer of the stage, not in
+        ``tried``, gets the same message and the first ``ok`` wins; the other try is
+        cancelled (``hedge_lost``, ``_lost_race``). Every ``delay`` with no answer, another
+        hedge, up to ``MAX_HEDGES``; with no other peer in service at that moment (paused
+        busy, banned), looked for again every ``HEDGE_POLL_S`` at most. Returns every try's
+        outcome, a winner last: (peer, reply, verdict, refusal)."""
+        if kind != "forward" or self.hedging is None:
+            return [await self._outcome(target, kind, message, rows, deadline, None)]
+        hedging = self.hedging
+        hedging.sent()
+        race: set[str] = set()  # the tries cancelled because another won
+        first = asyncio.ensure_future(
+            self._outcome(target, kind, message, rows, deadline, race))
+        tasks = {first: target}
+        outcomes: list[_Outcome] = []
+        winner: _Outcome | None = None
+        delay = hedging.delay()
+        hedge_at: float | None = self._clock() + delay  # None: no more hedges for this try
+        told = False
+        try:
+            pending: set[asyncio.Future[_Outcome]] = {first}
+            while pending and winner is None:
+                now = self._clock()
+                timeout = None if hedge_at is None else max(0.0, min(hedge_at, deadline) - now)
+                done, pending = await asyncio.wait(pending, timeout=timeout,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    outcome = task.result()  # (our own output or a stage after: raised)
+                    if outcome[1] is None:
+                        outcomes.append(outcome)
+                    elif winner is None:
+                        winner = outcome
+                    else:  # both answered in the same turn: the other's ok comes late
+                        self.counters["hedge_late_ok"] += 1
+                if winner is not None or not pending or hedge_at is None:
+                    continue
+                now = self._clock()
+                if now >= deadline:
+                    hedge_at = None  # too late to help: the tries run on to their deadline
+                elif now >= hedge_at:  # no try answered within the delay since the last
+                    if not hedging.may_hedge():
+                        self.counters["hedge_over_budget"] += 1
+                        hedge_at = None
+                        continue
+                    # not a peer trying it now, nor one that timed out on it or refused it;
+                    # one that answered busy may take it once its pause is over
+                    busy_only = {o[0] for o in outcomes if o[2] is Verdict.BUSY}
+                    exclude = tried | (set(tasks.values()) - busy_only) | {
+                        tasks[t] for t in pending}
+                    other = self._hedge_target(kind, rows, exclude)
+                    if other is not None:
+                        hedging.hedged()
+                        self.counters["hedged"] += 1
+                        log.info("stage %d peer %s: a %s ran past %.2f s: hedged to %s",
+                                 self.stage, tasks[next(iter(pending))], kind, delay, other)
+                        if on_attempt is not None:
+                            on_attempt(other)
+                        hedge = asyncio.ensure_future(self._outcome(
+                            other, kind, message, rows, deadline, race))
+                        tasks[hedge] = other
+                        pending.add(hedge)
+                        hedges = len(tasks) - 1
+                        hedge_at = now + delay if hedges < MAX_HEDGES else None
+                        continue
+                    if not told:
+                        self.counters["hedge_no_peer"] += 1
+                        told = True
+                    if not self.peers_of(self.stage).keys() - exclude:
+                        hedge_at = None  # nobody else listed: the try runs on to its deadline
+                    else:  # others are listed but paused (busy) or banned now: look again
+                        hedge_at = now + max(hedging.config.floor_s, min(delay, HEDGE_POLL_S))
+            if winner is not None:
+                if len(tasks) > 1:
+                    won_hedge = winner[0] != target
+                    self.counters["hedge_won" if won_hedge else "hedge_first_won"] += 1
+                    if won_hedge:
+                        hedging.hedge_won()
+                for task in pending:
+                    race.add(tasks[task])
+                    task.cancel()
+                outcomes.append(winner)
+            return outcomes
+        finally:
+            for task in tasks:
+                task.cancel()  # (done ones: nothing; a caller that gave up: no word on them)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _hedge_target(self, kind: Kind, rows: int, exclude: set[str]) -> str | None:
+        """Another peer of the stage in service now for a hedge, or None (no waiting): one
+        that answered before when there is one (a hedge exists because a peer did not
+        answer; another claim, from another identity of the same liar, could do the same)."""
+        now = self._clock()
+        peers = self.peers_of(self.stage)
+        if not peers.keys() - exclude:
+            return None
+        unmeasured = self.wiring.unmeasured()
+        if peers.keys() - exclude - unmeasured:  # (paused or banned now: None, look again)
+            target = self.wiring.choose(kind, rows, now, self._rng,
+                                        exclude=exclude | unmeasured)
+        else:  # claims are all there is
+            target = self.wiring.choose(kind, rows, now, self._rng, exclude=exclude)
+        if target is not None and target not in peers:
+            self.wiring.released(target)
+            return None
+        return target
+
+    async def _outcome(self, target: str, kind: Kind, message: Message, rows: int,
+                       deadline: float, race: set[str] | None) -> _Outcome:
+        try:
+            reply, verdict = await self._attempt(target, kind, message, rows, deadline, race)
+        except OutputRefused as exc:
+            return target, None, Verdict.OURS, exc
+        return target, reply, verdict, None
+
+    def _lost_race(self, peer: str) -> None:
+        """``peer``'s try was cancelled: another peer of the stage answered the hedge first."""
+        self.counters["hedge_lost"] += 1
+        assert self.hedging is not None
+        # lost again and again, or never answered at all (a claim, which its first answer
+        # would clear): slow, its share shrinks
+        if self.hedging.lost(peer) or peer in self.wiring.unmeasured():
+            self.counters["hedge_slow"] += 1
+            self.wiring.timeout(peer, self._clock())
+            log.info("stage %d peer %s lost hedged races: marked slow", self.stage, peer)
+        else:
+            self.wiring.released(peer)
+
     async def _attempt(self, target: str, kind: Kind, message: Message, rows: int,
-                       deadline: float) -> tuple[HopReply | None, Verdict | None]:
-        """One try: the reply, or None and the verdict once it was recorded (try another)."""
+                       deadline: float, race: set[str] | None = None
+                       ) -> tuple[HopReply | None, Verdict | None]:
+        """One try: the reply, or None and the verdict once it was recorded (try another).
+        ``race``: the peers whose try was cancelled because a hedge won (``_lost_race``)."""
         t0 = self._clock()
         nbytes = _message_bytes(message)
         try:
@@ -250,12 +404,18 @@ class Router:
                                                       deadline - t1))
             reply = parse_hop_reply(raw)
         except asyncio.CancelledError:
-            self.wiring.released(target)  # the sender gave up: no word on the peer
+            if race is not None and target in race:
+                self._lost_race(target)
+            else:
+                self.wiring.released(target)  # the sender gave up: no word on the peer
             raise
         except Exception as exc:
             return None, self._judged(target, kind, exc)
         self._observed(target, nbytes, self._clock() - t1, reply)
         self.histograms.observe(f"hop_seconds.{kind}", self._clock() - t0, HOP_BOUNDS_S)
+        if self.hedging is not None and kind == "forward":
+            self.hedging.observe(self._clock() - t0)
+            self.hedging.won(target)
         self.wiring.success(target, rows, reply.seconds(self._clock() - t0), kind,
                             self._clock(), compute_s=reply.compute_s)
         return reply, None

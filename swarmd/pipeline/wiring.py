@@ -266,6 +266,10 @@ class Wiring:
         ends = [self._peers[i].banned_until for i in self._banned]
         return min((e for e in ends if e is not None), default=None)
 
+    def unmeasured(self) -> set[str]:
+        """The listed peers none of whose tasks was measured yet (only a claim to go by)."""
+        return {peer_id for peer_id, p in self._peers.items() if not p.measured}
+
     def available_at(self, now: float) -> float | None:
         """When a peer not in service now (banned or paused busy) comes back first; ``now``
         when one is in service; None when there is nobody to wait for."""

@@ -241,6 +241,9 @@ class Trainer(TrainerCompute):
         if expected is None:
             self.counters["late_arrivals"] += 1
             return Message(kind="ok", meta={"late": True})  # a restarted microbatch's leftover
+        if expected.future.done():  # a hedged forward's other copy: the first one counts
+            self.counters[f"duplicate_{message.kind}s"] += 1
+            return Message(kind="ok", meta={"late": True})
         try:
             if message.kind == "result":
                 result = parse_result(message, num_stages=self.num_stages,
