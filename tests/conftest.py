@@ -31,9 +31,10 @@ SLOW_FILES = (
     "test_nat_recovery.py", "test_averaging_daemons.py", "test_drift_daemons.py",
     "test_fuzz_protocols.py", "test_nat_lab.py", "test_models_swarm.py", "test_budgets.py",
     "test_manifest_swarm.py", "test_nat_punch.py", "test_transport_integration.py",
-    "test_limits.py", "test_scale_swarm.py", "test_balancing_daemons.py", "test_models_api.py",
-    "test_preemption.py", "test_cli.py", "test_step_drains_daemons.py", "test_routing_caps.py",
-    "test_export_swarm.py", "test_restart_resume.py", "test_model.py", "test_wanlab.py",
+    "test_limits.py", "test_scale_swarm.py", "test_hedging.py", "test_balancing_daemons.py",
+    "test_models_api.py", "test_preemption.py", "test_cli.py", "test_step_drains_daemons.py",
+    "test_routing_caps.py", "test_export_swarm.py", "test_restart_resume.py", "test_model.py",
+    "test_wanlab.py",
 )
 
 
