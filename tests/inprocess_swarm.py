@@ -1,12 +1,14 @@
 """The in-process two-stage swarm of the pipeline tests: three libp2p hosts on 127.0.0.1 in
 this process (Noise + yamux, no transport mocked), a stage server on each of the first two
-(one peer per stage, listed in a fixed view) and a trainer on the third."""
+(one peer per stage, listed in a fixed view) and a trainer on the third. Each stage server has
+an averager, as a daemon's does, so stage mates (``stage1_peers``) average their steps."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any, AsyncIterator
 
+from swarmd.averaging.allreduce import Averager, protocol_id
 from swarmd.pipeline.server import StageServer
 from swarmd.trainer.trainer import Trainer
 from transport import identity
@@ -33,6 +35,7 @@ async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: s
         await h.start()
     servers: list[StageServer] = []
     trainer: Trainer | None = None
+    stack = contextlib.AsyncExitStack()
     try:
         s0, *s1, t = hosts
         table = view if view is not None else {}
@@ -43,9 +46,13 @@ async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: s
                       seed=0, peers_of=lambda s: table.get(s, {}), **common)
         # the trainer's signed announcement, as membership would give it to the last stage
         announced = {t.peer_id: tuple(t.addrs)}
-        servers = [StageServer(h, stage=i, max_tokens=4096, target_batch_size=target_batch_size,
-                               addrs_of=lambda p: announced.get(p, ()), **shared)
-                   for i, h in [(0, s0), *((1, h) for h in s1)]]
+        listed = {h.peer_id: tuple(h.addrs) for h in hosts}
+        for i, h in [(0, s0), *((1, h) for h in s1)]:
+            averager = await stack.enter_async_context(
+                Averager(h, protocol_id(swarm), addrs_of=lambda p: listed.get(p, ())))
+            servers.append(StageServer(h, stage=i, max_tokens=4096,
+                                       target_batch_size=target_batch_size, averager=averager,
+                                       addrs_of=lambda p: announced.get(p, ()), **shared))
         for s in servers:
             s.start()
         trainer = Trainer(t, **shared)
@@ -56,5 +63,6 @@ async def two_stage_swarm(model_config: Any, *, target_batch_size: int, swarm: s
             await s.close()
         if trainer is not None:
             trainer.close()
+        await stack.aclose()
         for h in hosts:
             await h.close()
