@@ -188,3 +188,54 @@ def test_export_refuses_a_low_rank_boundary_naming_the_setting() -> None:
     with pytest.raises(ModelError, match="model.boundary_rank = 8"):
         export_kind(LowRankBoundary(BuiltinGPT(CONFIG), RANK))
     assert export_kind(BuiltinGPT(CONFIG)) == "builtin"
+
+
+@pytest.mark.integration
+def test_one_step_through_a_low_rank_swarm_equals_one_process() -> None:
+    """Two stage servers and a trainer over real libp2p (in this process, codec none) with
+    the boundary: the stages accept rank-wide tensors, and the accumulated gradients of every
+    part (projections included) are one process's."""
+    import asyncio
+
+    import uvloop
+
+    from transport.codecs import CodecSpec
+
+    from inprocess_swarm import two_stage_swarm
+
+    seam = LowRankBoundary(BuiltinGPT(CONFIG), RANK)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (2, 16), generator=g),
+                torch.randint(0, 64, (2, 16), generator=g)) for _ in range(2)]
+
+    async def through_swarm() -> tuple[list[float], dict[str, torch.Tensor]]:
+        async with two_stage_swarm(CONFIG, target_batch_size=1000, swarm="lowrank-test",
+                                   codec=CodecSpec(name="none"), seam=seam,
+                                   model_hash=seam.fingerprint().hash) as (servers, trainer):
+            losses = await trainer.accumulate(batches)
+            grads = {f"parts.{n}": p.grad for n, p in trainer.parts.named_parameters()}
+            for s in servers:
+                grads.update({f"stages.{s.stage}.{n}": p.grad
+                              for n, p in s.module.named_parameters()})
+            return losses, grads
+
+    losses, grads = uvloop.run(asyncio.wait_for(through_swarm(), 120))
+    trainer, stages = _parts(seam, 0)
+    total = 0.0
+    for x, y in batches:
+        h = trainer.embed(x)
+        for stage in stages:
+            h = stage(h)
+        loss = trainer.loss(trainer.head(h), y)
+        (loss * x.shape[0]).backward()  # the swarm's gradients are sums over samples
+        total += float(loss.detach())
+    assert sum(losses) / len(losses) == pytest.approx(total / len(batches), rel=1e-6)
+    expected = {**{f"parts.{n}": p.grad for n, p in trainer.named_parameters()},
+                **{f"stages.{i}.{n}": p.grad for i, s in enumerate(stages)
+                   for n, p in s.named_parameters()}}
+    assert grads.keys() == expected.keys()
+    assert {"parts.down.proj.weight", "stages.0.up.proj.weight",
+            "stages.1.down.proj.weight"} <= set(grads)
+    for name, r in expected.items():
+        err = float((grads[name] - r).norm() / r.norm())
+        assert err <= 1e-5, (name, err)
