@@ -239,3 +239,23 @@ def test_one_step_through_a_low_rank_swarm_equals_one_process() -> None:
     for name, r in expected.items():
         err = float((grads[name] - r).norm() / r.norm())
         assert err <= 1e-5, (name, err)
+
+
+def test_a_hugging_face_model_takes_the_boundary_too() -> None:
+    transformers = pytest.importorskip("transformers")
+    from swarmd.models.hf import HFCausalLM
+
+    inner = HFCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    seam = LowRankBoundary(inner, RANK)
+    trainer = seam.build_trainer(seed=0)
+    stages = [seam.build_stage(i, 2, seed=0) for i in range(2)]
+    h = trainer.embed(tokens())
+    for stage in stages:
+        assert tuple(h.shape) == (2, 16, RANK)
+        h = stage(h)
+    loss = trainer.loss(trainer.head(h), tokens())
+    loss.backward()
+    assert stages[0].up.proj.weight.grad is not None and trainer.down.proj.weight.grad is not None
+    assert seam.fingerprint().hash != inner.fingerprint().hash
