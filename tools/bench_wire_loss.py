@@ -14,7 +14,9 @@ one direction, float32 on the other), and by ``:channels`` (each channel divided
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
 sends such scales), and by ``:rank=R``: the model with a learned low-rank boundary
 (``model.boundary_rank = R``, ``swarmd.models.boundary``), so every hop carries R values a
-token through the codec (``none:rank=32``: the boundary alone, float32 on the wire). The
+token through the codec (``none:rank=32``: the boundary alone, float32 on the wire), and by
+``:frozen`` (with ``:rank=R``: the projections kept at their initial random orthonormal
+basis, not trained: an experiment, no setting does it). The
 ``none`` run, the reference of every ratio, is always the plain model. Hops: trainer -> stage 0 -> ... -> last stage -> trainer, as
 ``bench_quality``'s swarm (``STAGES`` stages); validation goes through the forward hops too,
 as the swarm's trainer reports it. Same seed, same batches, same weights as ``bench_quality``'s
@@ -75,7 +77,7 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     from transport.codecs import CodecSpec
 
     name, *options = variant.split(":")
-    options = [o for o in options if not o.startswith("rank=")]
+    options = [o for o in options if not o.startswith("rank=") and o != "frozen"]
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
                                 "forward-only", "backward-only"} - set(blocks))
@@ -124,6 +126,10 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
         return None, model.parts.loss(model.parts.head(h), y)
 
     model.forward = forward  # type: ignore[method-assign]
+    if "frozen" in variant.split(":")[1:]:
+        for part in (model.parts, *model.stages):
+            for side in ("down", "up"):
+                getattr(part, side).requires_grad_(False)
     params, opt, sched = reference_optimizer(model, t)
     with batches_of(config, tokenizer) as batches:
         out = _reference_loop(p, t, model, params, opt, sched, batches)
