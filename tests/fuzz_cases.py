@@ -183,6 +183,13 @@ def cases(swarm: str, model_hash: str, *, per_kind: int = 6, seed: int = 1) -> I
                 meta[key] = value
                 yield Case(protocol, f"weird_{key}", kind=kind, meta=meta,
                            tensors=_tensors(rng))
+            if kind in ("forward", "backward"):
+                # a tensor wider than the stage's (e.g. the model's width sent to a stage of a
+                # low-rank boundary, model.boundary_rank): refused by its shape
+                for width in (4096, 1):
+                    yield Case(protocol, f"width_{width}", kind=kind,
+                               meta=_plausible(kind, model_hash, rng),
+                               tensors=(torch.randn(1, 4, width),))
             for i in range(per_kind):
                 meta = (_plausible(kind, model_hash, rng) if i % 2 else
                         {rng.choice(KEYS): _value(rng) for _ in range(rng.randrange(6))})

@@ -32,6 +32,10 @@ swarm consumed them. ``summary``: per preset and link the mean ratio over the re
 curve must have settled (its validation loss changed by less than 1% over the last tenth of
 the run: ``reference_settled``), else the run was too short to say anything.
 
+With ``--set SWARMD_MODEL_BOUNDARY_RANK=R`` the swarm trains the model with a learned
+low-rank stage boundary (docs/compression.md); the reference stays the plain model (the
+ratio is compressed against float32 plain at equal tokens).
+
 ``--noise N`` (default 2) also runs the reference N more times with every gradient perturbed by
 a relative 1e-6 (rounding's size, seeded): a small model's trajectory can land a few percent
 apart on float noise alone (the demo preset's seed 1: 2.0%), so each run also reports
@@ -81,6 +85,10 @@ RUN = {"demo": (60, 6), "llama": (40, 4)}
 TRAIN_LIMIT_S = 3600.0
 
 
+#: the setting of a learned low-rank stage boundary: the reference is always the plain model
+BOUNDARY_KEY = "SWARMD_MODEL_BOUNDARY_RANK"
+
+
 def say(text: str) -> None:
     print(f"[bench_quality] {text}", file=sys.stderr, flush=True)
 
@@ -112,6 +120,13 @@ def preset(name: str, root: Path, steps: int | None, seed: int,
                 "SWARMD_TRAINING_EVAL_EVERY": str(min(every, steps)),
                 "SWARMD_SWARM_NAME": f"bench-quality-{secrets.token_hex(4)}", **overrides})
     return Preset(name, env, steps, min(every, steps))
+
+
+def plain(p: Preset) -> Preset:
+    """``p`` without a low-rank stage boundary (``--set SWARMD_MODEL_BOUNDARY_RANK=R``
+    changes the swarm's model; the reference it is compared with stays the plain one)."""
+    return Preset(p.name, {k: v for k, v in p.env.items() if k != BOUNDARY_KEY}, p.steps,
+                  p.eval_every)
 
 
 def load(env: dict[str, str]) -> Any:
@@ -392,14 +407,14 @@ def one_repeat(name: str, seed: int, links: list[str], steps: int | None,
         root = Path(tmp)
         p = preset(name, root, steps, seed, overrides)
         say(f"{name} seed {seed}: reference, {p.steps} steps")
-        ref = reference(p)
+        ref = reference(plain(p))
         say(f"{name} seed {seed}: reference {ref['initial_val_loss']:.4f} -> "
             f"{ref['final_val_loss']:.4f} in {ref['seconds']:.0f} s")
         noisy = []
         for k in range(1, noise + 1):
             say(f"{name} seed {seed}: reference with its gradients perturbed by {NOISE:g} "
                 f"({k} of {noise})")
-            noisy.append(reference(p, perturb=k)["final_val_loss"])
+            noisy.append(reference(plain(p), perturb=k)["final_val_loss"])
         finals = [ref["final_val_loss"], *noisy]
         ref["noise"] = {"perturbed_final_val_losses": noisy, "mean_final_val_loss":
                         _mean(finals), "spread": (max(finals) - min(finals)) / min(finals)}

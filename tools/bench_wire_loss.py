@@ -4,6 +4,7 @@ passed through a codec's encode and decode, in one process.
 
     python tools/bench_wire_loss.py --json --variants none,int8,int2
     python tools/bench_wire_loss.py --preset demo --variants int2,int2:grad-stochastic
+    python tools/bench_wire_loss.py --preset demo --variants none,int8:rank=32,int4:rank=32
 
 A variant is a codec name (``transport/codecs.py``, e.g. ``int2``, ``int4+zstd``), optionally
 followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochastic``
@@ -11,7 +12,12 @@ followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochasti
 ``:block=N`` (the codec's block size), ``:forward-only`` or ``:backward-only`` (the codec on
 one direction, float32 on the other), and by ``:channels`` (each channel divided by its
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
-sends such scales). Hops: trainer -> stage 0 -> ... -> last stage -> trainer, as
+sends such scales), and by ``:rank=R``: the model with a learned low-rank boundary
+(``model.boundary_rank = R``, ``swarmd.models.boundary``), so every hop carries R values a
+token through the codec (``none:rank=32``: the boundary alone, float32 on the wire), and by
+``:frozen`` (with ``:rank=R``: the projections kept at their initial random orthonormal
+basis, not trained: an experiment, no setting does it). The
+``none`` run, the reference of every ratio, is always the plain model. Hops: trainer -> stage 0 -> ... -> last stage -> trainer, as
 ``bench_quality``'s swarm (``STAGES`` stages); validation goes through the forward hops too,
 as the swarm's trainer reports it. Same seed, same batches, same weights as ``bench_quality``'s
 reference, so ``ratio`` (variant / ``none`` final validation loss) isolates the codec. Faster
@@ -71,6 +77,7 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     from transport.codecs import CodecSpec
 
     name, *options = variant.split(":")
+    options = [o for o in options if not o.startswith("rank=") and o != "frozen"]
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
                                 "forward-only", "backward-only"} - set(blocks))
@@ -92,13 +99,20 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     return forward, backward, "channels" in options
 
 
+def variant_rank(variant: str) -> int:
+    """The ``:rank=R`` of a variant, 0 when it has none."""
+    ranks = [o for o in variant.split(":")[1:] if o.startswith("rank=")]
+    return int(ranks[-1].split("=")[1]) if ranks else 0
+
+
 def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[str, Any]:
-    from bench_quality import (_reference_loop, batches_of, preset, reference_model,
-                               reference_optimizer)
+    from bench_quality import (BOUNDARY_KEY, _reference_loop, batches_of, preset,
+                               reference_model, reference_optimizer)
 
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "swarmd-bench-wire-loss"
     root.mkdir(exist_ok=True)
-    p = preset(preset_name, root, steps, seed, {})
+    rank = variant_rank(variant)
+    p = preset(preset_name, root, steps, seed, {BOUNDARY_KEY: str(rank)} if rank else {})
     config, tokenizer, model = reference_model(p)
     t = config.training
     forward_spec, backward_spec, channels = variant_specs(variant)
@@ -112,10 +126,16 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
         return None, model.parts.loss(model.parts.head(h), y)
 
     model.forward = forward  # type: ignore[method-assign]
+    if "frozen" in variant.split(":")[1:]:
+        for part in (model.parts, *model.stages):
+            for side in ("down", "up"):
+                getattr(part, side).requires_grad_(False)
     params, opt, sched = reference_optimizer(model, t)
     with batches_of(config, tokenizer) as batches:
         out = _reference_loop(p, t, model, params, opt, sched, batches)
-    return {"preset": preset_name, "variant": variant, "seed": seed, **out}
+    width = config.model.width if rank else None
+    return {"preset": preset_name, "variant": variant, "seed": seed, "boundary_rank": rank,
+            "values_per_token_vs_plain": rank / width if width else 1.0, **out}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,6 +141,13 @@ class ModelSection(_Section):
         1, "Consecutive layers sharing one set of weights (1: none shared); divides model.layers.",
         "an integer from 1 to 4096", _int_range(1, 4096),
     )
+    boundary_rank: int = _opt(
+        0, "Width of the activation sent between stages (docs/compression.md): each part ends "
+        "with a learned projection to this many values a token and the next begins with one "
+        "back to the model's width, trained with the model; 0: off (the model's own width). "
+        "Below the model's width; shared by the swarm (its manifest); swarmd export refuses it.",
+        "an integer from 0 to 65536", _int_range(0, 65536),
+    )
     dtype: str = _opt(
         "float32", "Type of parameters and activations: float32, bfloat16 or float16.",
         "one of " + ", ".join(f'"{d}"' for d in DTYPES), _one_of(DTYPES),
@@ -575,6 +582,11 @@ def _cross_checks(get: Callable[[str], Any],
         key = blame("model.heads", "model.width")
         yield key, (f"{key} = {get(key)} is invalid: model.width ({width}) must be a multiple of "
                     f"model.heads ({heads})")
+    rank = get("model.boundary_rank")
+    if rank and not get("model.hf") and not get("model.factory") and rank >= width:
+        key = blame("model.boundary_rank", "model.width")
+        yield key, (f"{key} = {get(key)} is invalid: model.boundary_rank ({rank}) must be below "
+                    f"model.width ({width}), or 0 (off)")
     layers, share = get("model.layers"), get("model.share_layers")
     if layers % share:
         key = blame("model.share_layers", "model.layers")

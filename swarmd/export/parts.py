@@ -49,9 +49,16 @@ class NamedPart:
 
 def export_kind(seam: ModelSeam) -> str:
     """``"hf"`` or ``"builtin"``; :class:`ModelError` for a model export cannot name."""
+    from swarmd.models.boundary import LowRankBoundary
     from swarmd.models.builtin import BuiltinGPT
     from swarmd.models.hf import HFCausalLM
 
+    if isinstance(seam, LowRankBoundary):
+        raise ModelError(f"swarmd export writes plain transformers and built-in models; this "
+                         f"swarm trains with model.boundary_rank = {seam.rank} (a learned "
+                         f"projection to {seam.rank} values at every stage boundary), which "
+                         f"neither architecture has. Its weights are in the stages' "
+                         f"checkpoints; export needs a swarm with model.boundary_rank = 0")
     if isinstance(seam, HFCausalLM):
         return "hf"
     if isinstance(seam, BuiltinGPT):

@@ -3,11 +3,11 @@
 A :class:`Manifest` holds the swarm's name, its model's name and number of stages, the model
 (the built-in GPT's settings, a ``model.factory``'s settings, or a Hugging Face model's
 ``config.json`` content), the tokenizer (bytes, or a ``tokenizer.json`` named by its sha256 and
-size), ``[training]``'s optimizer and schedule keys, ``averaging.target_batch_size`` and
-``wire.codec``. Its bytes are canonical JSON (sorted keys, no spaces, ASCII), at most
-``MAX_MANIFEST_BYTES``; its :attr:`Manifest.hash` (32 hex digits of their sha256) is announced
-by every peer, so peers of another manifest are kept out of routing and a joiner can check
-what it was sent. Pure: bytes in, values out.
+size), ``[training]``'s optimizer and schedule keys, ``averaging.target_batch_size``,
+``wire.codec`` and, when not 0, ``model.boundary_rank``. Its bytes are canonical JSON (sorted
+keys, no spaces, ASCII), at most ``MAX_MANIFEST_BYTES``; its :attr:`Manifest.hash` (32 hex
+digits of their sha256) is announced by every peer, so peers of another manifest are kept out
+of routing and a joiner can check what it was sent. Pure: bytes in, values out.
 
 :func:`decode` checks, in order: size (``oversized``), JSON and structure (``malformed``:
 unknown or missing keys, wrong types, nesting, bytes that are not the canonical form of what
@@ -29,7 +29,7 @@ from typing import Any
 from swarmd.errors import BadManifest
 
 __all__ = ["Manifest", "TokenizerRef", "FORMAT", "KINDS", "MAX_MANIFEST_BYTES",
-           "MAX_TOKENIZER_BYTES", "COMMON_KEYS", "SHAPE_KEYS", "IGNORED_CONFIG_KEYS", "keys_of",
+           "MAX_TOKENIZER_BYTES", "COMMON_KEYS", "OPTIONAL_KEYS", "SHAPE_KEYS", "IGNORED_CONFIG_KEYS", "keys_of",
            "model_config", "decode", "manifest_hash", "file_sha256", "canonical"]
 
 FORMAT = "swarmd-manifest/1"
@@ -52,6 +52,9 @@ COMMON_KEYS: Mapping[str, type] = {
     "training.batch_size": int, "training.microbatches": int, "training.schedule": str,
     "averaging.target_batch_size": int, "wire.codec": str,
 }
+#: settings a manifest holds only when they are not at their default (type, default): added
+#: after swarms ran, so a swarm that leaves them alone keeps the manifest (and hash) it had
+OPTIONAL_KEYS: Mapping[str, tuple[type, Any]] = {"model.boundary_rank": (int, 0)}
 #: the [model] keys of the built-in GPT (and of a factory, which is called with them)
 SHAPE_KEYS: Mapping[str, type] = {"model.width": int, "model.heads": int,
                                    "model.layers": int, "model.share_layers": int}
@@ -130,12 +133,17 @@ class Manifest:
             raise ValueError(f"model kind must be one of {', '.join(KINDS)}")
         if not isinstance(self.settings, Mapping):
             raise ValueError("settings must be a map")
-        wanted = keys_of(self.kind)
-        missing, extra = sorted(set(wanted) - set(self.settings)), \
+        required = keys_of(self.kind)
+        optional = {k: kind for k, (kind, _) in OPTIONAL_KEYS.items() if k in self.settings}
+        wanted = {**required, **optional}
+        missing, extra = sorted(set(required) - set(self.settings)), \
             sorted(set(self.settings) - set(wanted))
         if missing or extra:
             raise ValueError(f"settings of a {self.kind} manifest: missing {missing[:5]}, "
                              f"unknown {[k[:60] for k in extra[:5]]}")
+        for key in optional:
+            if self.settings[key] == OPTIONAL_KEYS[key][1]:
+                raise ValueError(f"{key} at its default is left out of a manifest")
         for key, kind in wanted.items():
             value = self.settings[key]
             ok = (type(value) is kind or kind is float and type(value) is int) \

@@ -25,7 +25,8 @@ from swarmd.config import Config
 from swarmd.errors import BadManifest, ConfigError, InternalError, ModelError
 from swarmd.files import write_atomic
 from swarmd.manifest.document import (MAX_TOKENIZER_BYTES, SHAPE_KEYS, Manifest, TokenizerRef,
-                                      decode, file_sha256, keys_of, model_config)
+                                      decode, file_sha256, keys_of, model_config,
+                                      OPTIONAL_KEYS)
 
 __all__ = ["MANIFEST_FILE", "MODEL_DIR", "manifest_of", "swarm_manifest", "own_keys", "validate",
            "adopt",
@@ -57,6 +58,8 @@ def manifest_of(config: Config) -> tuple[Manifest, bytes | None]:
     named by the configuration cannot be read."""
     kind = _kind(config)
     settings = {key: config.get(key) for key in keys_of(kind)}
+    settings.update({key: config.get(key) for key, (_, default) in OPTIONAL_KEYS.items()
+                     if config.get(key) != default})
     hf_config = None
     if kind == "hf":
         path = Path(config.model.hf) / "config.json"

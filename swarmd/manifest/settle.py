@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from swarmd.manifest.document import COMMON_KEYS, Manifest
+from swarmd.manifest.document import COMMON_KEYS, OPTIONAL_KEYS, Manifest
 
 __all__ = ["Difference", "Settlement", "settle", "differences", "conflict_text"]
 
@@ -70,7 +70,8 @@ def _keys(ours: Manifest, theirs: Manifest) -> Iterator[tuple[str, Any, Any]]:
         if key in seen:
             continue
         seen.add(key)
-        if not same_kind and key not in COMMON_KEYS and key not in ("model", "tokenizer"):
+        if not same_kind and key not in COMMON_KEYS and key not in OPTIONAL_KEYS \
+                and key not in ("model", "tokenizer"):
             continue
         yield key, mine.get(key, _ABSENT), swarm.get(key, _ABSENT)
 

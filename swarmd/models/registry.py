@@ -4,7 +4,10 @@
   :class:`~swarmd.models.gpt.ModelConfig` of the ``[model]`` keys returns a
   :class:`~swarmd.models.seam.ModelSeam` (a user's own model);
 * ``model.hf = DIR``: :class:`~swarmd.models.hf.HFCausalLM` of ``DIR/config.json``;
-* neither: :class:`~swarmd.models.builtin.BuiltinGPT`.
+* neither: :class:`~swarmd.models.builtin.BuiltinGPT`;
+
+each wrapped in :class:`~swarmd.models.boundary.LowRankBoundary` when ``model.boundary_rank``
+is set.
 
 The factory's name is part of the fingerprint peers compare, so two swarms running different
 factories with equal settings are still told apart.
@@ -96,6 +99,13 @@ def seam_from_config(config: Config) -> tuple[ModelSeam, Tokenizer]:
     tokenizer = load_tokenizer(tokenizer_spec(config.data.tokenizer, config.model.hf))
     shape = dataclasses.replace(model_config_of(config), vocab=tokenizer.vocab_size)
     seam = make_seam(shape, factory=config.model.factory, hf=config.model.hf)
+    if config.model.boundary_rank:
+        from swarmd.models.boundary import with_boundary
+
+        try:
+            seam = with_boundary(seam, config.model.boundary_rank)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
     check_fits(tokenizer, seam.vocab_size, model=config.model.hf or seam.factory)
     return seam, tokenizer
 
