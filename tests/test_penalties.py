@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarmd.api.types import ConnectedPeer, peer_rows, to_json
@@ -136,6 +136,8 @@ events = st.lists(st.tuples(
 
 @settings(max_examples=300, deadline=None)
 @given(events)
+@example([("error", True, 0, 0.0), ("success", False, 0, 15.0), ("error", True, 0, 0.0),
+          ("success", False, 0, 30.0), ("error", True, 0, 0.0), ("violation", True, 0, 0.0)])
 def test_one_misbehaving_peer_never_bans_the_good_ones(seq: list[Any]) -> None:
     """Good peers only succeed, answer busy or time out; the bad one does anything, a
     violation included, and comes and goes. No good peer is ever banned, one is always chosen

@@ -451,6 +451,10 @@ class Wiring:
     def _ban(self, peer_id: str, p: _Peer, until: float, reason: str, now: float) -> None:
         if p.banned_until is None or until > p.banned_until:
             p.banned_until, p.ban_reason = until, reason
+        elif reason.startswith("violation:") and not (p.ban_reason or "").startswith(
+                "violation:"):
+            p.ban_reason = reason  # a protocol violation outranks a run of errors, whose
+            # longer ban stands (hypothesis: banned for errors, then a wrong shape)
         p.banned_at = now
         self._banned.add(peer_id)
         self.banned += 1
