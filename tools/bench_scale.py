@@ -28,7 +28,8 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   ``sync.rounds_led``) against ``size`` (its daemons), and after the first minute of training
   ``rounds_short_after_first_minute``: rounds whose leader left a live mate out
   (``sync.rounds_short``; ``..._outside_kills``: in polls that were not between a kill and the
-  restarted daemon being at its stage's step again; ``rounds_short_outside_kills``: the same
+  restarted daemon being at its stage's step again, plus the leaders' ``SUSPECT_S`` after
+  it; ``rounds_short_outside_kills``: the same
   over the whole training); ``left_out``: why live mates were left out of rounds
   (``sync.left_out.*``: suspected, silent, busy, behind); ``rounds_failed``.
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
@@ -67,6 +68,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from swarmd.averaging.trigger import SUSPECT_S  # noqa: E402
 from swarmd.local.demo import DEMO_ENV  # noqa: E402
 from swarmd.local.swarm import DaemonProcess, start_swarm, stop_all, wait_until  # noqa: E402
 from swarmd.local.zygote import swarmd_popen  # noqa: E402
@@ -442,7 +444,9 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             t_train: float,
             seconds: float) -> dict[str, Any]:
     expected = sum(int(r["steps_taken"]) for r in results)
-    kill_windows = [(k.killed_at, k.caught_up_at or float("inf")) for k in plan
+    # a kill's window: from the kill until the restarted daemon caught up, and the leaders'
+    # suspicion of it after that (they stop asking a mate that failed them for SUSPECT_S)
+    kill_windows = [(k.killed_at, (k.caught_up_at or float("inf")) + SUSPECT_S) for k in plan
                     if k.killed_at is not None]
     target = int(SMALL_ENV["SWARMD_TRAINING_BATCH_SIZE"]) * int(
         SMALL_ENV["SWARMD_TRAINING_MICROBATCHES"])
