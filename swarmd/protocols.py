@@ -51,6 +51,12 @@ class Protocols:
         """A stage's report of its step to the trainer (``swarmd.pipeline.exact``)."""
         return self._id("step")
 
+    @property
+    def flush(self) -> str:
+        """A trainer's request that a stage step now on what it holds of that trainer's
+        earlier steps (``swarmd.pipeline.exact``)."""
+        return self._id("flush")
+
     # a stage's step (swarmd.averaging): progress, prepare and start, then the all-reduce
     @property
     def round(self) -> str:
@@ -101,4 +107,5 @@ class Protocols:
     def pipeline(self) -> dict[str, str]:
         """The pipeline's ids keyed by message kind."""
         return {"forward": self.forward, "backward": self.backward, "result": self.result,
-                "grad": self.grad, "abandon": self.abandon, "step_report": self.step_report}
+                "grad": self.grad, "abandon": self.abandon, "step_report": self.step_report,
+                "flush": self.flush}

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.averaging.messages import Progress, Start, parse_round
-from swarmd.averaging.trigger import exact_source
+from swarmd.averaging.trigger import exact_step
 from swarmd.errors import BadActivation, BadRoundMessage
 from swarmd.pipeline.exact import MAX_SOURCES, Posted, Sources, StepBoard, clip_coefficient
 from swarmd.pipeline.messages import (Expect, Forward, StepAnswer, StepReport, parse_forward,
@@ -29,14 +29,18 @@ from inprocess_swarm import two_stage_swarm
 
 # ---- sources ---------------------------------------------------------------------------------
 
-def test_sources_name_the_one_trainer_step_a_step_came_from() -> None:
+def test_sources_name_the_trainer_steps_a_step_is_exactly_made_of() -> None:
     sources = Sources()
-    assert exact_source(sources.peek()) is None  # nothing accumulated: nothing to report
+    assert exact_step(sources.peek(), 0, 8) is None  # nothing accumulated: nothing to report
     sources.add("T", 3)
     sources.add("T", 3)
-    assert exact_source(sources.peek()) == ("T", 3)
-    sources.add("T", 4)  # a step's samples from two trainer steps: not exact
-    assert exact_source(sources.take()) is None
+    assert exact_step(sources.peek(), 8, 8) == (("T", 3),)
+    assert exact_step(sources.peek(), 12, 8) is None  # more than one target batch
+    assert exact_step(sources.peek(), 4, 8) is None  # part of one
+    sources.add("U", 7)  # another trainer's share of the same swarm step: still exact
+    assert exact_step(sources.peek(), 8, 8) == (("T", 3), ("U", 7))
+    sources.add("T", 4)  # two steps of one trainer: not exact
+    assert exact_step(sources.take(), 8, 8) is None
     assert sources.peek() == []  # taken: the next step starts over
 
 
@@ -44,8 +48,23 @@ def test_sources_that_overflow_are_never_taken_for_exact() -> None:
     sources = Sources()
     for i in range(MAX_SOURCES + 3):
         sources.add(f"T{i}", 0)
-    assert len(sources.peek()) == MAX_SOURCES + 1 and exact_source(sources.peek()) is None
-    assert exact_source([("", -1)]) is None
+    assert len(sources.peek()) == MAX_SOURCES + 1 and exact_step(sources.peek(), 8, 8) is None
+    assert exact_step([("", -1)], 8, 8) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["", "A", "B", "C"]), st.integers(-1, 3)),
+                max_size=6), st.integers(0, 20), st.integers(1, 20))
+def test_an_exact_step_names_each_trainer_once_and_holds_the_target(
+        pairs: list[tuple[str, int]], samples: int, target: int) -> None:
+    exact = exact_step(pairs, samples, target)
+    if exact is None:
+        trainers = [t for t, _ in set(pairs)]
+        assert (not pairs or samples != target or len(set(trainers)) != len(trainers)
+                or any(not t or s < 0 for t, s in pairs))
+        return
+    assert samples == target and set(exact) == set(pairs)
+    assert len({t for t, _ in exact}) == len(exact) and all(t and s >= 0 for t, s in exact)
 
 
 # ---- the coefficient ---------------------------------------------------------------------------
@@ -182,14 +201,15 @@ def test_round_messages_carry_the_sources_of_the_samples() -> None:
     progress = Progress(stage=1, step=4, samples=8, sources=(("T", 2),))
     assert parse_round("progress", progress.to_meta()) == progress
     start = Start(stage=1, step=4, round_id="1:4:ab", group=("a", "b"), bandwidths=(None, None),
-                  source=("T", 2))
-    assert parse_round("start", start.to_meta()).source == ("T", 2)
+                  sources=(("T", 2), ("U", 5)))
+    assert parse_round("start", start.to_meta()).sources == (("T", 2), ("U", 5))
     for bad in ({"sources": [["T"]]}, {"sources": [["T", 1.5]]},
                 {"sources": [["T", 1]] * 20}, {"sources": "T"}):
         with pytest.raises(BadRoundMessage):
             parse_round("progress", {**progress.to_meta(), **bad})
-    with pytest.raises(BadRoundMessage):
-        parse_round("start", {**start.to_meta(), "source": ["", 2]})
+    for bad in ([["", 2]], [["T", 2], ["T", 3]], [["T", -1]], ["T"], "T"):
+        with pytest.raises(BadRoundMessage):  # one step per named trainer, or not exact
+            parse_round("start", {**start.to_meta(), "sources": bad})
 
 
 # ---- three steps through a real swarm ----------------------------------------------------------
@@ -286,7 +306,9 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
     waits for the answer with its step held. When the trainer sees the other trainer, while it
     waits for step 0's reports or before it takes step 0 with stage 1's report already in, it
     answers None at once (not after ``REPORTS_MAX_S``, an hour here: the run or stage 1's
-    steps would hang), and both stages step once per trainer step."""
+    steps would hang), and both stages step once per trainer step: the later steps are split
+    with the other trainer (``swarmd.trainer.shares``), whose share never comes, and the
+    trainer's flushes have the stages step on what they hold."""
     from swarmd.trainer import trainer as trainer_module
     from swarmd.models.gpt import ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
@@ -297,8 +319,8 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
 
     async def swarm() -> None:
         async with _swarm(config, optim) as (servers, trainer):
-            others = {"n": 0}
-            trainer.others = lambda: others["n"]
+            others: dict[str, list[str]] = {"ids": []}
+            trainer.other_trainers = lambda: others["ids"]
 
             async def mixed(source: Any, sqnorm: float, samples: int, **kw: Any) -> None:
                 return None  # the step mixed another trainer's samples: no report
@@ -309,13 +331,13 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
             async def reported_then_appear(step: int, samples: int, sqnorm: float) -> Any:
                 waiting = asyncio.ensure_future(reported(step, samples, sqnorm))
                 await asyncio.sleep(0)  # it opened the step and waits for reports
-                others["n"] = 1
+                others["ids"] = ["another-trainer"]
                 return await waiting
 
             async def appear_then_step() -> None:
                 while trainer.counters["reports_taken"] < 1:  # stage 1's report waits
                     await asyncio.sleep(0.005)
-                others["n"] = 1
+                others["ids"] = ["another-trainer"]
                 await stepped()
 
             if appears == "while_it_waits":
@@ -332,7 +354,13 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
             assert trainer.counters["steps_exact"] == 0, dict(trainer.counters)
             assert trainer.counters["reports_others_appeared"] == (
                 appears == "while_it_waits"), dict(trainer.counters)
-            assert servers[1].counters["step_reports_expired"] == 3, dict(servers[1].counters)
+            # step 0 was reported and answered None; steps 1 and 2 were split with the other
+            # trainer, whose share never came: the stages stepped on this one's when it
+            # flushed them (their samples short of the target: not reported)
+            assert servers[1].counters["step_reports_expired"] == 1, dict(servers[1].counters)
+            assert trainer.counters["flushes"] == 3, dict(trainer.counters)
+            assert all(s.sync.counters["flushed"] == 2 for s in servers), [
+                dict(s.sync.counters) for s in servers]
 
     uvloop.run(asyncio.wait_for(swarm(), 120))
 

@@ -58,24 +58,15 @@ def test_every_stage_averages_in_rounds_that_include_its_live_mates(
 
 
 @pytest.mark.timeout(600)
-def test_no_stage_steps_more_often_than_its_samples_allow(run: dict[str, Any]) -> None:
-    """A stage steps once its peers hold ``averaging.target_batch_size`` samples, one
-    trainer step's: never more steps than the trainers took together."""
+def test_every_part_steps_once_per_target_batch(run: dict[str, Any]) -> None:
+    """The trainers split each step's microbatches (``swarmd.trainer.shares``) and average
+    their parts' gradients; a stage steps once per target batch (``averaging.
+    target_batch_size``), so its steps are the target batches the trainers sent together,
+    through the kill too (a round that failed is flushed by the trainers), and each trainer's
+    parts stepped with every one of its steps."""
     expected = run["expected_stage_steps"]
-    assert expected == TRAINERS * STEPS
+    assert STEPS <= expected <= TRAINERS * STEPS, run["trainers"]
     for s in run["stages"]:
-        assert all(1 <= step <= expected for step in s["steps"]), s
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason=(
-    "a stage steps once per averaging.target_batch_size samples (one trainer step's), so 2 "
-    "trainers x 6 steps promise 12 steps of each stage; measured 2026-12-04: 8 and 8 here; "
-    "24 daemons, 2 x 30 trainer steps: 35 and 36 (4 daemons: 40 and 38); 12 daemons, 2 x 20: "
-    "24 and 19, with 53 and 67 samples per stage step against the target's 32. Samples that "
-    "reach a stage while its round runs are carried into its next round, which then steps "
-    "once on more than one trainer step's samples; docs/pipeline.md: with several trainers "
-    "steps are not exact, and nothing makes a stage step once per trainer step"))
-def test_each_stage_takes_one_step_per_trainer_step(run: dict[str, Any]) -> None:
-    for s in run["stages"]:
-        assert all(step == run["expected_stage_steps"] for step in s["steps"]), s
+        assert max(s["steps"]) == expected, s
+    for t in run["trainers"]:
+        assert t["trainer_rounds"] >= 1, t

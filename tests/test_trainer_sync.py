@@ -111,3 +111,65 @@ def test_the_parts_served_carry_the_trainer_step_and_their_digest_matches() -> N
     assert digest == round_digest_of(trainer.parts.parameters())
     _step(trainer)  # the digest follows the weights (what `swarmd export` compares)
     assert asyncio.run(sync._parts_digest())[1] != digest
+
+
+def _grad_sync(trainer: Any, mates: dict[str, tuple[str, ...]]) -> TrainerSync:
+    trainer.loss_scale = 1.0
+    return TrainerSync(_Host(), trainer, swarm="t", model_hash="h", mates=lambda: mates,
+                       averager=None, gradients=True, target=16)
+
+
+def test_a_gradient_round_replaces_the_step_s_gradient_with_the_trainers_average() -> None:
+    """Exact steps: the parts' mean gradient of this trainer's share is what the round gets
+    (weighted by its samples), and the round's average is what the trainer steps on; the
+    step's samples are the swarm's target."""
+    trainer = _trainer(torch.float32)
+    sync = _grad_sync(trainer, {"other": ("/ip4/127.0.0.1/tcp/1",)})
+    for p in trainer.params:
+        p.grad = torch.full_like(p, 2.0)
+
+    async def scenario() -> tuple[int | None, torch.Tensor, int]:
+        waiting = asyncio.ensure_future(sync.average_gradient(8))
+        await asyncio.sleep(0)  # it reported its samples and waits for the round
+        vector, samples = await sync._snapshot()
+        await sync._apply(torch.full_like(vector, 0.5))  # what the round agreed on
+        return await waiting, vector, samples
+
+    total, vector, samples = asyncio.run(scenario())
+    assert total == 16 and samples == 8
+    assert torch.equal(vector, torch.full((sum(p.numel() for p in trainer.params),), 2.0))
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in trainer.params)
+    assert sync.counters["gradients_averaged"] == 1
+
+
+def test_a_gradient_round_that_fails_or_comes_late_leaves_the_trainer_its_own() -> None:
+    """A failed round answers at once (None: the trainer steps on its own gradient); a round
+    that ends after the trainer stopped waiting changes nothing (``gradient_rounds_late``),
+    and a snapshot taken while no step waits adds nothing (weight 0)."""
+    trainer = _trainer(torch.float32)
+    sync = _grad_sync(trainer, {"other": ("/ip4/127.0.0.1/tcp/1",)})
+    for p in trainer.params:
+        p.grad = torch.full_like(p, 2.0)
+
+    async def scenario() -> tuple[int | None, int]:
+        waiting = asyncio.ensure_future(sync.average_gradient(8))
+        await asyncio.sleep(0)
+        vector, samples = await sync._snapshot()
+        await sync._give_back(vector, samples)
+        total = await waiting
+        idle, idle_samples = await sync._snapshot()
+        assert not idle.any()
+        await sync._apply(torch.zeros_like(vector))
+        return total, idle_samples
+
+    total, idle_samples = asyncio.run(scenario())
+    assert total is None and idle_samples == 0
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in trainer.params)
+    assert sync.counters["gradient_rounds_missed"] == 1
+    assert sync.counters["gradient_rounds_late"] == 1
+
+
+def test_a_trainer_alone_keeps_its_gradient_without_a_round() -> None:
+    trainer = _trainer(torch.float32)
+    sync = _grad_sync(trainer, {})
+    assert asyncio.run(sync.average_gradient(8)) == 8

@@ -56,6 +56,7 @@ stopped in a ``finally``; the lab tears itself down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -99,10 +100,17 @@ class Preset:
     env: dict[str, str]
     steps: int
     eval_every: int
+    #: trainers feeding the swarm (``--trainers``): trainer i reads data shard i/n
+    trainers: int = 1
+
+    def shard_env(self, i: int) -> dict[str, str]:
+        """The settings of trainer ``i`` (its data shard when there are several)."""
+        return self.env if self.trainers == 1 else {
+            **self.env, "SWARMD_DATA_SHARD": f"{i}/{self.trainers}"}
 
 
 def preset(name: str, root: Path, steps: int | None, seed: int,
-           overrides: dict[str, str]) -> Preset:
+           overrides: dict[str, str], trainers: int = 1) -> Preset:
     """The preset's settings: its model, a cosine schedule over the run, the seed; nothing
     about the schedule of the pipeline (those stay at their defaults) unless ``overrides``."""
     from bench_pipeline import LLAMA_ENV, llama_dir
@@ -119,14 +127,14 @@ def preset(name: str, root: Path, steps: int | None, seed: int,
                 "SWARMD_TRAINING_WARMUP_STEPS": str(max(1, steps // 10)),
                 "SWARMD_TRAINING_EVAL_EVERY": str(min(every, steps)),
                 "SWARMD_SWARM_NAME": f"bench-quality-{secrets.token_hex(4)}", **overrides})
-    return Preset(name, env, steps, min(every, steps))
+    return Preset(name, env, steps, min(every, steps), trainers)
 
 
 def plain(p: Preset) -> Preset:
     """``p`` without a low-rank stage boundary (``--set SWARMD_MODEL_BOUNDARY_RANK=R``
     changes the swarm's model; the reference it is compared with stays the plain one)."""
     return Preset(p.name, {k: v for k, v in p.env.items() if k != BOUNDARY_KEY}, p.steps,
-                  p.eval_every)
+                  p.eval_every, p.trainers)
 
 
 def load(env: dict[str, str]) -> Any:
@@ -167,8 +175,10 @@ def reference(p: Preset, perturb: int = 0) -> dict[str, Any]:
     config, tokenizer, model = reference_model(p)
     t = config.training
     params, opt, sched = reference_optimizer(model, t)
-    with batches_of(config, tokenizer) as batches:
-        return _reference_loop(p, t, model, params, opt, sched, batches, perturb)
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(batches_of(load(p.shard_env(i)), tokenizer))
+                  for i in range(p.trainers)]
+        return _reference_loop(p, t, model, params, opt, sched, shards, perturb)
 
 
 def reference_model(p: Preset) -> tuple[Any, Any, Any]:
@@ -206,9 +216,14 @@ def reference_optimizer(model: Any, t: Any) -> tuple[list[Any], Any, Any]:
 
 
 def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, sched: Any,
-                    batches: Any, perturb: int = 0) -> dict[str, Any]:
+                    shards: list[Any], perturb: int = 0) -> dict[str, Any]:
+    """Each step takes ``microbatches`` batches: from each trainer's shard its share (the
+    swarm's trainers split a step equally: ``swarmd.trainer.shares``)."""
     import torch
 
+    batches = shards[0]
+    share = t.microbatches // len(shards)
+    draws = [b.next for b in shards for _ in range(share)]
     noise = torch.Generator().manual_seed(perturb)
     curve = [(0, evaluate(model, batches.val))]
     losses: list[float] = []
@@ -217,8 +232,8 @@ def _reference_loop(p: Preset, t: Any, model: Any, params: list[Any], opt: Any, 
     for step in range(1, p.steps + 1):
         opt.zero_grad(set_to_none=True)
         samples, total = 0, 0.0
-        for _ in range(t.microbatches):
-            x, y = batches.next()
+        for draw in draws:
+            x, y = draw()
             _, loss = model(x, y)
             (loss * x.shape[0]).backward()  # sums over samples, as the swarm's gradients
             samples += x.shape[0]
@@ -312,13 +327,17 @@ def swarm_loopback(p: Preset, root: Path) -> dict[str, Any]:
                                env=p.env)
         daemons.append(second)
         second.wait_started()
-        result = _train(p, trainer_home, first.addr, lambda cmd, **kw: subprocess.Popen(
+        homes = [trainer_home] + [root / f"trainer{i}" for i in range(1, p.trainers)]
+        results = _train_all(p, homes, first.addr, lambda cmd, **kw: subprocess.Popen(
             cmd, **kw))
         counters = [_counters(d.get) for d in daemons]
     finally:
         stop_all(daemons, seconds=60.0)
-    return _swarm_result(p, result, counters, [root / "stage0", root / "stage1"],
-                         trainer_home)
+    run = _swarm_result(p, results[0], counters, [root / "stage0", root / "stage1"],
+                        trainer_home)
+    run["trainers"] = [{k: r.get(k) for k in ("microbatches", "steps_exact", "trainer_rounds",
+                                             "final_val_loss", "lost")} for r in results]
+    return run
 
 
 def swarm_far(p: Preset, root: Path) -> dict[str, Any]:
@@ -353,22 +372,39 @@ def swarm_far(p: Preset, root: Path) -> dict[str, Any]:
 
 def _train(p: Preset, home: Path, bootstrap: str, spawn: Callable[..., Any],
            listen: str = "/ip4/127.0.0.1/tcp/0") -> dict[str, Any]:
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / "train.stderr", "w") as err:
-        proc = spawn([sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json",
-                      "--bootstrap", bootstrap, "--steps", str(p.steps), "--listen", listen],
-                     stdout=subprocess.PIPE, stderr=err, text=True, cwd=home,
-                     env={**os.environ, "SWARMD_LOG_LEVEL": "warning", **p.env})
-        try:
-            out, _ = proc.communicate(timeout=TRAIN_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise RuntimeError(f"swarmd train did not finish within {TRAIN_LIMIT_S:.0f} s")
-    if proc.returncode != 0:
-        raise RuntimeError(f"swarmd train failed ({proc.returncode}):\n"
-                           f"{(home / 'train.stderr').read_text()[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    return _train_all(p, [home], bootstrap, spawn, listen)[0]
+
+
+def _train_all(p: Preset, homes: list[Path], bootstrap: str, spawn: Callable[..., Any],
+               listen: str = "/ip4/127.0.0.1/tcp/0") -> list[dict[str, Any]]:
+    """``swarmd train`` in each home at once (trainer i on data shard i/n), to the end."""
+    procs = []
+    try:
+        for i, home in enumerate(homes):
+            home.mkdir(parents=True, exist_ok=True)
+            with open(home / "train.stderr", "w") as err:
+                procs.append(spawn(
+                    [sys.executable, "-m", "swarmd", "train", "--home", str(home), "--json",
+                     "--bootstrap", bootstrap, "--steps", str(p.steps), "--listen", listen],
+                    stdout=subprocess.PIPE, stderr=err, text=True, cwd=home,
+                    env={**os.environ, "SWARMD_LOG_LEVEL": "warning", **p.shard_env(i)}))
+        deadline = time.monotonic() + TRAIN_LIMIT_S
+        outs = []
+        for proc, home in zip(procs, homes):
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"swarmd train did not finish within {TRAIN_LIMIT_S:.0f} s")
+            if proc.returncode != 0:
+                raise RuntimeError(f"swarmd train failed ({proc.returncode}):\n"
+                                   f"{(home / 'train.stderr').read_text()[-3000:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        return outs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def _swarm_result(p: Preset, result: dict[str, Any], counters: list[dict[str, int]],
@@ -402,10 +438,11 @@ def _swarm_result(p: Preset, result: dict[str, Any], counters: list[dict[str, in
 # ---- the benchmark -----------------------------------------------------------------------
 
 def one_repeat(name: str, seed: int, links: list[str], steps: int | None,
-               overrides: dict[str, str], noise: int = 0) -> list[dict[str, Any]]:
+               overrides: dict[str, str], noise: int = 0, trainers: int = 1
+               ) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-quality-") as tmp:
         root = Path(tmp)
-        p = preset(name, root, steps, seed, overrides)
+        p = preset(name, root, steps, seed, overrides, trainers)
         say(f"{name} seed {seed}: reference, {p.steps} steps")
         ref = reference(plain(p))
         say(f"{name} seed {seed}: reference {ref['initial_val_loss']:.4f} -> "
@@ -483,12 +520,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(presets: list[str], links: list[str], repeats: int, seed: int,
-            steps: int | None, overrides: dict[str, str], noise: int = 0) -> dict[str, Any]:
+            steps: int | None, overrides: dict[str, str], noise: int = 0,
+            trainers: int = 1) -> dict[str, Any]:
     t0 = time.monotonic()
     runs = []
     for rep in range(repeats):
         for name in presets:
-            runs += one_repeat(name, seed + rep, links, steps, overrides, noise)
+            runs += one_repeat(name, seed + rep, links, steps, overrides, noise, trainers)
     config = load(overrides)
     summary = summarize(runs)
     return {"runs": runs, "summary": summary,
@@ -498,6 +536,7 @@ def measure(presets: list[str], links: list[str], repeats: int, seed: int,
                          "step_drains": config.serving.step_drains,
                          "codec": config.wire.codec, "grad_clip": config.training.grad_clip},
             "overrides": overrides, "repeats": repeats, "noise": noise, "noise_size": NOISE,
+            "trainers": trainers,
             "cores": os.cpu_count(),
             "seconds": time.monotonic() - t0}
 
@@ -519,14 +558,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SWARMD_KEY=VALUE",
                         help="a setting for the swarm and the reference alike (experiments: "
                              "the figures count for the defaults)")
+    parser.add_argument("--trainers", type=int, default=1,
+                        help="trainers feeding the swarm together, trainer i reading data "
+                             "shard i/n; the reference's steps take each shard's share "
+                             "(loopback only; default 1)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.noise < 0 or (args.steps is not None and args.steps < 10):
         parser.error("--repeats must be at least 1, --noise at least 0 and --steps at least 10")
     overrides = dict(s.split("=", 1) for s in args.set)
+    microbatches = load(overrides).training.microbatches
+    if args.trainers < 1 or microbatches % args.trainers or (args.trainers > 1 and (
+            args.far or args.far_only)):
+        parser.error(f"--trainers must divide training.microbatches ({microbatches}), and "
+                     f"several trainers run on loopback only")
     presets = ["demo", "llama"] if args.preset == "both" else [args.preset]
     links = ["far"] if args.far_only else ["loopback"] + (["far"] if args.far else [])
     result = measure(presets, links, args.repeats, args.seed, args.steps, overrides,
-                     args.noise)
+                     args.noise, args.trainers)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -33,9 +33,11 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   over the whole training); ``left_out``: why live mates were left out of rounds
   (``sync.left_out.*``: suspected, silent, busy, behind); ``rounds_failed``.
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
-  tokens/s, rerouted, restarted, lost; ``expected_stage_steps``: the sum of the trainers' steps
-  (a stage steps once per ``averaging.target_batch_size``, one trainer step's samples), which
-  the stages' steps are compared with (``stage_steps_vs_expected``).
+  its microbatches (its shares of the swarm's steps), steps exact, tokens/s, rerouted,
+  restarted, lost; ``expected_stage_steps``: the target batches the trainers sent together
+  (their microbatches over ``training.microbatches``: every part steps once per target batch,
+  ``averaging.target_batch_size``), which the stages' steps are compared with
+  (``stage_steps_vs_expected``, 1.0 when every stage step was one target batch).
 - ``memory``: each daemon's peak RSS (``/proc/<pid>/status``), MiB, mean and max, and the
   trainers'.
 - ``tokens_per_s`` (the trainers' sum), ``lost``, ``seconds``.
@@ -326,7 +328,8 @@ def trainer_result(proc: Any, home: Path) -> dict[str, Any]:
     r = json.loads(out.strip().splitlines()[-1])
     return {k: r.get(k) for k in ("steps", "resumed_from", "tokens_per_s", "rerouted",
                                   "restarted", "lost", "seconds", "parts_from",
-                                  "trainer_rounds", "initial_val_loss", "final_val_loss")} | {
+                                  "trainer_rounds", "initial_val_loss", "final_val_loss",
+                                  "microbatches", "steps_exact")} | {
         "steps_taken": trainer_steps_so_far(home)}
 
 
@@ -443,7 +446,9 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             polls: list[tuple[float, dict[int, int]]],
             t_train: float,
             seconds: float) -> dict[str, Any]:
-    expected = sum(int(r["steps_taken"]) for r in results)
+    # one stage step per target batch: the trainers' microbatches over a step's
+    expected = sum(int(r["microbatches"] or 0) for r in results) // int(
+        SMALL_ENV["SWARMD_TRAINING_MICROBATCHES"])
     # a kill's window: from the kill until the restarted daemon caught up, and the leaders'
     # suspicion of it after that (they stop asking a mate that failed them for SUSPECT_S)
     kill_windows = [(k.killed_at, (k.caught_up_at or float("inf")) + SUSPECT_S) for k in plan

@@ -72,6 +72,8 @@ def _bandwidth(value: object) -> float | None:
 
 #: a (trainer, trainer step) pair that samples came from (``swarmd.pipeline.exact``)
 Source = tuple[str, int]
+#: the trainer steps a stage step is exactly made of, one per trainer; empty: not exact
+Exact = tuple[Source, ...]
 #: most sources a progress report lists (one more than a peer keeps: "several")
 MAX_SOURCES = 9
 
@@ -162,15 +164,18 @@ class Start:
     group: tuple[str, ...]
     bandwidths: tuple[float | None, ...]
     digest: str | None = None
-    #: the one trainer step all the round's samples came from, None when not one: then the
-    #: members report their step to that trainer (``swarmd.pipeline.exact``)
-    source: Source | None = None
+    #: the trainer steps the round's samples are exactly made of, one per trainer (empty when
+    #: not exact): the members report their step to each of those trainers
+    #: (``swarmd.pipeline.exact``)
+    sources: tuple[Source, ...] = ()
 
     def __post_init__(self) -> None:
         _check_stage_step(self.stage, self.step)
-        if self.source is not None and not (_is_source(self.source) and self.source[0]
-                                            and self.source[1] >= 0):
-            raise BadRoundMessage("bad_sources", "a start's source is one [trainer, step]")
+        if not isinstance(self.sources, tuple) or len(self.sources) > MAX_SOURCES or not all(
+                _is_source(s) and s[0] and s[1] >= 0 for s in self.sources) or len(
+                {s[0] for s in self.sources}) != len(self.sources):
+            raise BadRoundMessage("bad_sources", "a start's sources are [trainer, step] pairs, "
+                                                 "one per trainer")
         if not isinstance(self.round_id, str) or not 0 < len(self.round_id) <= MAX_ROUND_ID_CHARS:
             raise BadRoundMessage("bad_round_id", repr(self.round_id)[:80])
         group = self.group
@@ -192,8 +197,8 @@ class Start:
                                 "bandwidths": list(self.bandwidths)}
         if self.digest is not None:
             meta["digest"] = self.digest
-        if self.source is not None:
-            meta["source"] = list(self.source)
+        if self.sources:
+            meta["sources"] = [list(s) for s in self.sources]
         return meta
 
 
@@ -230,12 +235,9 @@ def parse_round(kind: str, meta: Mapping[str, Any], tensors: Sequence[Any] = ()
         group = _list(meta.get("group"), "bad_group")
         bandwidths = tuple(_bandwidth(b) for b in _list(meta.get("bandwidths"),
                                                        "bad_bandwidths"))
-        source = meta.get("source")
-        if isinstance(source, list):
-            source = tuple(source)
         return Start(stage=stage, step=step, round_id=meta.get("round"),  # type: ignore[arg-type]
                      group=group, bandwidths=bandwidths, digest=meta.get("digest"),
-                     source=source)
+                     sources=_sources(meta.get("sources"), "bad_sources"))
     raise BadRoundMessage("unknown_kind", repr(kind)[:64])
 
 

@@ -45,10 +45,10 @@ import torch
 
 from swarmd.averaging.allreduce import AllReduceFailed, Averager
 from swarmd.averaging.authority import ADOPT, MATE_GRACE_S, RecentMates, same_step_verdict
-from swarmd.averaging.messages import (Prepare, PrepareReply, Progress, Source, Start,
+from swarmd.averaging.messages import (Exact, Prepare, PrepareReply, Progress, Source, Start,
                                        parse_prepare_reply, parse_round)
 from swarmd.errors import BadPeerMessage, BadRoundMessage, SwarmdError
-from swarmd.averaging.trigger import RoundTrigger, exact_source
+from swarmd.averaging.trigger import RoundTrigger, exact_step
 from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from swarmd.protocols import Protocols
@@ -84,12 +84,13 @@ class SyncSettings:
 class StageSync:
     """Owned by the stage server. ``mates()`` returns {peer_id: addrs} of the stage's other
     live peers; ``snapshot()`` takes (mean gradient, samples) and clears the accumulation;
-    ``apply(vector, source)`` sets the gradient and steps (``source``: the one trainer step
-    the step's samples came from, None when not one; ``sources()`` lists those of this
-    peer's samples, which its progress reports carry to the leader; ``failed(source)`` is told
-    that a round of that one trainer step failed, so the stage takes no step for it now); ``give_back(vector, samples)`` undoes a
-    snapshot; ``on_behind(peer, step)`` is told of a mate at a later step; ``samples_now()``
-    is what this peer accumulated since its last snapshot. ``digest()`` (optional) is the hex
+    ``apply(vector, exact)`` sets the gradient and steps (``exact``: the trainer steps the
+    step's samples are exactly made of, one per trainer, empty when not exact:
+    ``trigger.exact_step``; ``sources()`` lists those of this peer's samples, which its
+    progress reports carry to the leader; ``failed(exact)`` is told that a round of those
+    trainer steps failed, so the stage takes no step for them now); ``give_back(vector,
+    samples)`` undoes a snapshot; ``on_behind(peer, step)`` is told of a mate at a later
+    step; ``samples_now()`` is what this peer accumulated since its last snapshot. ``digest()`` (optional) is the hex
     digest of the stage's weights now; ``on_diverged(leader, step)`` is told that the leader of
     a round at ``step`` held other weights than ours (take its state); ``round_over()`` is
     called once a round that took a snapshot ended, stepped or not."""
@@ -97,7 +98,7 @@ class StageSync:
     def __init__(self, host: Any, *, swarm: str, stage: int, trigger: RoundTrigger,
                  averager: Averager | None, mates: Callable[[], dict[str, tuple[str, ...]]],
                  snapshot: Callable[[], Awaitable[tuple[torch.Tensor, int]]],
-                 apply: Callable[[torch.Tensor, Source | None], Awaitable[None]],
+                 apply: Callable[[torch.Tensor, Exact], Awaitable[None]],
                  give_back: Callable[[torch.Tensor, int], Awaitable[None]],
                  on_behind: Callable[[str, int], None], samples_now: Callable[[], int],
                  on_stepped: Callable[[], None] = lambda: None,
@@ -107,7 +108,7 @@ class StageSync:
                  on_diverged: Callable[[str, int], None] = lambda peer, step: None,
                  round_over: Callable[[], None] = lambda: None,
                  sources: Callable[[], list[Source]] = lambda: [],
-                 failed: Callable[[Source], Awaitable[None]] | None = None) -> None:
+                 failed: Callable[[Exact], Awaitable[None]] | None = None) -> None:
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -239,6 +240,37 @@ class StageSync:
         elif self._reporting is None or self._reporting.done():
             self._reporting = self._spawn(self._report(leader, mates[leader]))
 
+    async def flush(self, trainer: str, before: int) -> int:
+        """Step now, short of the target, when the stage holds samples of ``trainer``'s steps
+        before ``before`` (as far as this peer knows: its own and what its mates reported):
+        the rest of those steps' samples will not come (``swarmd.pipeline.exact``, a flush).
+        Only the leader, or a peer alone, calls the round; any peer answers the stage's step
+        after it (a round in progress is waited for first)."""
+        self.counters["flush_requests"] += 1
+        while self._rounding:
+            assert self._round is not None
+            await asyncio.wait({self._round})
+        if self.busy or self._closed or not self._holds_older(trainer, before):
+            return self.step
+        now = time.monotonic()
+        mates = self._recent.alive(self.mates(), now)
+        if not mates:
+            if self.trigger.samples > 0:
+                self._round = self._spawn(self._local_step())
+        elif self.trigger.leader(mates, now) == self.trigger.me:
+            self._round = self._spawn(self._lead(mates))
+        if self._round is not None and not self._round.done():
+            self.counters["flushed"] += 1
+            await asyncio.wait({self._round})
+        return self.step
+
+    def _holds_older(self, trainer: str, before: int) -> bool:
+        pairs = list(self._sources())
+        for step, sources in self._mate_sources.values():
+            if step == self.trigger.step:
+                pairs += sources
+        return any((t == trainer and s < before) or (t, s) == ("", -1) for t, s in pairs)
+
     # ---- rounds ---------------------------------------------------------------------------
     async def _local_step(self) -> None:
         await self._step_alone()
@@ -246,9 +278,9 @@ class StageSync:
         self._stepped()
 
     async def _snapshot_and_apply(self) -> None:
-        source = exact_source(self._sources())
-        vector, _ = await self._snapshot()
-        await self._apply(vector, source)
+        pairs = self._sources()
+        vector, samples = await self._snapshot()
+        await self._apply(vector, exact_step(pairs, samples, self.trigger.target) or ())
 
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
@@ -276,17 +308,17 @@ class StageSync:
                 left_out["busy" if their.step == step else "behind"] += 1
         self._count_group(len(group), left_out)
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
-        source = self._round_source(group, step)
+        exact = self._round_exact(group, step)
         if len(group) > 1:
             # everyone told must run the very group it was told: a member that refuses now is
             # missing from the round, whose parts are repaired around it (swarmd.averaging.allreduce)
             start = Start(stage=self.stage, step=step, round_id=round_id, group=tuple(group),
-                          bandwidths=tuple(bandwidths), digest=digest, source=source)
+                          bandwidths=tuple(bandwidths), digest=digest, sources=exact)
             started = await asyncio.gather(*(self._ask(p, mates[p], "start", start.to_meta())
                                              for p in group[1:]))
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
-        await self._average(round_id, group, bandwidths, source=source)
+        await self._average(round_id, group, bandwidths, exact=exact)
 
     def _count_group(self, size: int, left_out: Counter[str]) -> None:
         """A round this peer leads, of ``size`` members (itself included): ``group_members``
@@ -302,15 +334,16 @@ class StageSync:
         self.counters["mates_left_out"] += total
         self.counters["rounds_short"] += total > 0
 
-    def _round_source(self, group: list[str], step: int) -> Source | None:
-        """The one trainer step every sample of the round came from (ours and those the
-        members reported at this step), None when not one."""
+    def _round_exact(self, group: list[str], step: int) -> Exact:
+        """The trainer steps the round's samples are exactly made of (ours and those the
+        members reported at this step, one step per trainer, the target's samples in all),
+        empty when not exact."""
         pairs = list(self._sources())
         for peer in group[1:]:
             reported = self._mate_sources.get(peer)
             if reported is not None and reported[0] == step:
                 pairs += reported[1]
-        return exact_source(pairs)
+        return exact_step(pairs, self.trigger.total(group[1:]), self.trigger.target) or ()
 
     async def _our_digest(self) -> str | None:
         """The digest of our weights now, None when unknown (none given, or it failed)."""
@@ -331,7 +364,7 @@ class StageSync:
         digesting = asyncio.ensure_future(self._our_digest()) if start.digest else None
         try:
             await self._average(start.round_id, list(start.group), list(start.bandwidths),
-                                before_apply=digesting, source=start.source)
+                                before_apply=digesting, exact=start.sources)
         finally:
             if digesting is not None and not digesting.done():  # the round failed early
                 digesting.cancel()
@@ -350,27 +383,27 @@ class StageSync:
     async def _average(self, round_id: str, group: list[str],
                        bandwidths: list[float | None],
                        before_apply: Awaitable[Any] | None = None,
-                       source: Source | None = None) -> None:
+                       exact: Exact = ()) -> None:
         """One round: every member passes the same group and bandwidths (the leader's lists),
         so they derive the same parts, each sized by its peer's measured bandwidth.
         ``before_apply`` (a digest of the weights) is waited for before they change;
-        ``source``, the leader's, goes with the averaged gradient to ``apply``."""
+        ``exact``, the leader's, goes with the averaged gradient to ``apply``."""
         vector, samples = await self._snapshot()
         try:
             await self._reduce_and_apply(round_id, group, bandwidths, vector, samples,
-                                         before_apply, source)
+                                         before_apply, exact)
         finally:
             self._round_over()
 
     async def _reduce_and_apply(self, round_id: str, group: list[str],
                                 bandwidths: list[float | None], vector: torch.Tensor,
                                 samples: int, before_apply: Awaitable[Any] | None,
-                                source: Source | None = None) -> None:
+                                exact: Exact = ()) -> None:
         pending = asyncio.ensure_future(before_apply) if before_apply is not None else None
         if len(group) == 1 or self.averager is None:
             if pending is not None:
                 await asyncio.wait({pending})
-            await self._apply(vector, source)
+            await self._apply(vector, exact)
             self.counters["local_steps"] += 1
             self._stepped()
             return
@@ -389,12 +422,12 @@ class StageSync:
             self.counters["rounds_failed"] += 1
             await self._give_back(vector, samples)
             self.trigger.samples = self._samples_now()
-            if source is not None and self._failed is not None:
-                await self._failed(source)  # its trainer need not wait for this step
+            if exact and self._failed is not None:
+                await self._failed(exact)  # its trainers need not wait for this step
             return
         if pending is not None:  # the weights before the step, digested beside the round
             await asyncio.wait({pending})
-        await self._apply(result.vector, source)
+        await self._apply(result.vector, exact)
         if result.seconds > 0:
             rate = (result.bytes_sent + result.bytes_received) / result.seconds
             self.bandwidth = rate if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * rate

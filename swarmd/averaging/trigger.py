@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["RoundTrigger", "exact_source", "SUSPECT_S"]
+__all__ = ["RoundTrigger", "exact_step", "SUSPECT_S"]
 
 #: how long a peer that failed us is passed over as leader
 SUSPECT_S = 10.0
@@ -85,13 +85,21 @@ class RoundTrigger:
         self.suspects = {p: t for p, t in self.suspects.items() if p in keep}
 
 
-def exact_source(sources: Iterable[tuple[str, int]]) -> tuple[str, int] | None:
-    """The one (trainer, trainer step) a step's samples all came from; None when there are
-    none or several: that step is not one trainer step, so it is not reported to a trainer
-    and each part clips its own gradient (``swarmd.pipeline.exact``). ``("", -1)`` stands for
-    "more sources than were kept"."""
-    distinct = set(sources)
-    if len(distinct) != 1:
+def exact_step(sources: Iterable[tuple[str, int]], samples: int, target: int
+               ) -> tuple[tuple[str, int], ...] | None:
+    """The trainer steps a stage step's samples all came from, one per trainer (sorted), when
+    the step is exactly one target batch of them; None otherwise: that step is not reported
+    to the trainers and each part clips its own gradient (``swarmd.pipeline.exact``).
+
+    With several trainers a target batch is split between them (``swarmd.trainer.shares``): each
+    sends its share of every step, and the stage holds exactly ``target`` samples once every
+    trainer's share of the step came in. A trainer named twice (two of its steps mixed in),
+    ``("", -1)`` ("more sources than were kept"), or a sample count other than ``target`` (a
+    step that took part of another step's samples, or is missing some) is not exact."""
+    distinct = sorted(set(sources))
+    if not distinct or samples != target:
         return None
-    (only,) = distinct
-    return only if only[0] and only[1] >= 0 else None
+    trainers = [t for t, _ in distinct]
+    if len(set(trainers)) != len(trainers) or not all(t and s >= 0 for t, s in distinct):
+        return None
+    return tuple(distinct)

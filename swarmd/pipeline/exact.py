@@ -1,14 +1,18 @@
-"""Exact steps: every part of the model steps once per trainer step, on exactly its gradient,
-clipped by the whole model's norm. Pure: no I/O, no clock.
+"""Exact steps: every part of the model steps once per target batch of samples, on exactly
+its gradient, clipped by the whole model's norm. Pure: no I/O, no clock.
 
 With the synchronous schedule (``training.schedule = "sync"``) a trainer sends a step's
 microbatches, waits for all of them, and steps; each stage peer steps once its stage holds
-that step's samples. Two things keep that exactly what one process would do
+that step's samples. Several trainers split each step's microbatches between them
+(``swarmd.trainer.shares``) and average their parts' gradients before they step
+(``swarmd.trainer.trainer_sync``), so a step of the swarm is one target batch however many
+trainers there are. Two things keep that exactly what one process would do
 (docs/pipeline.md, "Exact steps"):
 
-- **Step reports.** Before a stage applies a step whose samples all came from one step of one
-  trainer (:class:`Sources`, :func:`exact_source`; with mates, the round's leader decides from
-  its and their reports), it reports to that trainer the squared norm of the step's mean
+- **Step reports.** Before a stage applies a step whose samples are exactly one target batch
+  made of one step of each trainer (:class:`Sources`, :func:`exact_step`; with mates, the
+  round's leader decides from its and their reports), it reports to each of those trainers
+  the squared norm of the step's mean
   gradient and the stage step it is at (``messages.StepReport``), and waits for the answer:
   the coefficient every part scales its gradient by, ``clip / (whole norm + 1e-6)`` capped at
   1 (what ``torch.nn.utils.clip_grad_norm_`` does over the whole model). The trainer's
@@ -31,9 +35,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from swarmd.averaging.trigger import exact_source
+from swarmd.averaging.trigger import exact_step
 
-__all__ = ["Sources", "exact_source", "clip_coefficient", "StepBoard", "Posted",
+__all__ = ["Sources", "exact_step", "clip_coefficient", "StepBoard", "Posted",
            "MAX_SOURCES", "EPS"]
 
 #: a peer reports at most this many (trainer, step) sources of its samples
@@ -232,6 +236,10 @@ class StepBoard:
         if len(self._applied_at) != self.num_stages:
             return None
         return tuple(self._applied_at[s] + 1 for s in range(self.num_stages))
+
+    def flushed(self, stage: int, stage_step: int) -> None:
+        """``stage`` is at ``stage_step`` after a flush: the next step's forwards run on it."""
+        self._applied_at[stage] = stage_step - 1
 
     def reset(self) -> None:
         """Forget the stages' steps (a restart, or a schedule that does not report)."""

@@ -23,7 +23,8 @@ import torch
 from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 
 __all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "Abandon", "HopReply",
-           "StepReport", "StepAnswer", "TrainerProgress", "parse_forward", "parse_backward",
+           "StepReport", "StepAnswer", "Flush", "parse_flush", "parse_flushed",
+           "TrainerProgress", "parse_forward", "parse_backward",
            "parse_result", "parse_grad", "parse_abandon", "parse_hop_reply",
            "parse_step_report", "parse_step_answer", "parse_progress", "progress_meta",
            "is_shard", "hop_seconds"]
@@ -182,6 +183,33 @@ class StepReport:
         if self.failed:
             meta["failed"] = True
         return {"kind": "step_report", "meta": meta}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Flush:
+    """A trainer to every peer of ``stage`` after a step of its that was not exact: step now
+    on whatever the stage holds of this trainer's steps (samples left over from a step whose
+    other shares never came), so that its next step starts on a stage holding nothing.
+    Answered ``ok`` with the stage's step after it (``{"stage_step": n}``)."""
+
+    stage: int
+    #: the trainer's step it is about to take (the samples held are from earlier ones)
+    step: int
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "flush", "meta": {"stage": self.stage, "step": self.step}}
+
+
+def parse_flush(message: Any, *, num_stages: int) -> Flush:
+    meta = _meta(message, "flush")
+    _tensors(message, 0, "flush")
+    return Flush(stage=_int(meta, "stage", 0, num_stages, "flush"),
+                 step=_int(meta, "step", 0, MAX_STEP, "flush"))
+
+
+def parse_flushed(message: Any) -> int:
+    """The stage step of a flush's ``ok``."""
+    return _int(_meta(message, "ok"), "stage_step", 0, MAX_STEP, "flush")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

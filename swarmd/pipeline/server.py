@@ -33,12 +33,15 @@ import torch
 
 from swarmd.api.histogram import Histograms
 from swarmd.averaging.allreduce import Averager
+from swarmd.averaging.messages import Exact
 from swarmd.averaging.stage_sync import StageSync, SyncSettings
-from swarmd.averaging.trigger import RoundTrigger, exact_source
+from swarmd.averaging.trigger import RoundTrigger, exact_step
+from swarmd.pipeline.exact import AGREE
 from swarmd.pipeline.batching import MAX_BATCH, MAX_QUEUE, Batcher, Compute, Throughput
 from swarmd.pipeline.handlers import PipelineHandlers
-from swarmd.errors import SwarmdError
-from swarmd.pipeline.messages import Expect, StepReport, hop_seconds, parse_step_answer
+from swarmd.errors import NotOnPath, SwarmdError
+from swarmd.pipeline.messages import (Expect, StepReport, hop_seconds, parse_flush,
+                                      parse_step_answer)
 from swarmd.pipeline.held import HOP_TIMEOUT_S
 from swarmd.pipeline.progress import TrainerBook
 from swarmd.pipeline.router import Router
@@ -59,6 +62,8 @@ log = logging.getLogger("swarmd.stage")
 REPORT_WAIT_S = 75.0
 #: how long telling the trainer that a step failed here may take (answered at once)
 FAILED_REPORT_S = 5.0
+#: how long a flush waits for the round in progress and the one it calls
+FLUSH_WAIT_S = 60.0
 
 __all__ = ["StageServer", "MAX_QUEUE", "MAX_BATCH", "HOP_TIMEOUT_S", "DRAIN_S",
            "hop_seconds", "protocols"]
@@ -155,12 +160,14 @@ class StageServer:
         self.host.set_request_handler(self.proto["backward"],
                                       self.gate.passing(self.handlers.on_backward))
         self.host.set_request_handler(self.proto["abandon"], self.handlers.on_abandon)
+        self.host.set_request_handler(self.proto["flush"], self.on_flush)
         self.sync.start()
 
     async def close(self) -> None:
         self.host.remove_handler(self.proto["forward"])
         self.host.remove_handler(self.proto["backward"])
         self.host.remove_handler(self.proto["abandon"])
+        self.host.remove_handler(self.proto["flush"])
         await self.sync.close()
         self.batcher.close()
         self.compute.close()
@@ -253,19 +260,43 @@ class StageServer:
             return False
         return True
 
-    async def step_failed(self, source: tuple[str, int]) -> None:
-        """Tell the trainer of ``source`` that this stage takes no step for it now (its round
-        failed), so that it does not wait for the report."""
-        await self.report_step(source, 0.0, 0, failed=True)
+    async def on_flush(self, message: Message, peer: str) -> Message:
+        """A trainer's ``Flush``: its step was not exact, so what this stage holds of its
+        earlier steps is stepped on now (``StageSync.flush``; nothing when the stage holds
+        none of them: a peer can flush only its own samples)."""
+        flush = parse_flush(message, num_stages=self.num_stages)  # refusals: request_errors
+        if flush.stage != self.stage:
+            raise NotOnPath("stage", f"this peer serves stage {self.stage}, not {flush.stage}")
+        async with asyncio.timeout(FLUSH_WAIT_S):
+            stage_step = await self.sync.flush(peer, flush.step)
+        return Message(kind="ok", meta={"stage_step": stage_step})
 
-    async def report_step(self, source: tuple[str, int] | None, sqnorm: float,
-                          samples: int, *, failed: bool = False) -> float | None:
-        """Report the step about to be applied to the trainer whose step it is (``source``)
-        and return the whole model's clipping coefficient it answers; None (each part clips
-        its own) when there is no such trainer, it answers None, or it cannot be asked."""
-        if source is None:
+    async def step_failed(self, exact: Exact) -> None:
+        """Tell the trainers of ``exact`` that this stage takes no step for their steps now
+        (its round failed), so that they do not wait for the report."""
+        await self.report_step(exact, 0.0, 0, failed=True)
+
+    async def report_step(self, exact: Exact, sqnorm: float, samples: int, *,
+                          failed: bool = False) -> float | None:
+        """Report the step about to be applied to each trainer whose step it is made of
+        (``exact``, one step per trainer) and return the whole model's clipping coefficient
+        they answer; None (each part clips its own) when there is none, one answers None or
+        cannot be asked, or they disagree (``step_reports_disagree``)."""
+        if not exact:
             return None
-        trainer, step = source
+        answers = await asyncio.gather(*(self._report_one(trainer, step, sqnorm, samples,
+                                                          failed)
+                                         for trainer, step in exact))
+        if failed or any(a is None for a in answers):
+            return None
+        coefficients = [a for a in answers if a is not None]
+        if max(coefficients) - min(coefficients) > AGREE * max(coefficients):
+            self.counters["step_reports_disagree"] += 1
+            return None
+        return min(coefficients)
+
+    async def _report_one(self, trainer: str, step: int, sqnorm: float, samples: int,
+                          failed: bool) -> float | None:
         report = StepReport(step=step, stage=self.stage, stage_step=self.sync.step,
                             sqnorm=sqnorm if math.isfinite(sqnorm) else 0.0, samples=samples,
                             failed=failed or not math.isfinite(sqnorm))  # overflow: skipped
@@ -314,14 +345,15 @@ class _SyncPort:
         self._sources = self._s.handlers.sources.take()
         return taken
 
-    async def apply(self, vector: torch.Tensor, source: tuple[str, int] | None) -> None:
+    async def apply(self, vector: torch.Tensor, exact: Exact) -> None:
         """Step with the round's mean gradient, scaled by the whole model's clipping
-        coefficient when the step is one trainer step (``swarmd.pipeline.exact``)."""
+        coefficient when the step is exactly one target batch of trainer steps
+        (``swarmd.pipeline.exact``)."""
         s = self._s
-        if source is not None:
+        if exact:
             scale = getattr(s.optimizer, "scale", 1.0)
             sqnorm = float(await s.compute.run(_sqnorm, vector)) / (scale * scale)
-            coefficient = await s.report_step(source, sqnorm, 0)
+            coefficient = await s.report_step(exact, sqnorm, 0)
             if coefficient is not None and coefficient < 1.0:
                 vector = vector * coefficient
         # no drain: microbatches in flight finish on their stashed weights (worker.py)
@@ -342,11 +374,12 @@ class _SyncPort:
 
     async def step_alone(self) -> None:
         s = self._s
-        source = exact_source(s.handlers.sources.take())
+        pairs = s.handlers.sources.take()
+        sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
+        exact = exact_step(pairs, samples, s.sync.trigger.target) or ()
         coefficient = None
-        if source is not None:
-            sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
-            coefficient = await s.report_step(source, sqnorm, samples)
+        if exact:
+            coefficient = await s.report_step(exact, sqnorm, samples)
         await s.gate.between(s.stepper.step_alone, coefficient)
 
     def stepped(self) -> None:

@@ -65,6 +65,11 @@ class TrainResult:
     #: (taken from another trainer training then); rounds averaged with other trainers
     parts_from: str = "own"
     trainer_rounds: int = 0
+    #: microbatches this run trained on (with other trainers, its shares of the steps)
+    microbatches: int = 0
+    #: steps every part of the model took on exactly their target batch, clipped together
+    #: (``swarmd.pipeline.exact``)
+    steps_exact: int = 0
 
 
 async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
@@ -108,7 +113,9 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     with _home_lock(home) if home is not None else contextlib.nullcontext(), batches:
         async with _board(config, plan) as board, \
                 _joined(config, seam, home, bootstrap, listen, progress) as (trainer, m), \
-                trainer_sync(trainer.host, trainer, m, config) as parts, \
+                trainer_sync(trainer.host, trainer, m, config,
+                             gradients=schedule == "sync",
+                             target=plan.microbatches * plan.batch) as parts, \
                 periodic_export(config, trainer, m, home, progress):
             resumed = _resume(trainer, batches, home, progress)
             await _wait_for_stages(m, config.swarm.stages, progress,
@@ -212,11 +219,14 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
 
     device, dtype = torch_placement_of(config)
     me = load_identity(home) if home is not None else identity.generate()
+    #: announced online while it trains, leaving once its steps are done (``steps_done``)
+    announced = {"state": "online"}
     parts = await asyncio.to_thread(  # seconds for a big model: not on the event loop
         lambda: seam.build_trainer(seed=config.training.seed, device=device, dtype=dtype,
                                    weights=seam.own_weights()))
     async with Host(me, host_options(config, listen)) as host:
-        async with MembershipService(host, me, config, lambda: LocalState(None, "online"),
+        async with MembershipService(host, me, config,
+                                     lambda: LocalState(None, announced["state"]),
                                      manifest=swarm_manifest(config).hash,
                                      interfaces=interface_ips) as m:
             dialed = []
@@ -233,7 +243,15 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                               optim=OptimSettings.from_config(config.training),
                               peers_of=m.peers_of, device=device, dtype=dtype,
                               clip_whole_model=config.training.grad_clip_scope == "model")
-            trainer.others = lambda: len(m.trainers())
+            trainer.other_trainers = lambda: list(m.trainers())
+
+            def steps_done() -> None:
+                """The other trainers stop splitting their steps with this one now, not
+                once its announcement expires (its final validation still runs)."""
+                announced["state"] = "leaving"
+                m.changed()
+
+            trainer.steps_done = steps_done
             trainer.start()
             try:
                 yield trainer, m
@@ -284,6 +302,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
     finally:
         if trainer.step != saved:  # the steps done are kept, whatever ended the run
             await _save(trainer, batches, plan.home)
+    trainer.steps_done()
     final = await _evaluate(trainer, batches, plan, shown.say, "final", board)
     s = trainer.stats
     seconds = time.monotonic() - t0
@@ -291,7 +310,9 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
                        tokens_per_s=s.tokens / max(1e-9, seconds), rerouted=s.rerouted,
                        restarted=s.restarted, lost=s.lost, seconds=seconds,
                        metrics_file=str(plan.metrics_file) if plan.metrics_file else None,
-                       resumed_from=resumed, skipped_steps=trainer.optimizer.skipped)
+                       resumed_from=resumed, skipped_steps=trainer.optimizer.skipped,
+                       microbatches=s.microbatches,
+                       steps_exact=trainer.counters["steps_exact"])
 
 
 async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,

@@ -31,6 +31,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -41,12 +42,13 @@ from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdErro
 from swarmd.pipeline.exact import Posted, StepBoard
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
-from swarmd.pipeline.messages import (Abandon, Backward, Forward, StepAnswer, TrainerProgress,
-                                      parse_grad, parse_result, parse_step_report,
-                                      progress_meta)
+from swarmd.pipeline.messages import (Abandon, Backward, Flush, Forward, StepAnswer,
+                                      TrainerProgress, parse_flushed, parse_grad,
+                                      parse_result, parse_step_report, progress_meta)
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
 from swarmd.pipeline.server import protocols
+from swarmd.trainer.shares import share_of
 from swarmd.trainer.trainer_compute import TrainerCompute
 from swarmd.pipeline.wiring import Wiring
 from swarmd.models.seam import ModelSeam, TrainerParts
@@ -79,6 +81,10 @@ RESTARTABLE = (TransportError, SwarmdError, TimeoutError)
 #: after one miss clipped part by part. A report comes after the stage's own round, so it
 #: follows the stage's averaging, not only the link
 REPORTS_MAX_S = 60.0
+#: how long the stages' answers to a flush are waited for (``_flush_stages``, their rounds
+#: included): ``REPORTS_LAG_FACTOR`` times the reports' lag, within these bounds
+FLUSH_MIN_S = 2.0
+FLUSH_TIMEOUT_S = 30.0
 REPORTS_AFTER_MISS_S = 1.0
 REPORTS_LAG_FACTOR = 3.0
 #: while a step's reports are waited for, how often to look whether they can still all come:
@@ -171,8 +177,18 @@ class Trainer(TrainerCompute):
         #: exact steps (the synchronous schedule): the stages report each step here and the
         #: next step's forwards name the stage steps they run on (``swarmd.pipeline.exact``)
         self.exact = False
-        #: how many other trainers train now (exact steps need this one to be alone)
-        self.others: Callable[[], int] = lambda: 0
+        #: the other trainers that train now (peer ids): exact steps split each step's
+        #: microbatches with them (``swarmd.trainer.shares``) and average the parts'
+        #: gradients with them (``average_gradient``) before stepping
+        self.other_trainers: Callable[[], Iterable[str]] = lambda: ()
+        #: ``await average_gradient(samples)`` replaces the parts' mean gradient of a step
+        #: with the average over every trainer's share of it; the step's samples in all, or
+        #: None when that failed (``swarmd.trainer.trainer_sync``)
+        self.average_gradient: Callable[[int], Awaitable[int | None]] | None = None
+        #: called once the run's steps are done (``swarmd train`` announces it leaving)
+        self.steps_done: Callable[[], None] = lambda: None
+        #: the other trainers the step under way was split with (``share``)
+        self._step_trainers: frozenset[str] = frozenset()
         self.board = StepBoard(num_stages, clip=self.optimizer.settings.grad_clip
                                if clip_whole_model else 0.0)
         #: each step's answer, for the stages' reports waiting on it
@@ -282,21 +298,25 @@ class Trainer(TrainerCompute):
         still in flight then finishes, and its gradients are dropped). With ``barrier`` (the
         synchronous schedule, exact steps) no microbatch of a step starts before the step
         before it was taken: each step's microbatches are exactly its own, on its weights."""
-        total, launched, done, stop = steps * microbatches, 0, 0, False
+        total, launched, taken, stop = steps * microbatches, 0, 0, False
+        # with the barrier, a step is this trainer's share of the swarm's step, decided as
+        # the step begins; without it every step is ``microbatches``
+        size = self.share(microbatches) if barrier else microbatches
+        sent = done = 0  # of the step under way (the barrier: nothing of the next one)
         losses: list[float] = []
         busy = self.counters["hop_busy"]
         running = self._running
         try:
-            while running or (launched < total and not stop):
+            while running or (taken < steps and not stop):
                 if self.counters["hop_busy"] > busy:  # a stage's queue was full
                     busy = self.counters["hop_busy"]
                     window.busy(len(running))
-                allowed = (done // microbatches + 1) * microbatches if barrier else total
-                while not stop and launched < min(total, allowed) and \
+                while not stop and (sent < size if barrier else launched < total) and \
                         len(running) < window.target:
                     x, y = next_batch()
                     running.add(asyncio.create_task(self._microbatch(x, y, float(x.shape[0]))))
                     launched += 1
+                    sent += 1
                 self._show(window, len(running))
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 running -= finished
@@ -308,9 +328,11 @@ class Trainer(TrainerCompute):
                     done += 1
                     losses.append(loss)
                     await self._run(self._add, grads, samples)
-                    if done % microbatches == 0:
+                    if done == size:
                         stop = bool(await on_step(*await self._pipelined_step(losses, window)))
-                        losses = []
+                        losses, taken, done, sent = [], taken + 1, 0, sent - size
+                        if barrier:
+                            size = self.share(microbatches)
         finally:
             for task in running:
                 task.cancel()
@@ -332,14 +354,39 @@ class Trainer(TrainerCompute):
         self._show(window, self.stats.in_flight)
         return self.step, loss
 
+    def share(self, microbatches: int) -> int:
+        """This trainer's microbatches of the swarm's next step of ``microbatches``
+        (``swarmd.trainer.shares``); the trainers it was split with are remembered: a step
+        is exact only while they stay the same."""
+        self._step_trainers = frozenset(self.other_trainers())
+        return share_of(self.host.peer_id, self._step_trainers, microbatches)
+
+    def _trainers_changed(self) -> bool:
+        return frozenset(self.other_trainers()) != self._step_trainers
+
     async def _stepped(self) -> None:
         samples, step = self._samples, self.step
         sqnorm = await self._run(self._mean_gradient)
         coefficient = None
-        if self.exact and not self.others():
+        averaged = True
+        if self.exact and any(True for _ in self.other_trainers()):
+            # the parts' gradient over every trainer's share, so that the trainers' parts
+            # take the same step (exact or not: it keeps them one model; the pipelined
+            # schedule averages their weights instead, ``TrainerSync``)
+            total = (None if self.average_gradient is None
+                     else await self.average_gradient(samples))
+            if total is None:
+                averaged = False
+                self.counters["trainer_rounds_missed"] += 1
+            else:
+                samples = total
+                sqnorm = await self._run(self._gradient_sqnorm)
+        if self.exact and averaged and not self._trainers_changed():
             coefficient = await self._reported(step, samples, sqnorm)
-        else:  # forwards name no stage step (another trainer's steps mix in)
+        else:  # forwards name no stage step (the stages' steps may mix two of ours)
             self._not_exact(step)
+        if self.exact and coefficient is None:
+            await self._flush_stages(step + 1)
         self._step_peers.clear()
         self._missing_since.clear()
         await self._run(self._step_and_zero, coefficient)
@@ -363,7 +410,7 @@ class Trainer(TrainerCompute):
         try:
             async with asyncio.timeout(wait_s):
                 while not self.board.complete(step) and not self.board.answered(step):
-                    if self.others():  # not exact any more: answer the stages at once
+                    if self._trainers_changed():  # not exact any more: answer at once
                         others = True
                         break
                     if self._left_its_stage(step):
@@ -405,6 +452,47 @@ class Trainer(TrainerCompute):
         if answer is not None and not answer.done():
             answer.set_result(coefficient)
         return coefficient
+
+    async def _flush_stages(self, before: int) -> None:
+        """After a step that was not exact: every stage steps now on what it still holds of
+        this trainer's steps before ``before`` (``messages.Flush``: the rest of a step
+        whose other trainers' shares never came, or that a stage split), so that the next
+        step starts on stages that hold nothing of the last; its forwards run on the stage
+        steps the flushes reached. Without it such leftovers would make every later stage
+        step take part of two swarm steps."""
+        async def one(stage: int, peer: str, addrs: tuple[str, ...]) -> tuple[int, int | None]:
+            message = Message(**Flush(stage=stage, step=before).wire())
+            try:
+                await self.host.connect(peer, addrs)
+                reply = await self.host.request(peer, self.proto["flush"], message,
+                                                codec=self.codec, timeout=FLUSH_TIMEOUT_S)
+                return stage, parse_flushed(reply)
+            except Exception as exc:  # that stage's step is not known: no ``at`` for it
+                self.counters["flush_failed"] += 1
+                log.debug("flush of stage %d at %s failed: %s", stage, peer, exc)
+                return stage, None
+
+        asks = []
+        for stage in range(self.num_stages):
+            rows = self.peers_of(stage)
+            # the peers that served the step (they hold what is left of it) and the stage's
+            # leader by id (it calls the round when mates hold it)
+            ask = (self._step_peers.get(stage, set()) | set(sorted(rows)[:1])) & rows.keys()
+            asks += [asyncio.ensure_future(one(stage, p, tuple(rows[p][2]))) for p in ask]
+        if not asks:
+            return
+        self.counters["flushes"] += 1
+        wait_s = min(FLUSH_TIMEOUT_S, max(FLUSH_MIN_S, REPORTS_LAG_FACTOR * self._report_lag_s))
+        done, pending = await asyncio.wait(asks, timeout=wait_s)
+        for task in pending:
+            task.cancel()
+        reached: dict[int, int] = {}
+        for stage, stage_step in (t.result() for t in done):
+            if stage_step is not None:
+                reached[stage] = max(stage_step, reached.get(stage, 0))
+        if len(reached) == self.num_stages:
+            for stage, stage_step in reached.items():
+                self.board.flushed(stage, stage_step)
 
     def _not_exact(self, step: int) -> None:
         """``step`` is not answered with a coefficient (another trainer's samples mix into the
@@ -450,7 +538,7 @@ class Trainer(TrainerCompute):
         if peer not in self.peers_of(report.stage):
             self.counters["refused.report_sender"] += 1
             raise NotOnPath("sender", f"{peer} is not a peer of stage {report.stage} here")
-        if not self.exact or self.others() or not (
+        if not self.exact or self._trainers_changed() or not (
                 self.step - self.board.keep < report.step <= self.step):
             self.counters["reports_not_exact"] += 1
             return Message(**StepAnswer(coefficient=None, progress=self.progress).wire())

@@ -48,6 +48,12 @@ class TrainerCompute:
                 total += float(p.grad.detach().float().pow(2).sum())
         return total / (self.loss_scale * self.loss_scale)
 
+    def _gradient_sqnorm(self) -> float:
+        """The squared norm of the parts' (mean) gradient as it is now, loss scale removed."""
+        total = sum(float(p.grad.detach().float().pow(2).sum()) for p in self.params
+                    if p.grad is not None)
+        return total / (self.loss_scale * self.loss_scale)
+
     def _step_and_zero(self, coefficient: float | None = None) -> None:
         """The step over the mean gradient (``_mean_gradient``), scaled first by the whole
         model's clipping ``coefficient`` when given; skipped when a gradient overflowed

@@ -8,12 +8,20 @@ module) are a stage of their own, ``TRAINERS_STAGE``, run by the machinery of a 
   (``swarmd.state.fetch``, served by each trainer's ``StateServer``) before its first step,
   so a trainer that stops leaves nothing behind that another does not carry on. Only a
   trainer with no other trainer in view keeps its own (initial or resumed) parts.
-- **Averaging.** After every step a trainer reports its samples; rounds (``StageSync``: the
-  same leader, progress/prepare/start and all-reduce as a stage, weighted by samples) average
-  the parts' *weights* — the float32 masters under mixed precision. Trainers step at their own
-  pace, so averaging weights rather than gradients keeps one trainer's step independent of the
-  others'. The round's result replaces the weights, plus what this trainer's own steps changed
-  while the round ran (they are not lost). Optimizer moments stay each trainer's own.
+- **Averaging gradients** (exact steps, the synchronous schedule: ``gradients``). A step of
+  the swarm is one target batch split between the trainers (``swarmd.trainer.shares``): once
+  a trainer's share came back it reports its samples, and a round (``StageSync``: the same
+  leader, progress/prepare/start and all-reduce as a stage, weighted by samples, the stage's
+  target) averages the parts' mean *gradients* of the step; every trainer then steps on the
+  average, so their parts stay one model, stepped once per target batch as the stages are.
+  A round that does not come in time (a trainer gone, views that differ) leaves that step to
+  each trainer's own gradient (``gradient_rounds_missed``).
+- **Averaging weights** (the pipelined schedule). After every step a trainer reports its
+  samples; rounds average the parts' *weights* — the float32 masters under mixed precision.
+  Trainers step at their own pace, so averaging weights rather than gradients keeps one
+  trainer's step independent of the others'. The round's result replaces the weights, plus
+  what this trainer's own steps changed while the round ran (they are not lost). Optimizer
+  moments stay each trainer's own.
 
 A round number a mate is ahead by is taken over (``behind``): rounds count, they do not order
 weights, so nothing needs downloading to join the next one.
@@ -21,6 +29,7 @@ weights, so nothing needs downloading to join the next one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -44,6 +53,13 @@ log = logging.getLogger("swarmd.trainer.trainer_sync")
 
 #: a joining trainer's whole download of a mate's state (its parts are small)
 TRAINER_STATE_FETCH_TIMEOUT_S = 120.0
+#: how long a trainer waits for the round that averages a step's gradients with the other
+#: trainers (they finish their shares about together: they wait on the same stages);
+#: after a round missed, ``GRADIENT_AFTER_MISS_S`` until one comes again (a trainer that
+#: stopped stays in view for a while, and must not cost every step the whole wait)
+GRADIENT_WAIT_S = 60.0
+GRADIENT_AFTER_MISS_S = 10.0
+GRADIENT_POLL_S = 0.5
 
 
 class TrainerSync:
@@ -54,8 +70,15 @@ class TrainerSync:
 
     def __init__(self, host: Any, trainer: Any, *, swarm: str, model_hash: str,
                  mates: Callable[[], dict[str, tuple[str, ...]]], averager: Any,
-                 settings: SyncSettings = SyncSettings(compression="none")) -> None:
+                 settings: SyncSettings = SyncSettings(compression="none"),
+                 gradients: bool = False, target: int = 1) -> None:
+        """``gradients``: average each step's gradients over ``target`` samples (the swarm's
+        step), else the weights now and then (module doc)."""
         self.host = host
+        self.gradients = gradients
+        #: the step waiting for its averaged gradient (``average_gradient``)
+        self._pending: asyncio.Future[int] | None = None
+        self._missed = False
         self.trainer = trainer
         self.model_hash = model_hash
         self.mates = mates
@@ -67,7 +90,8 @@ class TrainerSync:
         self._taken: torch.Tensor | None = None
         self.sync = StageSync(
             host, swarm=swarm, stage=TRAINERS_STAGE,
-            trigger=RoundTrigger(me=host.peer_id, target=1), averager=averager, mates=mates,
+            trigger=RoundTrigger(me=host.peer_id, target=max(1, target) if gradients else 1),
+            averager=averager, mates=mates,
             snapshot=self._snapshot, apply=self._apply, give_back=self._give_back,
             on_behind=self._behind, samples_now=lambda: self._samples,
             step_alone=self._alone, settings=settings)
@@ -132,7 +156,78 @@ class TrainerSync:
         return await self.trainer._run(lambda: (
             self.sync.step, round_digest_of(self.trainer.parts.parameters())))
 
-    # ---- averaging --------------------------------------------------------------------------
+    # ---- averaging gradients ----------------------------------------------------------------
+    async def average_gradient(self, samples: int) -> int | None:
+        """The parts' mean gradient of this trainer's ``samples`` becomes the average over
+        every trainer's share of the step; the step's samples in all, or None when the round
+        did not come in time (the gradient is then this trainer's own)."""
+        mates = set(self.mates())
+        if not mates:
+            return samples
+        self._pending = pending = asyncio.get_running_loop().create_future()
+        self._samples = samples
+        self.sync.progressed(samples)
+        wait_s = GRADIENT_AFTER_MISS_S if self._missed else GRADIENT_WAIT_S
+        try:
+            async with asyncio.timeout(wait_s):
+                while True:  # a trainer that left (or came) changes the step: not waited for
+                    done, _ = await asyncio.wait({pending}, timeout=GRADIENT_POLL_S)
+                    if done:
+                        total = pending.result()
+                        break
+                    if set(self.mates()) != mates:
+                        raise TimeoutError("the trainers changed")
+        except TimeoutError:
+            self._count("gradient_rounds_missed")
+            if not self._missed:
+                log.warning("the other trainers did not average this step's gradient with this "
+                            "one within %.0f s: stepping on its own", wait_s)
+            self._missed = True
+            return None
+        finally:
+            self._pending, self._samples = None, 0
+            if not self.sync.busy:
+                self.sync.trigger.samples = 0
+        self._missed = False
+        return total
+
+    async def _grad_snapshot(self) -> tuple[torch.Tensor, int]:
+        if self._pending is None or self._pending.done():  # not waiting: nothing to add
+            vector = await self.trainer._run(lambda: torch.zeros(self._numel()))
+            return vector, 0
+        vector = await self.trainer._run(self._gradient)
+        samples, self._samples = max(1, self._samples), 0
+        return vector, samples
+
+    async def _grad_apply(self, vector: torch.Tensor) -> None:
+        pending = self._pending
+        if pending is None or pending.done():  # the trainer gave up on this round
+            self._count("gradient_rounds_late")
+            return
+        await self.trainer._run(self._set_gradient, vector)
+        self._count("gradients_averaged")
+        pending.set_result(self.sync.trigger.target)
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in self.trainer.params)
+
+    def _gradient(self) -> torch.Tensor:
+        """In the compute thread: the parts' mean gradient as one float32 vector, loss scale
+        removed (zeros for a parameter without one)."""
+        scale = self.trainer.loss_scale
+        return torch.cat([(p.grad.detach().to("cpu", torch.float32) / scale).flatten()
+                          if p.grad is not None else torch.zeros(p.numel())
+                          for p in self.trainer.params])
+
+    def _set_gradient(self, vector: torch.Tensor) -> None:
+        scale = self.trainer.loss_scale
+        offset = 0
+        for p in self.trainer.params:
+            n = p.numel()
+            p.grad = (vector[offset:offset + n].view_as(p) * scale).to(p.device, p.dtype)
+            offset += n
+
+    # ---- averaging weights --------------------------------------------------------------------
     def stepped(self, samples: int) -> None:
         """This trainer took a step over ``samples`` samples."""
         self._samples += samples
@@ -144,19 +239,30 @@ class TrainerSync:
             self._count("rounds_skipped_to")
 
     async def _snapshot(self) -> tuple[torch.Tensor, int]:
+        if self.gradients:
+            return await self._grad_snapshot()
         vector = await self.trainer._run(self._weights)
         self._taken, samples, self._samples = vector, max(1, self._samples), 0
         return vector.clone(), samples
 
-    async def _apply(self, vector: torch.Tensor, source: Any = None) -> None:
+    async def _apply(self, vector: torch.Tensor, exact: Any = None) -> None:
+        if self.gradients:
+            await self._grad_apply(vector)
+            return
         taken, self._taken = self._taken, None
         await self.trainer._run(self._set_weights, vector, taken)
 
     async def _give_back(self, vector: torch.Tensor, samples: int) -> None:
+        if self.gradients:  # the round failed: the trainer steps on its own gradient
+            if self._pending is not None and not self._pending.done():
+                self._pending.set_exception(TimeoutError("the trainers' round failed"))
+            return
         self._taken = None
         self._samples += samples  # the weights were never changed: only the count returns
 
     async def _alone(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_result(self._samples)  # no other trainer in view now
         self._samples = 0  # no other trainer: this one's steps are the parts' steps
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -191,9 +297,12 @@ class TrainerSync:
 
 
 @contextlib.asynccontextmanager
-async def trainer_sync(host: Any, trainer: Any, membership: Any, config: Any
+async def trainer_sync(host: Any, trainer: Any, membership: Any, config: Any, *,
+                       gradients: bool = False, target: int = 1
                        ) -> AsyncIterator[TrainerSync]:
-    """The trainer's ``Averager`` and ``TrainerSync``, wired to ``trainer.after_step``."""
+    """The trainer's ``Averager`` and ``TrainerSync``, wired to the trainer: with
+    ``gradients`` (exact steps) to ``trainer.average_gradient``, the swarm's step being
+    ``target`` samples; else to ``trainer.after_step``."""
     from swarmd.averaging.allreduce import Averager, protocol_id
 
     async with Averager(host, protocol_id(config.swarm.name),
@@ -203,10 +312,14 @@ async def trainer_sync(host: Any, trainer: Any, membership: Any, config: Any
                            averager=averager,
                            settings=SyncSettings(compression="none",
                                                  aggregator="mean",
-                                                 timeout_s=config.averaging.timeout_s))
+                                                 timeout_s=config.averaging.timeout_s),
+                           gradients=gradients, target=target)
         async with sync:
-            trainer.after_step = sync.stepped
+            if gradients:
+                trainer.average_gradient = sync.average_gradient
+            else:
+                trainer.after_step = sync.stepped
             try:
                 yield sync
             finally:
-                trainer.after_step = None
+                trainer.after_step = trainer.average_gradient = None
