@@ -21,12 +21,19 @@ class _Trainer:
         self.seen: list[Any] = []
         self.evaluated: list[int] = []
         self.stats = SimpleNamespace(tokens=0, rerouted=0, restarted=0, lost=0, in_flight=0,
+                                     microbatches=0,
                                      in_flight_target=0, round_trip_ms=None,
                                      peers_used=lambda: [1], grad_norm=None,
                                      clip_coefficient=None)
         self.optimizer = SimpleNamespace(skipped=0, last_lr=1e-3, last_grad_norm=None)
         #: what it told the stage peers after each step (``Trainer.progress``)
         self.told: list[Any] = []
+        self.counters: dict[str, int] = {}
+        #: the step at which its steps were done (it then announces itself leaving)
+        self.done_at: int | None = None
+
+    def steps_done(self) -> None:
+        self.done_at = self.step
 
     async def evaluate(self, batches: list[Any]) -> float:
         self.evaluated.append(self.step)
@@ -53,6 +60,7 @@ def test_evaluations_at_the_start_every_eval_every_steps_and_at_the_end(tmp_path
     result = asyncio.run(run._run_steps(trainer, data, config, plan,
                                         run._Progress(7, said.append, False), None))
     assert trainer.evaluated == [0, 3, 6, 7]
+    assert trainer.done_at == 7  # before the final evaluation: announced leaving
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     evals = [x for x in lines if "val_loss" in x]
     steps = [x for x in lines if "loss" in x]

@@ -312,7 +312,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
                        metrics_file=str(plan.metrics_file) if plan.metrics_file else None,
                        resumed_from=resumed, skipped_steps=trainer.optimizer.skipped,
                        microbatches=s.microbatches,
-                       steps_exact=trainer.counters["steps_exact"])
+                       steps_exact=trainer.counters.get("steps_exact", 0))
 
 
 async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,

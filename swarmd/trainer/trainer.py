@@ -459,7 +459,8 @@ class Trainer(TrainerCompute):
         whose other trainers' shares never came, or that a stage split), so that the next
         step starts on stages that hold nothing of the last; its forwards run on the stage
         steps the flushes reached. Without it such leftovers would make every later stage
-        step take part of two swarm steps."""
+        step take part of two swarm steps. Answers are waited for at most 3 times the
+        reports' lag (``FLUSH_MIN_S`` to ``FLUSH_TIMEOUT_S``): a silent peer costs that."""
         async def one(stage: int, peer: str, addrs: tuple[str, ...]) -> tuple[int, int | None]:
             message = Message(**Flush(stage=stage, step=before).wire())
             try:
@@ -472,13 +473,11 @@ class Trainer(TrainerCompute):
                 log.debug("flush of stage %d at %s failed: %s", stage, peer, exc)
                 return stage, None
 
-        asks = []
-        for stage in range(self.num_stages):
-            rows = self.peers_of(stage)
-            # the peers that served the step (they hold what is left of it) and the stage's
-            # leader by id (it calls the round when mates hold it)
-            ask = (self._step_peers.get(stage, set()) | set(sorted(rows)[:1])) & rows.keys()
-            asks += [asyncio.ensure_future(one(stage, p, tuple(rows[p][2]))) for p in ask]
+        # every peer of each stage: whichever leads its rounds now (a leader that died is
+        # still listed a while, and its mates pass it over) calls the round
+        asks = [asyncio.ensure_future(one(stage, peer, tuple(row[2])))
+                for stage in range(self.num_stages)
+                for peer, row in self.peers_of(stage).items()]
         if not asks:
             return
         self.counters["flushes"] += 1
