@@ -365,8 +365,10 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
     uvloop.run(asyncio.wait_for(swarm(), 120))
 
 
-def _trainer(table: dict[int, dict[str, tuple[float, int, tuple[str, ...]]]]) -> Any:
-    """A trainer of a 2-stage swarm whose view is ``table`` (its host is never started)."""
+def _trainer(table: dict[int, dict[str, tuple[float, int, tuple[str, ...]]]],
+             clock: Any = None) -> Any:
+    """A trainer of a 2-stage swarm whose view is ``table`` (its host is never started),
+    timing with ``clock`` when given."""
     from swarmd.trainer.trainer import Trainer
     from swarmd.models.gpt import ModelConfig
     from transport import identity
@@ -378,9 +380,28 @@ def _trainer(table: dict[int, dict[str, tuple[float, int, tuple[str, ...]]]]) ->
     trainer = Trainer(Host(identity.generate(), HostOptions(pubsub=None, codec=codec)),
                       swarm="exact-steps", num_stages=2, model_config=config,
                       model_hash=config.model_hash(), codec=codec, lr=1e-3, seed=0,
-                      peers_of=lambda s: dict(table.get(s, {})))
+                      peers_of=lambda s: dict(table.get(s, {})),
+                      **({} if clock is None else {"clock": clock}))
     trainer.exact = True
     return trainer
+
+
+def test_a_peer_has_left_its_stage_after_the_grace_on_the_trainer_s_clock() -> None:
+    """The grace a peer missing from its stage gets (``LEFT_GRACE_S``) runs on the clock
+    the trainer was given: no real time passes here."""
+    from swarmd.trainer.trainer import LEFT_GRACE_S
+
+    now = [100.0]
+    table = {0: {"a": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
+    trainer = _trainer(table, clock=lambda: now[0])
+    trainer._route(("a", "c"))
+    trainer.board.open(0, 4)
+    del table[0]["a"]  # a served step 0 at stage 0, which has not reported, and is gone
+    assert not trainer._left_its_stage(0)  # first seen missing at 100
+    now[0] += LEFT_GRACE_S - 0.01
+    assert not trainer._left_its_stage(0)
+    now[0] += 0.01
+    assert trainer._left_its_stage(0) and trainer.counters["reports_left"] == 1
 
 
 @pytest.mark.parametrize("case", ["a_server_leaves", "nobody_leaves", "missing_a_moment"])

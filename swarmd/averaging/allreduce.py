@@ -45,7 +45,7 @@ Authority: requests are parsed into typed messages (``swarmd.averaging.messages`
 peer owns, of the unit's length and with at most ``max_weight`` samples; a probe only from the
 unit's repairer of that epoch (a probe raises the floor, so an outsider's would make this peer
 refuse the owner's value); a repair request only from a member. Buffered messages for a round
-not joined yet are held to the same rules when it is. Times are ``time.monotonic()``.
+not joined yet are held to the same rules when it is. Times are the Averager's ``clock`` (``time.monotonic`` unless one is given).
 """
 
 from __future__ import annotations
@@ -112,7 +112,10 @@ class Averager:
 
     def __init__(self, host: Host, protocol: str, *, options: AveragerOptions | None = None,
                  addrs_of: Callable[[str], Sequence[str]] | None = None,
-                 links: LinkEstimates | None = None) -> None:
+                 links: LinkEstimates | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: every time here is read from this clock (seconds, monotonic)
+        self._clock = clock
         self.host = host
         #: the daemon's shared link estimates (swarmd.links): round deadlines follow them
         self.links = links if links is not None else links_for(host)
@@ -178,7 +181,7 @@ class Averager:
             log.warning("round %s: %s; left out of the average", round_id, exc)
             self.counters.add("local_non_finite")
             vector, weight = torch.zeros_like(vector), 0.0
-        rnd = self._rounds.join(plan, plan.index(self.host.peer_id), time.monotonic(),
+        rnd = self._rounds.join(plan, plan.index(self.host.peer_id), self._clock(),
                                 deadline_s, max_weight=max_weight)
         rnd.vector, rnd.weight = vector.detach().cpu().contiguous(), float(weight)
         rnd.codec = spec
@@ -186,7 +189,7 @@ class Averager:
         rnd.addrs_of = addrs_of or self.addrs_of
         rnd.out = torch.empty(plan.total, dtype=torch.float32)
         rnd.joined.set()
-        start = time.monotonic()
+        start = self._clock()
         try:
             async with asyncio.timeout(rnd.deadline - start):
                 async with asyncio.TaskGroup() as tg:
@@ -204,9 +207,9 @@ class Averager:
             owners = sorted({plan.group[plan.units[u].owner] for u in missing})
             raise AllReduceFailed(f"round {round_id}: {len(missing)} units of {owners} missing "
                                   f"at the {deadline_s:.3g} s deadline")
-        result = await asyncio.to_thread(summarize, rnd, out, time.monotonic() - start)
+        result = await asyncio.to_thread(summarize, rnd, out, self._clock() - start)
         if not result.missing and not result.repaired_parts:  # a clean round measures links
-            self.links.observe_shared(transfers, result.seconds, time.monotonic())
+            self.links.observe_shared(transfers, result.seconds, self._clock())
         self.counters.add("rounds")
         self.counters.add("peers_missing", len(result.missing))
         self.counters.add("repaired_parts", len(result.repaired_parts))
@@ -229,7 +232,7 @@ class Averager:
         plan, unit = rnd.plan, rnd.units[u]
         assert plan is not None
         others = {i for i in range(plan.n) if i != rnd.me}
-        while unit.state.floor == 0 and (left := rnd.gather_at - time.monotonic()) > 0:
+        while unit.state.floor == 0 and (left := rnd.gather_at - self._clock()) > 0:
             if others <= {plan.index(s) for s in unit.contributions} | rnd.unreachable:
                 break
             unit.changed.clear()
@@ -253,7 +256,7 @@ class Averager:
                 own = await decode_own(frame, self.host.options.limits)
                 unit.state.offer(PartValue(own, 0, weight, tuple(who)))
         log.debug("round %s: own unit %d at %.3f", rnd.round_id, u,
-                  time.monotonic() - rnd.start)
+                  self._clock() - rnd.start)
         unit.done.set()
         if unit.state.value is None:
             await self._walk_chain(rnd, u)
@@ -280,7 +283,7 @@ class Averager:
                           tensors=(rnd.vector[plan.units[u].span],))
         try:
             reply = await self._ask(rnd, owner, request, rnd.codec,
-                                    rnd.reply_at - time.monotonic(), slot=rnd.send_slots[owner])
+                                    rnd.reply_at - self._clock(), slot=rnd.send_slots[owner])
             value = await self._checked_part(rnd, u, reply, f"owner {plan.group[owner]}")
             accepted = unit.state.offer(value)
         except (*_FAILURES, BadGradient) as exc:
@@ -304,7 +307,7 @@ class Averager:
                     pass
                 return
             request = Message(kind="repair", meta=self._meta(rnd, u, e=epoch))
-            timeout = min(self.options.repair_timeout_s, rnd.deadline - time.monotonic())
+            timeout = min(self.options.repair_timeout_s, rnd.deadline - self._clock())
             try:
                 reply = await self._ask(rnd, c, request, RAW, timeout)
                 value = await self._checked_part(rnd, u, reply, f"repairer {plan.group[c]}")
@@ -340,11 +343,11 @@ class Averager:
         state.raise_floor(epoch)
         inputs = [(rnd.me, rnd.vector[plan.units[u].span].clone(), rnd.weight)]
         # a peer that has not joined yet holds the probe until it does, by our gather time
-        hold = max(0.0, rnd.gather_at - time.monotonic())
+        hold = max(0.0, rnd.gather_at - self._clock())
         probe = Message(kind="probe", meta=self._meta(rnd, u, e=epoch, g=hold))
         # a hung peer must not take the round down: keep half the time left for the rest
         timeout = min(hold + self.options.probe_timeout_s,
-                      (rnd.deadline - time.monotonic()) / 2)
+                      (rnd.deadline - self._clock()) / 2)
 
         async def ask(k: int) -> Message | None:
             try:
@@ -383,7 +386,7 @@ class Averager:
 
     # ---- requests ------------------------------------------------------------------------
     def _meta(self, rnd: RoundState, u: int, **extra: Any) -> dict[str, Any]:
-        wait = max(0.0, rnd.deadline - time.monotonic())
+        wait = max(0.0, rnd.deadline - self._clock())
         return {"r": rnd.round_id, "d": rnd.digest, "u": u, "t": wait, **extra}
 
     async def _ask(self, rnd: RoundState, k: int, message: Message, codec: CodecSpec,
@@ -428,7 +431,7 @@ class Averager:
         request = parse_request(message.kind, message.meta, message.tensors,
                                 max_wait=self.options.max_wait_s)
         rnd = self._rounds.lookup(request.round_id, request.digest, message.kind, nbytes,
-                                  time.monotonic())
+                                  self._clock())
         if isinstance(request, Contribute):
             return await self._serve_contribute(rnd, request, peer, nbytes)
         if isinstance(request, Probe):

@@ -108,7 +108,10 @@ class StageSync:
                  on_diverged: Callable[[str, int], None] = lambda peer, step: None,
                  round_over: Callable[[], None] = lambda: None,
                  sources: Callable[[], list[Source]] = lambda: [],
-                 failed: Callable[[Exact], Awaitable[None]] | None = None) -> None:
+                 failed: Callable[[Exact], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: every time here is read from this clock (seconds, monotonic)
+        self._clock = clock
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -194,7 +197,7 @@ class StageSync:
         it considered."""
         if self.busy or self._closed:
             return False
-        now = time.monotonic()
+        now = self._clock()
         mates = self._recent.alive(self.mates(), now)
         if (self.trigger.leader(mates, now) if mates else None) == self._leader:
             return False
@@ -220,7 +223,7 @@ class StageSync:
     def _consider(self) -> None:
         if self.busy or self._closed:
             return
-        now = time.monotonic()
+        now = self._clock()
         live = self.mates()
         # the live mates and those a lagging view dropped but that spoke to us just now
         mates = self._recent.alive(live, now)
@@ -252,7 +255,7 @@ class StageSync:
             await asyncio.wait({self._round})
         if self.busy or self._closed or not self._holds_older(trainer, before):
             return self.step
-        now = time.monotonic()
+        now = self._clock()
         mates = self._recent.alive(self.mates(), now)
         if not mates:
             if self.trigger.samples > 0:
@@ -284,7 +287,7 @@ class StageSync:
 
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
-        now = time.monotonic()  # a mate that just failed us is not waited for again
+        now = self._clock()  # a mate that just failed us is not waited for again
         live = len(mates)
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
         left_out = Counter(suspected=live - len(mates))
@@ -448,7 +451,7 @@ class StageSync:
     def known_mates(self) -> dict[str, tuple[str, ...]]:
         """The peers taken as mates in rounds: the live mates now and those listed live within
         ``settings.mate_grace_s`` (``RecentMates``)."""
-        return self._recent.known(self.mates(), time.monotonic())
+        return self._recent.known(self.mates(), self._clock())
 
     # ---- messages ----------------------------------------------------------------------------
     async def _report(self, leader: str, addrs: tuple[str, ...]) -> None:
@@ -476,7 +479,7 @@ class StageSync:
             return None
         except TransportError as exc:
             log.info("stage %d: %s to %s failed (%s)", self.stage, kind, peer, exc)
-            self.trigger.suspect(peer, time.monotonic())
+            self.trigger.suspect(peer, self._clock())
             self.counters["mates_unreachable"] += 1
             return None
 
@@ -509,7 +512,7 @@ class StageSync:
         if peer not in mates:
             raise BadRoundMessage("not_a_mate", f"{peer} is not a live peer of stage "
                                                 f"{self.stage} here")
-        self._recent.heard(peer, time.monotonic())
+        self._recent.heard(peer, self._clock())
         if isinstance(request, Progress) and request.samples > self.max_samples:
             raise BadRoundMessage("bad_samples", f"{request.samples} samples at one step; "
                                                  f"at most {self.max_samples} are possible")
@@ -544,7 +547,7 @@ class StageSync:
         if strangers:
             raise BadRoundMessage("group_not_mates", f"{len(strangers)} of the group are not "
                                                      f"peers of stage {self.stage} here")
-        now = time.monotonic()
+        now = self._clock()
         if self.trigger.may_lead(peer, mates, now):
             return
         ahead = [p for p in mates if p < peer and self.trigger.suspects.get(p, 0.0) <= now]
@@ -564,7 +567,7 @@ class StageSync:
                     return True
         except (TransportError, TimeoutError):
             pass
-        self.trigger.suspect(peer, time.monotonic())
+        self.trigger.suspect(peer, self._clock())
         self.counters["mates_unreachable"] += 1
         return False
 

@@ -89,7 +89,10 @@ class StageKeeper:
                  mates_wait_s: float = MATES_WAIT_S,
                  announced_steps: Callable[[], dict[str, int]] | None = None,
                  weights_digest: Callable[[], Awaitable[tuple[int, str]]] | None = None,
-                 idle: IdleDrift | None = None) -> None:
+                 idle: IdleDrift | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: every time here is read from this clock (seconds, monotonic)
+        self._clock = clock
         self.host = host
         self.server = server
         self.stage = server.stage
@@ -206,8 +209,8 @@ class StageKeeper:
         peers = self.sources()
         if peers or not still_expected():
             return peers
-        deadline = time.monotonic() + self.mates_wait_s
-        while not peers and time.monotonic() < deadline and still_expected():
+        deadline = self._clock() + self.mates_wait_s
+        while not peers and self._clock() < deadline and still_expected():
             await asyncio.sleep(MATES_POLL_S)
             peers = self.sources()
         self._count("waited_for_mates")
@@ -281,9 +284,9 @@ class StageKeeper:
             return
         if self._catching_up is not None and not self._catching_up.done():
             return
-        if time.monotonic() - self._last_catch_up < CATCH_UP_GAP_S:
+        if self._clock() - self._last_catch_up < CATCH_UP_GAP_S:
             return
-        self._last_catch_up = time.monotonic()
+        self._last_catch_up = self._clock()
         self._catching_up = asyncio.create_task(self._catch_up(peer))
 
     def diverged(self, peer: str, step: int) -> None:
@@ -294,7 +297,7 @@ class StageKeeper:
         self._count("diverged")
         if self._catching_up is not None and not self._catching_up.done():
             return  # a download under way: what it brings is looked at again next round
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_catch_up < CATCH_UP_GAP_S or now - self._last_repair < REPAIR_GAP_S:
             self._count("diverged_deferred")
             return
@@ -312,7 +315,7 @@ class StageKeeper:
             await self._catch_up(peer, at_least=max(step, self.server.step))
         if self._counts.get("caught_up", 0) > taken:
             self._count("drift_repaired")
-            self._last_repair = time.monotonic()
+            self._last_repair = self._clock()
 
     async def _watch(self, announced: Callable[[], dict[str, int]]) -> None:
         """Every ``WATCH_S``: a mate whose announcement shows a later step than ours means we
@@ -326,7 +329,7 @@ class StageKeeper:
                 if steps[peer] > self.server.step:
                     self.behind(peer, steps[peer])
             if (self._weights_digest is not None and self._idle.due(self.server.step,
-                                                                    time.monotonic())
+                                                                    self._clock())
                     and (self._idle_check is None or self._idle_check.done())):
                 self._idle_check = asyncio.create_task(self._idle_drift())
 
@@ -474,7 +477,7 @@ class StageKeeper:
         waiters: set[asyncio.Future[Any]] = {saving}
         if hurry is not None:
             waiters.add(asyncio.ensure_future(hurry.wait()))
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = None if deadline is None else max(0.0, deadline - self._clock())
         try:
             done, _ = await asyncio.wait(waiters, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -510,7 +513,7 @@ class StageKeeper:
         async with self._saving:
             if self.server.step == self._saved_step:
                 return None
-            t0 = time.monotonic()
+            t0 = self._clock()
             state = await self.server.run_exclusive(self._capture)
             self._writer = in_thread(self._save_finite, state)
             try:
@@ -521,7 +524,7 @@ class StageKeeper:
                 return None
             except SaveAborted:
                 return None
-            self.last_save_s = time.monotonic() - t0
+            self.last_save_s = self._clock() - t0
             log.debug("stage %d: checkpoint of step %d saved in %.2f s", self.stage, state.step,
                       self.last_save_s)
             self._saved_step = state.step

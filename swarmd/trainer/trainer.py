@@ -149,13 +149,16 @@ class Trainer(TrainerCompute):
                  optim: OptimSettings | None = None,
                  rng: random.Random | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, optimizer: str = "adamw",
-                 clip_whole_model: bool = True) -> None:
+                 clip_whole_model: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``seam`` is the model (default: the built-in GPT of ``model_config``); ``parts`` the
         trainer's parts of it when already built, else built here from ``weights`` (its
         checkpoint; None: random initialisation); ``optim`` the ``[training]`` optimizer
         keys (default: ``optimizer`` at ``lr``). With float16, a dynamic loss scale.
         ``clip_whole_model``: in exact steps (``exact``), clip by the norm of the whole
         model's gradient (``training.grad_clip_scope = "model"``), else each part its own."""
+        #: every time here is read from this clock (seconds, monotonic)
+        self._clock = clock
         from swarmd.models.builtin import BuiltinGPT, BuiltinTrainer
 
         self.host = host
@@ -214,7 +217,7 @@ class Trainer(TrainerCompute):
         #: refused arrivals and other events, by reason
         self.counters: Counter[str] = Counter()
         self.router = Router(host, stage=0, protocol=self.proto["forward"], peers_of=peers_of,
-                             codec=codec, rng=rng, counters=self.counters)
+                             codec=codec, rng=rng, counters=self.counters, clock=clock)
         #: how long the last stages' peers held our backwards (their deadlines follow it)
         self.held = HeldTimes()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
@@ -322,7 +325,7 @@ class Trainer(TrainerCompute):
                 running -= finished
                 for task in finished:
                     loss, grads, life, samples = task.result()  # a lost microbatch raises
-                    window.completed(time.monotonic(), life)
+                    window.completed(self._clock(), life)
                     if stop:
                         continue
                     done += 1
@@ -405,7 +408,7 @@ class Trainer(TrainerCompute):
         if self._reports_missed:
             wait_s = min(REPORTS_MAX_S, max(REPORTS_AFTER_MISS_S,
                                             REPORTS_LAG_FACTOR * self._report_lag_s))
-        t0 = time.monotonic()
+        t0 = self._clock()
         others = False
         try:
             async with asyncio.timeout(wait_s):
@@ -428,7 +431,7 @@ class Trainer(TrainerCompute):
             self._not_exact(step)
             return None
         if self.board.complete(step):
-            self._report_lag_s = max(time.monotonic() - t0, 0.9 * self._report_lag_s)
+            self._report_lag_s = max(self._clock() - t0, 0.9 * self._report_lag_s)
         else:  # a report that comes later still tells the lag (``_on_step_report``)
             self._missed_at[step] = t0
             while len(self._missed_at) > self.board.keep:
@@ -440,7 +443,7 @@ class Trainer(TrainerCompute):
             if not self._reports_missed:
                 log.warning("not every stage reported step %d (waited %.1f s of %.0f): each "
                             "part of the model clips its own gradient until they do", step,
-                            time.monotonic() - t0, wait_s)
+                            self._clock() - t0, wait_s)
         else:
             self.counters["steps_exact"] += 1
             if coefficient is not None and coefficient < 1.0:
@@ -509,7 +512,7 @@ class Trainer(TrainerCompute):
     def _left_its_stage(self, step: int) -> bool:
         """Whether a peer that served ``step``'s microbatches at a stage that has not reported
         it is no longer listed at that stage (see ``REPORTS_POLL_S``); counted and said."""
-        now = time.monotonic()
+        now = self._clock()
         missing: dict[str, float] = {}
         for stage in self.board.missing(step):
             for peer in self._step_peers.get(stage, set()) - self.peers_of(stage).keys():
@@ -547,7 +550,7 @@ class Trainer(TrainerCompute):
         self._report_came.set()
         began = self._missed_at.get(report.step)
         if began is not None:  # a report the trainer stopped waiting for: how late it was
-            self._report_lag_s = max(self._report_lag_s, time.monotonic() - began)
+            self._report_lag_s = max(self._report_lag_s, self._clock() - began)
         if posted == Posted.NOT_OPEN or self.board.answered(report.step):
             return Message(**StepAnswer(coefficient=self.board.answer(report.step),
                                         progress=self.progress).wire())
@@ -624,7 +627,7 @@ class Trainer(TrainerCompute):
     async def _with_restarts(self, attempt: Callable[[], Awaitable[Any]]) -> Any:
         """``attempt()``, run again from the start when the chain broke (``restarted``); a
         stage with no peer taking work is waited for (``MISSING_STAGE_PATIENCE_S``)."""
-        failures, tries, patience = 0, 0, time.monotonic() + MISSING_STAGE_PATIENCE_S
+        failures, tries, patience = 0, 0, self._clock() + MISSING_STAGE_PATIENCE_S
         while failures < MAX_RESTARTS:
             if tries:
                 self.stats.restarted += 1
@@ -634,7 +637,7 @@ class Trainer(TrainerCompute):
             except InternalError:
                 raise
             except RESTARTABLE as exc:
-                if _stage_unavailable(exc) and time.monotonic() < patience:
+                if _stage_unavailable(exc) and self._clock() < patience:
                     # a stage has no peer that takes work right now: wait, do not give up
                     log.warning("a stage is unavailable (%s): waiting, then restarting", exc)
                     await asyncio.sleep(MISSING_POLL_S)
@@ -656,7 +659,7 @@ class Trainer(TrainerCompute):
     async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float
                        ) -> tuple[float, list[torch.Tensor], tuple[str, ...], float]:
         h, versions = await self._run(self._embed_kept, x)  # (B, T, width), keeps its graph
-        sent = time.monotonic()
+        sent = self._clock()
         mb = self._next_mb()
         tried: set[str] = set()  # the stage-0 peers it was sent to
         path: tuple[str, ...] = ()
@@ -678,7 +681,7 @@ class Trainer(TrainerCompute):
         except Exception:
             self._abandon(mb, tried | set(path))  # its restart runs under a new id
             raise
-        life = time.monotonic() - sent
+        life = self._clock() - sent
         g_emb = await self._run(self._embed_backward, x, h, versions, g_h)
         return loss, self._gradients(g_emb, g_head), path, life
 
@@ -747,17 +750,17 @@ class Trainer(TrainerCompute):
     async def _held_request(self, peer: str, kind: str, message: Message, nbytes: int) -> Any:
         """A request whose reply waits on the chain after ``peer``: its deadline follows how
         long that peer held the last ones (``swarmd.pipeline.held``; 60 s until measured)."""
-        t0 = time.monotonic()
+        t0 = self._clock()
         reply = await self.host.request(peer, self.proto[kind], message, codec=self.codec,
                                         timeout=self.held.deadline(self.router.links, peer,
                                                                    nbytes))
-        self.held.observe(peer, time.monotonic() - t0)
+        self.held.observe(peer, self._clock() - t0)
         return reply
 
     async def _send_stage0(self, message: Message, expected: _Expected) -> None:
-        deadline = time.monotonic() + MISSING_STAGE_PATIENCE_S
+        deadline = self._clock() + MISSING_STAGE_PATIENCE_S
         await self._wait_for_stages(deadline)
-        await self.router.send(message, timeout=max(0.0, deadline - time.monotonic()),
+        await self.router.send(message, timeout=max(0.0, deadline - self._clock()),
                                wait=True, on_attempt=expected.first.add)
 
     async def _wait_for_stages(self, deadline: float) -> None:
@@ -768,7 +771,7 @@ class Trainer(TrainerCompute):
             self.stats.missing_stage = missing[0] if missing else None
             if not missing:
                 return
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise StageUnavailable(f"stage {missing[0]} has no peer")
             if missing[0] != said:
                 log.warning("waiting: stage %s has no live peer", missing[0])
