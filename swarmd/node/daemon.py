@@ -72,10 +72,13 @@ class Started:
 class Daemon:
     """The daemon's state and its ``DaemonApi`` (what the HTTP API and CLI read)."""
 
-    def __init__(self, options: JoinOptions) -> None:
+    def __init__(self, options: JoinOptions,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        #: every time here is read from this clock (seconds, monotonic)
+        self._clock = clock
         self.options = options
         self.config = options.config
-        self.started_at = time.monotonic()
+        self.started_at = clock()
         #: the lifecycle state (``swarmd.peer_states``), moved only through ``_enter``
         self.peer_state = PeerState.JOINING
         self.stage = options.stage
@@ -145,7 +148,7 @@ class Daemon:
             counters.update(self.nat.dialback.counters)
         return StatusInfo(
             peer_id=self.host.peer_id, swarm=self.config.swarm.name, version=__version__,
-            stage=self.stage, state=self.state, uptime_s=time.monotonic() - self.started_at,
+            stage=self.stage, state=self.state, uptime_s=self._clock() - self.started_at,
             connected_peers=len(await self.host.connected_peers()), throughput=throughput,
             queue=queue, counters=counters,
             histograms=({k: v.to_json() for k, v in self.stage_server.histograms.snapshot().items()}
@@ -157,8 +160,8 @@ class Daemon:
             links=self._links_status(),
             limits=limits_status(self.config, self.host, self.stage_server,
                                  self._upload_left),
-            grace_left_s=self.budget.left(time.monotonic()) if self.budget else None,
-            trainers=trainer_rows(self.trainers.series(), time.monotonic(), curves=False),
+            grace_left_s=self.budget.left(self._clock()) if self.budget else None,
+            trainers=trainer_rows(self.trainers.series(), self._clock(), curves=False),
             **self._manifest_status())
 
     def _manifest_status(self) -> dict[str, str]:
@@ -197,12 +200,12 @@ class Daemon:
         server = self.stage_server
         wiring = server.wiring if server is not None else None
         return peer_rows(set(connected), known,
-                         wiring.snapshot(time.monotonic()) if wiring is not None else [],
+                         wiring.snapshot(self._clock()) if wiring is not None else [],
                          server.handlers.budgets.refused_by_peer if server is not None else {},
                          addrs_of=self._addrs_of)
 
     def training(self) -> TrainingInfo:
-        return TrainingInfo(trainers=trainer_rows(self.trainers.series(), time.monotonic(),
+        return TrainingInfo(trainers=trainer_rows(self.trainers.series(), self._clock(),
                                                   curves=True))
 
     async def stop(self) -> None:
@@ -211,7 +214,7 @@ class Daemon:
     def request_stop(self) -> None:
         """The first request begins a graceful stop within ``node.shutdown_grace_s``; the
         second stops at once."""
-        what, now = self._stop_requests.request(), time.monotonic()
+        what, now = self._stop_requests.request(), self._clock()
         if what == BEGIN:
             keeper = self.keeper
             self.budget = plan_stop(self.config.node.shutdown_grace_s, now=now,
@@ -298,9 +301,9 @@ class Daemon:
         http, home = self.config.http, self.options.home
         membership = MembershipService(self.host, identity, self.config, self._local,
                                        manifest=swarm_manifest(self.config).hash,
-                                       interfaces=interface_ips)
+                                       interfaces=interface_ips, clock=self._clock)
         averager = Averager(self.host, protocol_id(self.config.swarm.name),
-                            addrs_of=self._addrs_of)
+                            addrs_of=self._addrs_of, clock=self._clock)
         nat = NatService(self.host, membership, self.config)
         serve_model_info(self.host, self.config.swarm.name, self.config.swarm.model,
                          model_fingerprint_of(self.config))
@@ -370,7 +373,7 @@ class Daemon:
         return True
 
     def _since_stop(self) -> float:
-        return time.monotonic() - self.budget.started_at if self.budget is not None else 0.0
+        return self._clock() - self.budget.started_at if self.budget is not None else 0.0
 
     async def _go_online(self, tasks: asyncio.TaskGroup, http_url: str,
                          on_started: Callable[[Started], None] | None) -> None:
@@ -565,13 +568,13 @@ class Daemon:
             check_period_s=b.check_period_s, confirm_period_s=b.confirm_period_s))
         fits = await asyncio.to_thread(stages_that_fit, self.config, self._dtype)
         while True:
-            now = time.monotonic()
+            now = self._clock()
             await asyncio.sleep(max(0.0, self.balancer.next_check_at(now, self._rng) - now))
             if self.peer_state is not PeerState.ONLINE or self.stage_server is None:
                 self.balancer.reset()
                 continue
             load = SwarmLoad.from_view(self.config.swarm.stages, self.membership.swarm_info())
-            target = self.balancer.check(load, time.monotonic(), fits)
+            target = self.balancer.check(load, self._clock(), fits)
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
                 await self._migrate(target)
@@ -590,7 +593,7 @@ class Daemon:
         self._enter(PeerState.MIGRATING)
         self.stage = target
         self.membership.changed()
-        t0 = time.monotonic()
+        t0 = self._clock()
         if self.stage_server is not None:
             self._throughput_hint = self.stage_server.throughput
             self._moving_throughput = announced_throughput(self.config, self.stage_server)
@@ -602,8 +605,8 @@ class Daemon:
         if not self._enter(PeerState.ONLINE, unless_leaving=True):
             return
         self.membership.changed()
-        self.last_migration = {"from": old, "to": target, "at": time.monotonic(),
-                               "seconds": time.monotonic() - t0}
+        self.last_migration = {"from": old, "to": target, "at": self._clock(),
+                               "seconds": self._clock() - t0}
         log.info("moved from stage %s to stage %d in %.1f s", old, target,
                  self.last_migration["seconds"])
 
