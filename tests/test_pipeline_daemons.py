@@ -158,10 +158,22 @@ def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
     wait_until(lambda: d1.get("/api/v0/stage")["step"] >= 2 or errors, 120,
                "the first trainer's steps")
     threads[1].start()
+    # the metrics endpoint answers while the stage computes for two trainers: it never waits
+    # for the compute thread (a scrape's deadline, 5 s; the slowest is printed)
+    import urllib.request
+    scrapes, slowest = 0, 0.0
+    while threads[1].is_alive() and scrapes < 20:
+        t0 = time.monotonic()
+        with urllib.request.urlopen(d1.url + "/metrics", timeout=5) as reply:
+            assert reply.status == 200 and b"swarmd_up 1.0" in reply.read()
+        slowest, scrapes = max(slowest, time.monotonic() - t0), scrapes + 1
+        threads[1].join(0.5)
+    print(f"metrics under load: {scrapes} scrapes, slowest {slowest:.3f} s")
     for t in threads:
         t.join(240)
     assert not errors, errors
     assert len(results) == 2
+    assert scrapes >= 3
     for r in results:
         assert r.lost == 0 and r.final_val_loss < r.initial_val_loss
     first, second = sorted(results, key=lambda r: r.parts_from != "own")
@@ -194,7 +206,6 @@ def test_two_trainers_feed_one_swarm(two_stages: Any) -> None:
     assert times["hop_seconds.forward"]["count"] >= 15 * config.training.microbatches, times
     assert times["step_seconds"]["count"] >= 9, times
     assert status["histograms"]["step_seconds"]["count"] >= 9, status["histograms"]
-    import urllib.request
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(d0.url + "/metrics", timeout=15) as reply:
         families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
