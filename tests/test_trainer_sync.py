@@ -173,3 +173,30 @@ def test_a_trainer_alone_keeps_its_gradient_without_a_round() -> None:
     trainer = _trainer(torch.float32)
     sync = _grad_sync(trainer, {})
     assert asyncio.run(sync.average_gradient(8)) == 8
+
+
+def test_every_weights_every_th_gradient_round_averages_the_weights_too() -> None:
+    """Parts that drifted apart (a round missed) come back together: that round's vector is
+    the gradient and the weights, and both are set from the average before the step."""
+    from swarmd.trainer.trainer_sync import WEIGHTS_EVERY
+
+    trainer = _trainer(torch.float32)
+    sync = _grad_sync(trainer, {"other": ("/ip4/127.0.0.1/tcp/1",)})
+    sync.sync.took_state(WEIGHTS_EVERY - 1, 0)
+    n = sum(p.numel() for p in trainer.params)
+    before = torch.cat([p.detach().flatten() for p in trainer.params])
+    for p in trainer.params:
+        p.grad = torch.full_like(p, 2.0)
+
+    async def scenario() -> tuple[int | None, torch.Tensor]:
+        waiting = asyncio.ensure_future(sync.average_gradient(8))
+        await asyncio.sleep(0)
+        vector, _ = await sync._snapshot()
+        await sync._apply(torch.cat([torch.full((n,), 0.5), torch.full((n,), 3.0)]))
+        return await waiting, vector
+
+    total, vector = asyncio.run(scenario())
+    assert total == 16 and vector.numel() == 2 * n
+    assert torch.equal(vector[:n], torch.full((n,), 2.0)) and torch.equal(vector[n:], before)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in trainer.params)
+    assert all(torch.equal(p.detach(), torch.full_like(p, 3.0)) for p in trainer.params)

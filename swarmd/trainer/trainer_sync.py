@@ -15,7 +15,9 @@ module) are a stage of their own, ``TRAINERS_STAGE``, run by the machinery of a 
   target) averages the parts' mean *gradients* of the step; every trainer then steps on the
   average, so their parts stay one model, stepped once per target batch as the stages are.
   A round that does not come in time (a trainer gone, views that differ) leaves that step to
-  each trainer's own gradient (``gradient_rounds_missed``).
+  each trainer's own gradient (``gradient_rounds_missed``), and their parts then differ a
+  little: every ``WEIGHTS_EVERY``-th round averages the parts' weights as well (the same
+  all-reduce, the weights appended to the gradient), which brings them back together.
 - **Averaging weights** (the pipelined schedule). After every step a trainer reports its
   samples; rounds average the parts' *weights* — the float32 masters under mixed precision.
   Trainers step at their own pace, so averaging weights rather than gradients keeps one
@@ -60,6 +62,8 @@ TRAINER_STATE_FETCH_TIMEOUT_S = 120.0
 GRADIENT_WAIT_S = 60.0
 GRADIENT_AFTER_MISS_S = 10.0
 GRADIENT_POLL_S = 0.5
+#: every this many gradient rounds also average the parts' weights (``_grad_snapshot``)
+WEIGHTS_EVERY = 16
 
 
 class TrainerSync:
@@ -191,11 +195,19 @@ class TrainerSync:
         self._missed = False
         return total
 
+    def _with_weights(self) -> bool:
+        """Whether this round averages the weights too: decided from the round's number,
+        which every member of a round shares, so their vectors have one length."""
+        return self.sync.step % WEIGHTS_EVERY == WEIGHTS_EVERY - 1
+
     async def _grad_snapshot(self) -> tuple[torch.Tensor, int]:
+        weights = self._with_weights()
         if self._pending is None or self._pending.done():  # not waiting: nothing to add
-            vector = await self.trainer._run(lambda: torch.zeros(self._numel()))
-            return vector, 0
+            n = self._numel() * (2 if weights else 1)
+            return await self.trainer._run(lambda: torch.zeros(n)), 0
         vector = await self.trainer._run(self._gradient)
+        if weights:
+            vector = torch.cat([vector, await self.trainer._run(self._weights)])
         samples, self._samples = max(1, self._samples), 0
         return vector, samples
 
@@ -204,7 +216,10 @@ class TrainerSync:
         if pending is None or pending.done():  # the trainer gave up on this round
             self._count("gradient_rounds_late")
             return
-        await self.trainer._run(self._set_gradient, vector)
+        n = self._numel()
+        await self.trainer._run(self._set_gradient, vector[:n])
+        if vector.numel() > n:  # the weights too (``WEIGHTS_EVERY``), before the step
+            await self.trainer._run(self._set_weights, vector[n:], None)
         self._count("gradients_averaged")
         pending.set_result(self.sync.trigger.target)
 
