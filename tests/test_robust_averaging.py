@@ -173,7 +173,9 @@ async def train_swarm(aggregator: str, *, peers: tuple[Corruption, ...] = PEERS,
         applied = _record_steps(servers[0])
         trainer = Trainer(trainer_host, **common)
         cycle = itertools.cycle([h.peer_id for h in stage_hosts])
-        trainer.wiring.choose = lambda kind, samples, now, rng: next(cycle)  # type: ignore
+        # (a hedge under load asks for another peer than those it excludes)
+        trainer.wiring.choose = lambda kind, samples, now, rng, exclude=(): next(  # type: ignore
+            p for p in cycle if p not in exclude)
         trainer.start()
         stack.callback(trainer.close)
 
