@@ -14,6 +14,20 @@ from swarmd.trainer.trainer_sync import TRAINERS_STAGE, TrainerSync
 
 class _Host:
     peer_id = "me"
+    #: the peers connected now (``connected_peers``)
+    connected: list[str] = []
+
+    async def connected_peers(self) -> list[str]:
+        return list(self.connected)
+
+    async def connect(self, peer: str, addrs: Any = (), *, timeout: float = 5.0) -> None:
+        if peer not in self.connected:
+            raise ConnectionError(f"{peer} cannot be dialed")
+
+    async def ping(self, peer: str, *, timeout: float = 5.0) -> float:
+        if peer not in self.connected:
+            raise ConnectionError(f"{peer} does not answer")
+        return 0.001
 
     def set_request_handler(self, *a: Any, **k: Any) -> None:
         pass
@@ -200,3 +214,40 @@ def test_every_weights_every_th_gradient_round_averages_the_weights_too() -> Non
     assert torch.equal(vector[:n], torch.full((n,), 2.0)) and torch.equal(vector[n:], before)
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in trainer.params)
     assert all(torch.equal(p.detach(), torch.full_like(p, 3.0)) for p in trainer.params)
+
+
+def test_a_trainer_that_disconnects_while_the_round_is_waited_for_is_not_waited_for() -> None:
+    """A killed trainer stays in the view until its announcement expires; once the round is
+    late the others probe it (dial and ping), and the step goes on without it, not after the
+    minute a missing share would cost."""
+    from swarmd.trainer.trainer_sync import GRADIENT_POLL_S
+
+    trainer = _trainer(torch.float32)
+    sync = _grad_sync(trainer, {"other": ("/ip4/127.0.0.1/tcp/1",)})
+    host = sync.host
+    host.connected = ["other"]
+    for p in trainer.params:
+        p.grad = torch.full_like(p, 2.0)
+
+    async def scenario() -> tuple[int | None, float]:
+        waiting = asyncio.ensure_future(sync.average_gradient(8))
+        await asyncio.sleep(GRADIENT_POLL_S / 2)
+        host.connected = []  # the other trainer died
+        t0 = asyncio.get_running_loop().time()
+        total = await asyncio.wait_for(waiting, 30)
+        return total, asyncio.get_running_loop().time() - t0
+
+    total, _ = asyncio.run(scenario())
+    assert total is None
+    assert sync.counters["gradient_rounds_mate_gone"] == 1
+    assert sync.counters["gradient_rounds_missed"] == 1
+
+
+def test_a_trainer_in_view_that_cannot_be_dialed_is_not_waited_for() -> None:
+    trainer = _trainer(torch.float32)
+    sync = _grad_sync(trainer, {"other": ("/ip4/127.0.0.1/tcp/1",)})
+    sync.host.connected = []  # killed before this step: no connection, no dial
+    for p in trainer.params:
+        p.grad = torch.full_like(p, 2.0)
+    assert asyncio.run(asyncio.wait_for(sync.average_gradient(8), 30)) is None
+    assert sync.counters["gradient_rounds_mate_gone"] == 1

@@ -64,6 +64,8 @@ REPORT_WAIT_S = 75.0
 FAILED_REPORT_S = 5.0
 #: how long a flush waits for the round in progress and the one it calls
 FLUSH_WAIT_S = 60.0
+#: a step of several trainers: how long the others' answers are waited for after the first
+REPORT_OTHERS_S = 10.0
 
 __all__ = ["StageServer", "MAX_QUEUE", "MAX_BATCH", "HOP_TIMEOUT_S", "DRAIN_S",
            "hop_seconds", "protocols"]
@@ -284,9 +286,18 @@ class StageServer:
         cannot be asked, or they disagree (``step_reports_disagree``)."""
         if not exact:
             return None
-        answers = await asyncio.gather(*(self._report_one(trainer, step, sqnorm, samples,
-                                                          failed)
-                                         for trainer, step in exact))
+        asks = [asyncio.ensure_future(self._report_one(trainer, step, sqnorm, samples, failed))
+                for trainer, step in exact]
+        # the trainers of one step answer together (each once every part reported); one that
+        # does not within REPORT_OTHERS_S of the first has died or left: not waited for
+        done, pending = await asyncio.wait(asks, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            more, pending = await asyncio.wait(pending, timeout=REPORT_OTHERS_S)
+            done |= more
+            for task in pending:
+                task.cancel()
+            self.counters["step_reports_unanswered"] += len(pending)
+        answers = [t.result() for t in done]
         if failed or any(a is None for a in answers):
             return None
         coefficients = [a for a in answers if a is not None]

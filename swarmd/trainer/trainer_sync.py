@@ -62,6 +62,11 @@ TRAINER_STATE_FETCH_TIMEOUT_S = 120.0
 GRADIENT_WAIT_S = 60.0
 GRADIENT_AFTER_MISS_S = 10.0
 GRADIENT_POLL_S = 0.5
+#: once the round is this many polls late, every mate is dialed and pinged (again each time
+#: the last probe ended), each within ``PROBE_S``: one that fails is gone, not waited for (a
+#: killed trainer stays in the view until its announcement expires, up to a minute)
+PROBE_POLLS = 2
+PROBE_S = 5.0
 #: every this many gradient rounds also average the parts' weights (``_grad_snapshot``)
 WEIGHTS_EVERY = 16
 
@@ -172,6 +177,10 @@ class TrainerSync:
         self._samples = samples
         self.sync.progressed(samples)
         wait_s = GRADIENT_AFTER_MISS_S if self._missed else GRADIENT_WAIT_S
+        # a mate that fails a probe, or the round's messages (suspected), has died
+        addrs_of = self.mates()
+        probes: dict[str, asyncio.Task[bool]] = {}
+        polls = 0
         try:
             async with asyncio.timeout(wait_s):
                 while True:  # a trainer that left (or came) changes the step: not waited for
@@ -181,6 +190,19 @@ class TrainerSync:
                         break
                     if set(self.mates()) != mates:
                         raise TimeoutError("the trainers changed")
+                    polls += 1
+                    if polls % PROBE_POLLS == 0:  # the round is late: is every mate alive?
+                        for peer in mates:
+                            if peer not in probes or (probes[peer].done()
+                                                      and probes[peer].result()):
+                                probes[peer] = asyncio.ensure_future(
+                                    self._alive(peer, addrs_of.get(peer, ())))
+                    dead = sorted(p for p, probe in probes.items()
+                                  if probe.done() and not probe.result())
+                    dead += sorted(p for p in mates if self.sync.suspected(p))
+                    if dead:
+                        self._count("gradient_rounds_mate_gone")
+                        raise TimeoutError(f"trainer {dead[0]} is gone")
         except TimeoutError:
             self._count("gradient_rounds_missed")
             if not self._missed:
@@ -189,11 +211,22 @@ class TrainerSync:
             self._missed = True
             return None
         finally:
+            for probe in probes.values():
+                probe.cancel()
             self._pending, self._samples = None, 0
             if not self.sync.busy:
                 self.sync.trigger.samples = 0
         self._missed = False
         return total
+
+    async def _alive(self, peer: str, addrs: tuple[str, ...]) -> bool:
+        """Whether ``peer`` can be dialed and answers a ping (each within ``PROBE_S``)."""
+        try:
+            await self.host.connect(peer, addrs, timeout=PROBE_S)
+            await self.host.ping(peer, timeout=PROBE_S)
+            return True
+        except Exception:  # a failed dial or ping: a trainer announced but gone
+            return False
 
     def _with_weights(self) -> bool:
         """Whether this round averages the weights too: decided from the round's number,
