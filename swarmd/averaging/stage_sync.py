@@ -267,10 +267,6 @@ class StageSync:
             await asyncio.wait({self._round})
         return self.step
 
-    def suspected(self, peer: str) -> bool:
-        """Whether a message to ``peer`` failed lately (it is passed over as leader)."""
-        return self.trigger.suspects.get(peer, 0.0) > self._clock()
-
     def _holds_older(self, trainer: str, before: int) -> bool:
         pairs = list(self._sources())
         for step, sources in self._mate_sources.values():

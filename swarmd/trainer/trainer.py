@@ -540,8 +540,10 @@ class Trainer(TrainerCompute):
         if peer not in self.peers_of(report.stage):
             self.counters["refused.report_sender"] += 1
             raise NotOnPath("sender", f"{peer} is not a peer of stage {report.stage} here")
-        if not self.exact or self._trainers_changed() or not (
-                self.step - self.board.keep < report.step <= self.step):
+        # (a change of the trainers in view is for ``_reported`` to judge: a view that loses
+        # a trainer for a moment must not turn a whole step's report away, which the stage
+        # never sends again: the step would wait ``REPORTS_MAX_S`` for it)
+        if not self.exact or not (self.step - self.board.keep < report.step <= self.step):
             self.counters["reports_not_exact"] += 1
             return Message(**StepAnswer(coefficient=None, progress=self.progress).wire())
         posted = (self.board.fail(report.step) if report.failed else self.board.post(

@@ -177,7 +177,7 @@ class TrainerSync:
         self._samples = samples
         self.sync.progressed(samples)
         wait_s = GRADIENT_AFTER_MISS_S if self._missed else GRADIENT_WAIT_S
-        # a mate that fails a probe, or the round's messages (suspected), has died
+        # a mate that fails a probe (dial and ping) has died
         addrs_of = self.mates()
         probes: dict[str, asyncio.Task[bool]] = {}
         polls = 0
@@ -197,9 +197,10 @@ class TrainerSync:
                                                       and probes[peer].result()):
                                 probes[peer] = asyncio.ensure_future(
                                     self._alive(peer, addrs_of.get(peer, ())))
+                    # (a failed round message alone is no proof: on a loaded machine a live
+                    # mate's reply can be late; a failed dial or ping is)
                     dead = sorted(p for p, probe in probes.items()
                                   if probe.done() and not probe.result())
-                    dead += sorted(p for p in mates if self.sync.suspected(p))
                     if dead:
                         self._count("gradient_rounds_mate_gone")
                         raise TimeoutError(f"trainer {dead[0]} is gone")
