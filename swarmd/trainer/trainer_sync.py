@@ -204,11 +204,12 @@ class TrainerSync:
                     if dead:
                         self._count("gradient_rounds_mate_gone")
                         raise TimeoutError(f"trainer {dead[0]} is gone")
-        except TimeoutError:
+        except TimeoutError as exc:
             self._count("gradient_rounds_missed")
             if not self._missed:
                 log.warning("the other trainers did not average this step's gradient with this "
-                            "one within %.0f s: stepping on its own", wait_s)
+                            "one (%s): stepping on its own",
+                            str(exc) or f"no round within {wait_s:.0f} s")
             self._missed = True
             return None
         finally:
