@@ -386,10 +386,10 @@ class _SyncPort:
     async def step_alone(self) -> None:
         s = self._s
         pairs = s.handlers.sources.take()
-        sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
-        exact = exact_step(pairs, samples, s.sync.trigger.target) or ()
+        exact = exact_step(pairs, s.worker.samples_accumulated, s.sync.trigger.target) or ()
         coefficient = None
-        if exact:
+        if exact:  # the gradient's norm only for a step that is reported
+            sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
             coefficient = await s.report_step(exact, sqnorm, samples)
         await s.gate.between(s.stepper.step_alone, coefficient)
 
