@@ -477,6 +477,9 @@ def test_a_silent_liar_claiming_1e12_at_stage_1_costs_hedges_not_deadlines(liars
     assert stats.routes[1].keys() == {honest}  # every path went through the honest peer
     assert s0.get("hedge_slow", 0) >= 1  # a peer that keeps losing is marked slow
     assert tc.get("hedged", 0) == 0  # one stage-0 peer: the trainer had nobody to hedge to
+    # every step's reports came (a backward's source once landed in the stage's next step:
+    # that stage step was not exact, and the trainer waited 60 s for its report)
+    assert tc.get("reports_missed", 0) == 0
 
 
 def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() -> None:

@@ -48,6 +48,26 @@ def test_gradients_accumulate_until_zeroed() -> None:
     assert w.samples_accumulated == 0 and all(p.grad is None for p in w.module.parameters())
 
 
+
+def test_a_backwards_source_is_counted_with_its_samples_and_taken_with_the_gradient() -> None:
+    """The (trainer, step) of a backward joins the worker's sources in the very call that adds
+    its samples (the compute thread): a batch's members count together once it ran, never
+    one before its samples or after the step that took its gradient."""
+    w = StageWorker(blocks(0), width=W, max_tokens=100)
+    w.forward_many([("a", torch.randn(2, 3, W)), ("b", torch.randn(2, 3, W))], now=0.0)
+    assert w.backward_joined("a", torch.ones(2, 3, W), now=0.0, source=("T", 0)) is None
+    assert w.accumulated() == ([], 0)  # waits for its batch: neither samples nor source yet
+    w.backward_joined("b", torch.ones(2, 3, W), now=0.0, source=("T", 0))
+    assert w.accumulated() == ([("T", 0)], 4)
+    w.forward("c", torch.randn(2, 3, W), now=0.0)
+    w.backward_joined("c", torch.ones(2, 3, W), now=0.0, source=("U", 5))
+    assert w.accumulated() == ([("T", 0), ("U", 5)], 6)
+    w.zero_grad()  # the step took the gradient: its sources went with it
+    assert w.accumulated() == ([], 0)
+    w.forward("d", torch.randn(2, 3, W), now=0.0)
+    w.backward("d", torch.ones(2, 3, W), now=0.0)  # no source given: samples only
+    assert w.accumulated() == ([], 2)
+
 @pytest.mark.parametrize("x, reason", [
     (torch.randn(2, 3, W + 1), "shape"),
     (torch.randn(2, W), "shape"),

@@ -165,10 +165,13 @@ class Batcher:
         return results
 
     # ---- backward --------------------------------------------------------------------------
-    async def backward(self, mb: str, grad: torch.Tensor) -> torch.Tensor:
-        """Backward of ``mb``; a microbatch forwarded in a batch waits (at most
-        ``JOIN_WAIT_S``) for the rest of its batch, so the batch is back-propagated once."""
-        done = await self.compute.run(self.worker.backward_joined, mb, grad, self._clock())
+    async def backward(self, mb: str, grad: torch.Tensor,
+                       source: tuple[str, int] | None = None) -> torch.Tensor:
+        """Backward of ``mb`` (for ``source``, the trainer and its step); a microbatch
+        forwarded in a batch waits (at most ``JOIN_WAIT_S``) for the rest of its batch, so
+        the batch is back-propagated once."""
+        done = await self.compute.run(self.worker.backward_joined, mb, grad, self._clock(),
+                                      source)
         if done is None:
             future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
             self._joined[mb] = future

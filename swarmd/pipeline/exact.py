@@ -32,6 +32,7 @@ After the coefficient scales a part's gradient, its own clipping (``SwarmOptimiz
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -54,32 +55,44 @@ Source = tuple[str, int]
 @dataclass(slots=True)
 class Sources:
     """The (trainer, trainer step) pairs of the samples a stage peer accumulated since its
-    last step (at most ``MAX_SOURCES``; more is as good as many: not exact)."""
+    last step (at most ``MAX_SOURCES``; more is as good as many: not exact).
+
+    The worker adds a backward's pair in the compute thread, in the same call that adds its
+    samples, and the step takes them with the gradient: the event loop only reads
+    (``peek``), under the lock. (Added in the loop after the backward, a pair could miss the
+    step whose gradient held it and land in the next: both steps not exact, and the trainer
+    waited ``REPORTS_MAX_S`` for a report that never came.)"""
 
     _seen: set[Source] = field(default_factory=set)
     #: more pairs were seen than kept
     overflowed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, trainer: str, step: int) -> None:
-        if (trainer, step) in self._seen:
-            return
-        if len(self._seen) >= MAX_SOURCES:
-            self.overflowed = True
-            return
-        self._seen.add((trainer, step))
+        with self._lock:
+            if (trainer, step) in self._seen:
+                return
+            if len(self._seen) >= MAX_SOURCES:
+                self.overflowed = True
+                return
+            self._seen.add((trainer, step))
 
     def peek(self) -> list[Source]:
         """The pairs held, sorted; one more than ``MAX_SOURCES`` pairs when it overflowed
         (so that a reader never takes it for exact)."""
-        out = sorted(self._seen)
-        return out + [("", -1)] if self.overflowed else out
+        with self._lock:
+            out = sorted(self._seen)
+            return out + [("", -1)] if self.overflowed else out
 
     def take(self) -> list[Source]:
         """``peek()``, and start over (the peer stepped)."""
-        out = self.peek()
-        self._seen.clear()
-        self.overflowed = False
-        return out
+        with self._lock:
+            out = sorted(self._seen)
+            if self.overflowed:
+                out.append(("", -1))
+            self._seen.clear()
+            self.overflowed = False
+            return out
 
 
 def clip_coefficient(sqnorms: Iterable[float], clip: float) -> float:

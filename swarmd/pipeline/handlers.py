@@ -42,7 +42,6 @@ from swarmd.errors import (
 )
 from swarmd.pipeline.batching import Batcher, Compute, Throughput
 from swarmd.pipeline.budgets import PeerBudgets, Ticket, message_bytes
-from swarmd.pipeline.exact import Sources
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.messages import (
     Expect,
@@ -124,8 +123,6 @@ class PipelineHandlers:
         self.links = links_for(host)
         self.last = expect.stage == expect.num_stages - 1
         self.reached = reached
-        #: the trainer steps of the samples accumulated since the last optimizer step
-        self.sources = Sources()
         self.trainers = trainers if trainers is not None else TrainerBook()
 
     # ---- budgets ---------------------------------------------------------------------------
@@ -295,7 +292,7 @@ class PipelineHandlers:
                             f"to, not {peer}")
         if self.optimizer is not None:
             self.optimizer.scale = bwd.scale  # gradients accumulate scaled; the step unscales
-        gx = await self.batcher.backward(bwd.mb, bwd.grad)
+        gx = await self.batcher.backward(bwd.mb, bwd.grad, (route.trainer, route.step))
         overflow = bwd.overflow or not bool(torch.isfinite(gx).all())
         if overflow:  # float16: poison this step (so the stage skips it) and pass on zeros
             self.counters["grad_overflow"] += 1
@@ -304,7 +301,6 @@ class PipelineHandlers:
         self._routes.pop(bwd.mb, None)
         self.shares.answered(route.trainer, self._clock())
         self.counters["backward"] += 1
-        self.sources.add(route.trainer, route.step)
         self.progressed(self.worker.samples_accumulated)
         if stage == 0:
             await self.to_trainer(route.trainer, "grad", Message(

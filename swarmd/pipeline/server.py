@@ -153,7 +153,7 @@ class StageServer:
             give_back=port.give_back, on_behind=on_behind or (lambda peer, step: None),
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
             digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None),
-            round_over=self.gate.round_over, sources=self.handlers.sources.peek,
+            round_over=self.gate.round_over, sources=self.worker.sources.peek,
             failed=self.step_failed)
 
     def start(self) -> None:
@@ -350,11 +350,16 @@ class _SyncPort:
 
     async def snapshot(self) -> tuple[torch.Tensor, int]:
         if self._s.gate.drain_steps:  # closed and drained until the round's step (Gate)
-            taken = await self._s.gate.hold_for_round(self._s._take_gradient)
+            vector, samples, self._sources = await self._s.gate.hold_for_round(self._take)
         else:
-            taken = await self._s.compute.run(self._s._take_gradient)
-        self._sources = self._s.handlers.sources.take()
-        return taken
+            vector, samples, self._sources = await self._s.compute.run(self._take)
+        return vector, samples
+
+    def _take(self) -> tuple[torch.Tensor, int, list[tuple[str, int]]]:
+        """In the compute thread: the gradient and the sources of its samples, together."""
+        sources = self._s.worker.sources.peek()
+        vector, samples = self._s._take_gradient()
+        return vector, samples, sources
 
     async def apply(self, vector: torch.Tensor, exact: Exact) -> None:
         """Step with the round's mean gradient, scaled by the whole model's clipping
@@ -374,7 +379,7 @@ class _SyncPort:
         await self._s.compute.run(self._s.stepper.give_back, vector, samples)
         for trainer, step in self._sources:  # the round failed: their sources are back too
             if trainer:
-                self._s.handlers.sources.add(trainer, step)
+                self._s.worker.sources.add(trainer, step)
 
     def samples_now(self) -> int:
         return self._s.worker.samples_accumulated
@@ -385,8 +390,8 @@ class _SyncPort:
 
     async def step_alone(self) -> None:
         s = self._s
-        pairs = s.handlers.sources.take()
-        exact = exact_step(pairs, s.worker.samples_accumulated, s.sync.trigger.target) or ()
+        pairs, samples = await s.compute.run(s.worker.accumulated)  # one instant
+        exact = exact_step(pairs, samples, s.sync.trigger.target) or ()
         coefficient = None
         if exact:  # the gradient's norm only for a step that is reported
             sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)

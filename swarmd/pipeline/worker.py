@@ -38,6 +38,7 @@ from torch.func import functional_call
 
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
 from swarmd.models.gpt import to_device, wire_tensor
+from swarmd.pipeline.exact import Source, Sources
 
 #: a microbatch whose backward comes more than this many optimizer steps after its forward
 #: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept
@@ -75,6 +76,8 @@ class _Saved:
     #: gradients arrived so far; members that will never send one (forgotten)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
+    #: microbatch id -> the (trainer, trainer step) its backward came for
+    sources: dict[str, Source] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -130,6 +133,8 @@ class StageWorker:
         self.slowest_backward_s = 0.0
         #: samples whose gradients are accumulated in the parameters' .grad since the last take
         self.samples_accumulated = 0
+        #: the trainer steps those samples came from, counted with them (``Sources``)
+        self.sources = Sources()
         #: the sum over those of (samples x the step their forward ran at): with ``steps``,
         #: their lateness (``late_samples``)
         self.forward_steps = 0
@@ -313,10 +318,11 @@ class StageWorker:
             raise BadActivation("batched", f"microbatch {mb_id!r} waits for its batch")
         return done[mb_id]
 
-    def backward_joined(self, mb_id: str, grad: torch.Tensor, now: float
-                        ) -> dict[str, torch.Tensor] | None:
+    def backward_joined(self, mb_id: str, grad: torch.Tensor, now: float,
+                        source: Source | None = None) -> dict[str, torch.Tensor] | None:
         """Take ``grad`` for ``mb_id``. When it completes its batch, back-propagate the batch
-        and return d loss / d input for every member that sent a gradient; else None."""
+        and return d loss / d input for every member that sent a gradient; else None.
+        ``source`` (the trainer and its step) joins ``sources`` with the samples."""
         saved = self._saved.get(mb_id)
         if saved is None or saved.expires_at <= now or mb_id in saved.grads:
             if saved is not None and saved.expires_at <= now:
@@ -332,6 +338,8 @@ class StageWorker:
         waited = now - (saved.expires_at - self.ttl_s)
         self.slowest_backward_s = max(waited, BACKWARD_DECAY * self.slowest_backward_s)
         saved.grads[mb_id] = grad
+        if source is not None:
+            saved.sources[mb_id] = source
         return self._run_backward(saved) if saved.complete else None
 
     def finish(self, mb_id: str) -> dict[str, torch.Tensor]:
@@ -360,6 +368,9 @@ class StageWorker:
         samples = sum(r.stop - r.start for mb, r in saved.rows.items() if mb in saved.grads)
         self.samples_accumulated += samples
         self.forward_steps += saved.step * samples
+        for mb in saved.grads:
+            if mb in saved.sources:
+                self.sources.add(*saved.sources[mb])
         assert saved.inputs.grad is not None
         g = saved.inputs.grad
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
@@ -424,6 +435,11 @@ class StageWorker:
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
         self.forward_steps = 0
+        self.sources.take()
+
+    def accumulated(self) -> tuple[list[Source], int]:
+        """The sources and samples accumulated now (in the compute thread: one instant)."""
+        return self.sources.peek(), self.samples_accumulated
 
     def _check(self, x: torch.Tensor, what: str) -> None:
         if not isinstance(x, torch.Tensor):
