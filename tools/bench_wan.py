@@ -75,7 +75,12 @@ PROFILES: dict[str, tuple[float, float, float] | None] = {
     "continent": (25.0, 200.0, 200.0),
     "far": (50.0, 100.0, 100.0),
     "home": (15.0, 50.0, 10.0),
+    # issue 26: a volunteer's uplink, where bandwidth, not latency, limits the pipeline;
+    # measured with a wider model (``--bandwidth-bound``, tools/bench_wan_bandwidth.py)
+    "uplink": (10.0, 2.0, 2.0),
 }
+#: the profiles measured unless ``--profiles`` names others (``uplink`` needs its model)
+DEFAULT_PROFILES = ("unshaped", "region", "continent", "far", "home")
 HOSTS = ("s0", "s1", "tr", "nx")
 MEMBERS = tuple(f"m{i}" for i in range(6))
 AVERAGERS = ("a0", "a1", "a2")
@@ -210,7 +215,7 @@ def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, boot
 def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any],
                     stages: list[daemons.LabDaemon], bootstrap: str, env: dict[str, str],
                     steps: int, tokens_per_step: int, stream_s: float,
-                    membership: bool) -> dict[str, Any]:
+                    membership: bool, secondary: bool = True) -> dict[str, Any]:
     link = set_profile(lab, name)
     say(f"{name}: {link}")
     out: dict[str, Any] = {"profile": PROFILES[name], "link_per_host": {
@@ -241,12 +246,12 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     say(f"{name}: pipeline {out['pipeline_tokens_per_s']:,.0f} tokens/s")
     # the secondary figures: one that fails is reported, the run goes on
     out["errors"] = {}
-    secondary = [("join_to_online_s", lambda: join_to_online(lab, root, bootstrap, env, name)),
-                 ("allreduce", lambda: allreduce_bus_bandwidth(lab, name))]
+    others = [("join_to_online_s", lambda: join_to_online(lab, root, bootstrap, env, name)),
+              ("allreduce", lambda: allreduce_bus_bandwidth(lab, name))] if secondary else []
     if membership:
-        secondary.append(("membership_convergence_6_daemons_s",
-                          lambda: membership_convergence(lab, root, env, name)))
-    for key, fn in secondary:
+        others.append(("membership_convergence_6_daemons_s",
+                       lambda: membership_convergence(lab, root, env, name)))
+    for key, fn in others:
         try:
             out[key] = fn()
             if isinstance(out[key], float):
@@ -396,9 +401,11 @@ def pipeline_ratios(results: dict[str, Any]) -> None:
 
 
 def measure(quick: bool, profiles: list[str], membership: bool = True,
-            overrides: dict[str, str] | None = None, repeats: int = 1) -> dict[str, Any]:
+            overrides: dict[str, str] | None = None, repeats: int = 1,
+            steps: int | None = None, secondary: bool = True) -> dict[str, Any]:
     """``overrides``: configuration for the daemons and the trainer (``SWARMD_*``);
-    ``repeats``: pipeline runs per profile (``pipeline_again``)."""
+    ``repeats``: pipeline runs per profile (``pipeline_again``); ``steps``: the trainer's
+    (default 40, 10 ``quick``); ``secondary``: the join time and the all-reduce too."""
     from swarmd.models.registry import model_config_of
     from bench_pipeline import bench_env
 
@@ -411,7 +418,8 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
     config = load_config(None, {**os.environ, **env})
     mc = model_config_of(config)
     tokens_per_step = config.training.microbatches * config.training.batch_size * mc.seq_len
-    steps, stream_s = (10, 2.0) if quick else (40, 6.0)
+    default_steps, stream_s = (10, 2.0) if quick else (40, 6.0)
+    steps = steps or default_steps
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-wan-") as tmp, \
             WanLab(hosts=[HostSpec(name=h) for h in HOSTS + AVERAGERS
@@ -432,7 +440,7 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
                 results[name] = measure_profile(
                     lab, name, root=root, server=server, stages=[s0, s1], bootstrap=s0.addr,
                     env=env, steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
-                    membership=membership)
+                    membership=membership, secondary=secondary)
             pipeline_again(lab, profiles, results, root=root, stages=[s0, s1],
                            bootstrap=s0.addr, env=env, steps=steps,
                            tokens_per_step=tokens_per_step, rounds=repeats - 1)
@@ -463,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke test)")
-    parser.add_argument("--profiles", default=",".join(PROFILES),
+    parser.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
                         help=f"comma-separated, from {','.join(PROFILES)} (unshaped is always "
                              f"measured first: the ratios need it)")
     parser.add_argument("--no-membership", action="store_true",
@@ -473,6 +481,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="pipeline runs per profile, in rounds; ratios are medians of "
                              "each round's pair")
+    parser.add_argument("--bandwidth-bound", action="store_true",
+                        help="issue 26: the wide model over the 'uplink' profile against "
+                             "unshaped, per --widths (tools/bench_wan_bandwidth.py)")
+    parser.add_argument("--widths", default="512",
+                        help="with --bandwidth-bound: model widths, comma-separated (a sweep "
+                             "at one link)")
+    parser.add_argument("--uplink-mbit", type=float, default=PROFILES["uplink"][2],
+                        help="with --bandwidth-bound: the uplink profile's rate (both ways)")
+    parser.add_argument("--codecs", default="int8",
+                        help="with --bandwidth-bound: wire.codec values, comma-separated, "
+                             "each measured at every width")
+    parser.add_argument("--steps", type=int, help="trainer steps per run (default 40; "
+                        "--bandwidth-bound: 6)")
     add_schedule_options(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -487,11 +508,25 @@ def main(argv: list[str] | None = None) -> int:
     except LabUnavailable as exc:
         print(json.dumps({"unavailable": str(exc)}))
         return 2
-    if args.allreduce_only:
+    if args.bandwidth_bound:
+        from bench_wan_bandwidth import measure_bandwidth_bound
+
+        try:
+            widths = [int(w) for w in args.widths.split(",") if w]
+        except ValueError:
+            parser.error(f"--widths {args.widths!r}: comma-separated integers")
+        if not widths or min(widths) < 8 or not args.uplink_mbit > 0:
+            parser.error("--widths must name widths >= 8 and --uplink-mbit must be > 0")
+        result = measure_bandwidth_bound(widths, uplink_mbit=args.uplink_mbit,
+                                         steps=args.steps or 6, repeats=args.repeats,
+                                         codecs=tuple(c for c in args.codecs.split(",") if c),
+                                         overrides=schedule_overrides(args))
+    elif args.allreduce_only:
         result = measure_allreduce_only(wanted)
     else:
         result = measure(args.quick, profiles, membership=not args.no_membership,
-                         overrides=schedule_overrides(args), repeats=args.repeats)
+                         overrides=schedule_overrides(args), repeats=args.repeats,
+                         steps=args.steps)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
