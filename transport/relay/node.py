@@ -387,7 +387,7 @@ class RelayNode:
         except (PeerUnavailable, LocalUsageError):
             raise
         except Exception as exc:
-            raise PeerUnavailable(f"dial {addr} failed: {exc}") from None
+            raise PeerUnavailable(f"dial {addr} failed: {type(exc).__name__}: {exc}") from None
         self.counters.add("relay.circuits_dialed")
         return dest_text
 
