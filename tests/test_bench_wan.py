@@ -81,3 +81,14 @@ def test_a_hop_of_the_wide_model_moves_its_output_and_input_gradient_with_the_co
     assert int2["hop_bytes"] * 4 == int8["hop_bytes"]
     assert int8["hop_bytes"] * 8 / (bench_wan.PROFILES["uplink"][2] * 1e6) == pytest.approx(
         4.33, abs=0.01)
+
+
+def test_the_uplink_rate_is_chosen_for_the_regime_on_the_machine_that_runs_it() -> None:
+    from bench_wan_bandwidth import TARGET_RATIO, uplink_rate_for
+
+    hop, tokens = 1_081_344, 1024
+    for unshaped in (634.0, 1783.0, 50_000.0):  # a slow CPU, this one, a GPU
+        mbit = uplink_rate_for(hop, tokens, unshaped)
+        transfer_s, compute_s = hop * 8 / (mbit * 1e6), tokens / unshaped
+        assert transfer_s / compute_s == pytest.approx(TARGET_RATIO)
+    assert uplink_rate_for(hop, tokens, 1783.0) == pytest.approx(6.03, abs=0.01)

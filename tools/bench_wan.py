@@ -57,7 +57,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -402,10 +402,14 @@ def pipeline_ratios(results: dict[str, Any]) -> None:
 
 def measure(quick: bool, profiles: list[str], membership: bool = True,
             overrides: dict[str, str] | None = None, repeats: int = 1,
-            steps: int | None = None, secondary: bool = True) -> dict[str, Any]:
+            steps: int | None = None, secondary: bool = True,
+            after_profile: Callable[[str, dict[str, Any]], None] | None = None
+            ) -> dict[str, Any]:
     """``overrides``: configuration for the daemons and the trainer (``SWARMD_*``);
     ``repeats``: pipeline runs per profile (``pipeline_again``); ``steps``: the trainer's
-    (default 40, 10 ``quick``); ``secondary``: the join time and the all-reduce too."""
+    (default 40, 10 ``quick``); ``secondary``: the join time and the all-reduce too;
+    ``after_profile(name, result)``: called after each profile's first measurement (before
+    the next profile's link is set)."""
     from swarmd.models.registry import model_config_of
     from bench_pipeline import bench_env
 
@@ -441,6 +445,8 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
                     lab, name, root=root, server=server, stages=[s0, s1], bootstrap=s0.addr,
                     env=env, steps=steps, tokens_per_step=tokens_per_step, stream_s=stream_s,
                     membership=membership, secondary=secondary)
+                if after_profile is not None:
+                    after_profile(name, results[name])
             pipeline_again(lab, profiles, results, root=root, stages=[s0, s1],
                            bootstrap=s0.addr, env=env, steps=steps,
                            tokens_per_step=tokens_per_step, rounds=repeats - 1)
@@ -487,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default="512",
                         help="with --bandwidth-bound: model widths, comma-separated (a sweep "
                              "at one link)")
-    parser.add_argument("--uplink-mbit", type=float, default=PROFILES["uplink"][2],
-                        help="with --bandwidth-bound: the uplink profile's rate (both ways)")
+    parser.add_argument("--uplink-mbit", type=float, default=0.0,
+                        help="with --bandwidth-bound: the uplink profile's rate (both ways); "
+                             "0 (default): chosen from the first unshaped run so that an int8 "
+                             "hop's transfer takes 2.5x its compute")
     parser.add_argument("--codecs", default="int8",
                         help="with --bandwidth-bound: wire.codec values, comma-separated, "
                              "each measured at every width")
@@ -515,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             widths = [int(w) for w in args.widths.split(",") if w]
         except ValueError:
             parser.error(f"--widths {args.widths!r}: comma-separated integers")
-        if not widths or min(widths) < 8 or not args.uplink_mbit > 0:
-            parser.error("--widths must name widths >= 8 and --uplink-mbit must be > 0")
+        if not widths or min(widths) < 8 or not args.uplink_mbit >= 0:
+            parser.error("--widths must name widths >= 8 and --uplink-mbit must be >= 0")
         result = measure_bandwidth_bound(widths, uplink_mbit=args.uplink_mbit,
                                          steps=args.steps or 6, repeats=args.repeats,
                                          codecs=tuple(c for c in args.codecs.split(",") if c),

@@ -4,8 +4,11 @@ The lab's other profiles are latency-bound: the demo model sends about 17 KB a m
 nothing next to their link rates. A volunteer's stage is the other way round (a 7B-sized stage
 sends megabytes a hop over a 20 Mbit/s uplink). Scaled to this machine: the built-in model
 ``--widths`` wide (4 layers, 8 x 128 tokens a microbatch, 8 microbatches a step) over the
-``uplink`` profile (10 ms one way, ``--uplink-mbit`` both ways on every host's link), each
-width against the unshaped lab in the same run, once per ``--codecs`` codec:
+``uplink`` profile (10 ms one way, the same rate both ways on every host's link), each width
+against the unshaped lab in the same run, once per ``--codecs`` codec. The rate is
+``--uplink-mbit``, or (0, the default) chosen once from the first unshaped run so that an
+int8 hop's transfer takes ``TARGET_RATIO`` times its compute (the issue's regime on whatever
+machine runs it), then kept for every width and codec (one link: the sweep compares them):
 
 - ``hop_bytes``: what one microbatch's hop moves with that codec, its output and its input
   gradient (encoded here with the swarm's codec settings);
@@ -35,6 +38,16 @@ BANDWIDTH_MODEL = {
 }
 #: issue 26: the regime counts as bandwidth-bound from this transfer / compute ratio (int8)
 BOUND_RATIO = 2.0
+#: the ratio the link rate is chosen for when not given (``uplink_rate_for``)
+TARGET_RATIO = 2.5
+
+
+def uplink_rate_for(int8_hop_bytes: int, tokens: int, unshaped_tokens_per_s: float,
+                    ratio: float = TARGET_RATIO) -> float:
+    """The link rate (Mbit/s) at which an int8 hop's transfer takes ``ratio`` times the
+    compute of its microbatch (its tokens over the unshaped pipeline's tokens/s)."""
+    compute_s = tokens / unshaped_tokens_per_s
+    return int8_hop_bytes * 8 / (ratio * compute_s) / 1e6
 
 
 def hop_bytes(env: dict[str, str]) -> dict[str, Any]:
@@ -61,19 +74,37 @@ def hop_bytes(env: dict[str, str]) -> dict[str, Any]:
 def measure_bandwidth_bound(widths: list[int], *, uplink_mbit: float, steps: int,
                             repeats: int = 1, codecs: tuple[str, ...] = ("int8",),
                             overrides: dict[str, str] | None = None) -> dict[str, Any]:
-    from bench_wan import PROFILES, measure
+    from bench_wan import PROFILES, measure, say
 
     t0 = time.monotonic()
+    rate_given = bool(uplink_mbit)
     load_before = os.getloadavg()[0]
-    PROFILES["uplink"] = (PROFILES["uplink"][0], uplink_mbit, uplink_mbit)
+    rate = {"mbit": uplink_mbit or None}
+
+    def set_rate(mbit: float) -> None:
+        rate["mbit"] = mbit
+        PROFILES["uplink"] = (PROFILES["uplink"][0], mbit, mbit)
+
+    if uplink_mbit:
+        set_rate(uplink_mbit)
     runs: list[dict[str, Any]] = []
     for width in widths:
         for codec in codecs:
             env = {**BANDWIDTH_MODEL, "SWARMD_MODEL_WIDTH": str(width),
                    "SWARMD_WIRE_CODEC": codec, **(overrides or {})}
             wire = hop_bytes(env)
+            int8_bytes = hop_bytes({**env, "SWARMD_WIRE_CODEC": "int8"})["hop_bytes"]
+
+            def after(name: str, result: dict[str, Any]) -> None:
+                if name == "unshaped" and rate["mbit"] is None:
+                    set_rate(uplink_rate_for(int8_bytes, wire["tokens"],
+                                             result["pipeline_tokens_per_s"]))
+                    say(f"uplink: {rate['mbit']:.2f} Mbit/s (an int8 hop's transfer "
+                        f"{TARGET_RATIO}x its compute here)")
+
             r = measure(False, ["unshaped", "uplink"], membership=False, overrides=env,
-                        repeats=repeats, steps=steps, secondary=False)
+                        repeats=repeats, steps=steps, secondary=False, after_profile=after)
+            uplink_mbit = rate["mbit"]
             unshaped = r["profiles"]["unshaped"]["pipeline_tokens_per_s"]
             uplink = r["profiles"]["uplink"]
             compute_s = wire["tokens"] / unshaped if unshaped else None
@@ -90,7 +121,8 @@ def measure_bandwidth_bound(widths: list[int], *, uplink_mbit: float, steps: int
                 "model": r["model"], "targets": r["targets"]})
     int8 = {x["width"]: x for x in runs if x["codec"] == "int8"}
     return {
-        "uplink": {"one_way_ms": PROFILES["uplink"][0], "mbit": uplink_mbit},
+        "uplink": {"one_way_ms": PROFILES["uplink"][0], "mbit": rate["mbit"],
+                   "chosen_for_ratio": None if rate_given else TARGET_RATIO},
         "steps": steps, "repeats": repeats, "runs": runs,
         "bandwidth_bound": {str(w): (x["transfer_over_compute"] or 0.0) >= BOUND_RATIO
                             for w, x in int8.items()},
