@@ -117,6 +117,8 @@ def measure_bandwidth_bound(widths: list[int], *, uplink_mbit: float, steps: int
                 "pipeline_ratio_vs_unshaped": uplink["pipeline_ratio_vs_unshaped"],
                 "pipeline_ratios": uplink["pipeline_ratios"],
                 "lost": sum(p["pipeline"]["lost"] or 0 for p in r["profiles"].values()),
+                "uplink_restarted": uplink["pipeline"]["restarted"],
+                "uplink_rerouted": uplink["pipeline"]["rerouted"],
                 "contended_rounds": uplink["pipeline_contended_rounds"],
                 "model": r["model"], "targets": r["targets"]})
     int8 = {x["width"]: x for x in runs if x["codec"] == "int8"}
