@@ -81,18 +81,19 @@ class Sources:
         """The pairs held, sorted; one more than ``MAX_SOURCES`` pairs when it overflowed
         (so that a reader never takes it for exact)."""
         with self._lock:
-            out = sorted(self._seen)
-            return out + [("", -1)] if self.overflowed else out
+            return self._pairs()
 
     def take(self) -> list[Source]:
         """``peek()``, and start over (the peer stepped)."""
         with self._lock:
-            out = sorted(self._seen)
-            if self.overflowed:
-                out.append(("", -1))
+            out = self._pairs()
             self._seen.clear()
             self.overflowed = False
             return out
+
+    def _pairs(self) -> list[Source]:
+        out = sorted(self._seen)
+        return out + [("", -1)] if self.overflowed else out
 
 
 def clip_coefficient(sqnorms: Iterable[float], clip: float) -> float:

@@ -368,9 +368,8 @@ class StageWorker:
         samples = sum(r.stop - r.start for mb, r in saved.rows.items() if mb in saved.grads)
         self.samples_accumulated += samples
         self.forward_steps += saved.step * samples
-        for mb in saved.grads:
-            if mb in saved.sources:
-                self.sources.add(*saved.sources[mb])
+        for source in saved.sources.values():  # only members that sent a gradient have one
+            self.sources.add(*source)
         assert saved.inputs.grad is not None
         g = saved.inputs.grad
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
