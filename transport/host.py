@@ -42,6 +42,7 @@ from transport.options import HostOptions
 from transport.pubsub import PubsubBridge, Subscription
 from transport.relay.node import RelayNode
 from transport.requests import RequestReply
+from transport.sendorder import Gates, set_unsent_lowat
 from transport.stream import Stream
 from transport.throttle import Throttle
 
@@ -79,6 +80,8 @@ class Host(RequestReply):
         self._idle: dict[tuple[str, str], list[Stream]] = {}
         #: payload writes are cut into whole yamux frames (set at start)
         self.write_chunk_bytes = self.options.limits.chunk_bytes
+        #: each peer's bulk writes in order (``transport.sendorder``; trio side only)
+        self.gates = Gates(self.options.send_order, self.write_chunk_bytes)
         #: ``on_observed(peer_id, multiaddr)``, on the asyncio side: a peer connected directly
         #: said (identify's ``observed_addr``) it sees us at that address. Unchecked: one peer
         #: can say anything, believe an address only when several agree. Reports made before
@@ -291,6 +294,7 @@ class Host(RequestReply):
                                             self.options.batch_window_updates)
         chunk = self.options.limits.chunk_bytes
         self.write_chunk_bytes = max(1, chunk // frame_payload) * frame_payload
+        self.gates.max_bytes = self.write_chunk_bytes
         key_pair = self.identity.key_pair
         listen = [multiaddr.Multiaddr(a) for a in self.options.listen]
         config = ConnectionConfig(
@@ -335,7 +339,12 @@ class Host(RequestReply):
         watch = LivenessWatch(policy, self.counters) if policy is not None else None
         again = observed.reidentify(self._t_host, nursery, self.counters)
 
+        unsent = self.options.send_order.unsent_bytes
+
         def connected(conn: Any) -> None:
+            sock = liveness.find_socket(conn)
+            if sock is not None and not set_unsent_lowat(sock, unsent):
+                self.counters.add("send_order.no_lowat")
             if tuning is not None:
                 liveness.tune_connection(conn, tuning, self.counters)
             if watch is not None:

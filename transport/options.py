@@ -11,6 +11,7 @@ from transport.pubsub import PubsubOptions
 from transport.liveness import Liveness
 from transport.liveness_policy import PingPolicy
 from transport.relay.policy import RelayLimits
+from transport.sendorder import SendOrder
 
 __all__ = ["HostOptions", "RelayOptions"]
 
@@ -78,6 +79,9 @@ class HostOptions:
     #: nothing was heard for ``dead_after_s`` while its pings went unanswered is closed, so a
     #: connection through a restarted router is re-dialed; None: off
     pings: PingPolicy | None = field(default_factory=PingPolicy)
+    #: small messages ahead of bulk ones, bulk ones to a peer one at a time in pieces sized to
+    #: the link, little left unsent in the kernel (``transport.sendorder``)
+    send_order: SendOrder = field(default_factory=SendOrder)
 
     def __post_init__(self) -> None:
         if not self.listen:

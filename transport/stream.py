@@ -31,6 +31,7 @@ from transport.errors import (
     UnknownKind,
 )
 from transport.frames import FrameHeader, Message, OutgoingFrame
+from transport.sendorder import SMALL_BYTES, PieceSizer
 
 if TYPE_CHECKING:
     from transport.host import Host
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
 OFFLOAD_BYTES = 256 * 1024
 #: after an error reply, how long the peer has to read it before the stream is reset
 ERROR_REPLY_GRACE_S = 2.0
-#: frames up to this size are written to libp2p in a single write
-SMALL_FRAME_BYTES = 64 * 1024
+#: frames up to this size are written to libp2p in a single write, ahead of bulk messages
+SMALL_FRAME_BYTES = SMALL_BYTES
 
 
 class _CleanEnd(Exception):
@@ -246,22 +247,37 @@ class Stream:
 
     # ---- trio side ---------------------------------------------------------------------
     async def _t_write(self, frame: OutgoingFrame) -> None:
+        """Small frames at once; larger ones through the peer's bulk gate, one at a time, in
+        pieces sized to the link (``transport.sendorder``)."""
         ns, throttle = self._ns, self._host.throttle
         try:
             if frame.total_bytes <= SMALL_FRAME_BYTES:
                 await throttle.t_before_write(frame.total_bytes)
                 await ns.write(frame.head + b"".join(frame.parts))
                 return
-            await throttle.t_before_write(len(frame.head))
-            await ns.write(frame.head)
-            chunk = throttle.write_piece(self._host.write_chunk_bytes)
-            for part in frame.parts:
-                for offset in range(0, len(part), chunk):
-                    piece = part[offset:offset + chunk]
-                    await throttle.t_before_write(len(piece))
-                    await ns.write(piece)
+            gates = self._host.gates
+            gate = gates.enter(self.peer_id)
+            try:
+                async with gate.lock:
+                    await throttle.t_before_write(len(frame.head))
+                    await ns.write(frame.head)
+                    await self._t_write_pieces(frame, gate.sizer)
+            finally:
+                gates.leave(self.peer_id, gate)
         except Exception as exc:
             raise _map_io_error(exc, self, "writing") from None
+
+    async def _t_write_pieces(self, frame: OutgoingFrame, sizer: PieceSizer) -> None:
+        ns, throttle = self._ns, self._host.throttle
+        for part in frame.parts:
+            offset = 0
+            while offset < len(part):
+                piece = part[offset:offset + throttle.write_piece(sizer.size())]
+                await throttle.t_before_write(len(piece))
+                started = trio.current_time()
+                await ns.write(piece)
+                sizer.observe(len(piece), trio.current_time() - started)
+                offset += len(piece)
 
     async def _t_read_frame(self) -> tuple[FrameHeader, bytearray]:
         limits = self._host.options.limits
