@@ -106,6 +106,15 @@ class LinkEstimates:
         link = self._touch(peer, now)
         link.rtt_s = seconds if link.rtt_s is None else _ema(link.rtt_s, seconds, self.alpha)
 
+    def observe_rtt_at_least(self, peer: str, seconds: float, now: float) -> None:
+        """A small request got no reply within ``seconds``: the round trip is at least that
+        (a congested link), so the estimate is raised to it at once; answered requests bring
+        it back down (``observe_rtt``)."""
+        if not _usable(seconds):
+            return
+        link = self._touch(peer, now)
+        link.rtt_s = max(link.rtt_s or 0.0, seconds)
+
     def observe_transfer(self, peer: str, nbytes: int, seconds: float, now: float) -> None:
         """``nbytes`` crossed the link in ``seconds`` (a send with its reply, or a download).
         The round trip is taken off when known; small transfers only update the round trip."""

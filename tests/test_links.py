@@ -58,6 +58,21 @@ def test_nonsense_samples_change_nothing(bad: float) -> None:
     assert links.snapshot() == {}
 
 
+def test_a_request_unanswered_for_long_raises_the_round_trip_at_once_answers_bring_it_down(
+        ) -> None:
+    links = LinkEstimates()
+    links.observe_rtt("p", 0.05, now=0.0)
+    links.observe_rtt_at_least("p", 1.0, now=1.0)  # no reply within 1 s: a congested link
+    assert links.link("p").rtt_s == 1.0
+    links.observe_rtt_at_least("p", 0.5, now=2.0)  # a lower bound below it: nothing new
+    assert links.link("p").rtt_s == 1.0
+    for t in range(20):
+        links.observe_rtt("p", 0.05, now=3.0 + t)
+    assert links.link("p").rtt_s < 0.1
+    links.observe_rtt_at_least("p", float("nan"), now=30.0)
+    assert links.link("p").rtt_s < 0.1
+
+
 def test_the_peer_table_is_bounded() -> None:
     links = LinkEstimates(max_peers=3)
     for i in range(10):

@@ -71,6 +71,49 @@ def test_a_peer_everyone_expired_while_its_pulls_failed_comes_back() -> None:
     asyncio.run(main())
 
 
+def test_a_peer_whose_pull_replies_wait_behind_its_tensors_stays_in_every_view() -> None:
+    """B answers pulls 1.5 s late, as a peer whose uplink is saturated with activations does
+    (issue 26: 1-1.5 s round trips at 6 Mbit/s): longer than half a period, within an
+    entry's life. A and C give B's pulls its measured round trips, so B is never dropped
+    from their views (it was, every few seconds, when a pull was cut at half a period)."""
+
+    async def main() -> None:
+        ids = [identity.generate() for _ in range(3)]
+        opts = HostOptions(pubsub=None)
+        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
+            hosts = [a, b, c]
+            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
+                   for h, i, s in zip(hosts, ids, (0, 1, 1))]
+            mb = mss[1]
+            serve = mb._serve_pull
+
+            async def late(message: Any, peer: str) -> Any:
+                await asyncio.sleep(1.5)
+                return await serve(message, peer)
+
+            mb._serve_pull = late  # type: ignore[method-assign]
+            async with mss[0] as ma, mb, mss[2] as mc:
+                await a.dial(b.addrs[0])
+                await a.dial(c.addrs[0])
+                await b.dial(c.addrs[0])
+                everyone = {h.peer_id for h in hosts}
+
+                def has(m: MembershipService, peer: str) -> bool:
+                    return peer in m.view.peer_ids(time.time())
+
+                await until("full views", 30, lambda: all(
+                    has(m, p) for m in (ma, mb, mc) for p in everyone))
+                assert ma.pull_timeout(b.peer_id) > 4.0  # 4 of its 1.5 s round trips
+                end = time.monotonic() + 5 * 2.0  # five periods: entries live three
+                while time.monotonic() < end:
+                    assert has(ma, b.peer_id) and has(mc, b.peer_id)
+                    assert all(ma.view.get(p) is not None for p in everyone)
+                    await asyncio.sleep(0.1)
+                assert ma.counters().get("pulls_ok", 0) >= 3
+
+    asyncio.run(main())
+
+
 def test_a_joiner_whose_loop_was_held_still_finds_its_stages_mates() -> None:
     """A stage built on a loaded machine can hold the event loop for longer than entries
     live (3 periods, 6 s): when the keeper then asks for state sources, before the

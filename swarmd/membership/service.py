@@ -28,7 +28,7 @@ from swarmd.api.types import PeerRow, StageRow, SwarmInfo
 from swarmd.errors import BadPeerMessage
 from swarmd.membership import (Announcement, PeerState, Schedule, View, ViewConfig,
                                encode_request, encode_signed)
-from transport.errors import TransportError
+from transport.errors import DeadlineExceeded, TransportError
 from transport.frames import Message
 from transport.signing import signer, verify
 from swarmd.addresses import MAX_ANNOUNCED, AddressPolicy, announced_addrs
@@ -41,6 +41,12 @@ log = logging.getLogger("swarmd.membership")
 #: longest sleep of the loop, so new connections and stop requests are noticed quickly
 TICK_S = 0.5
 PULL_TIMEOUT_S = 10.0
+#: scheduled pulls running at once: one stuck on a dead peer does not stop the others
+PULLS_IN_FLIGHT = 3
+#: a scheduled pull may take this many of the peer's measured round trips (at least half a
+#: period): on a saturated uplink a page waits behind tensors (issue 26: 1-1.5 s round trips
+#: at 6 Mbit/s), and a pull cut at half a 2 s period failed every time until entries expired
+PULL_RTT_SLACK = 4.0
 #: pulls and pushes running at once, beyond the scheduled pull
 MAX_BACKGROUND = 8
 MAX_PAGES = 256
@@ -105,7 +111,7 @@ class MembershipService:
         self._pump: asyncio.Task[None] | None = None
         self._last_announcement: bytes | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._pull_task: asyncio.Task[Any] | None = None
+        self._pulls: set[asyncio.Task[Any]] = set()
         #: peer -> when a scheduled pull from it last failed
         self._pull_failed: dict[str, float] = {}
         #: set once a full view has been pulled from some peer
@@ -241,7 +247,7 @@ class MembershipService:
                 self._spawn(self._pull(peer, cutoff=None))
         self._pulled_from.intersection_update(connected)
         now, wall = self._clock(), self._wall()
-        if self.schedule.pull_due(now) and (self._pull_task is None or self._pull_task.done()):
+        if self.schedule.pull_due(now) and len(self._pulls) < PULLS_IN_FLIGHT:
             # a peer whose last pull failed is skipped for a while: pulls spent on a dead
             # peer are pulls not spent on live ones, and entries expire in 3 periods
             failing = {p for p, t in self._pull_failed.items() if t > now - PULL_FAILED_SKIP_S}
@@ -252,17 +258,25 @@ class MembershipService:
             candidates = [p for p in candidates if p not in failing] or candidates
             order = self.schedule.pull(now, self.view.estimate(wall), candidates, wall=wall)
             if order is not None:
-                self._pull_task = self._spawn(self._scheduled_pull(order))
+                task = self._spawn(self._scheduled_pull(order))
+                self._pulls.add(task)
+                task.add_done_callback(self._pulls.discard)
+
+    def pull_timeout(self, peer: str) -> float:
+        """A scheduled pull's deadline: half a period, or ``PULL_RTT_SLACK`` round trips
+        measured with ``peer`` if that is longer (a congested link), at most
+        ``PULL_TIMEOUT_S``. A stuck pull must end well before entries expire (3 periods),
+        and ``PULLS_IN_FLIGHT`` run at once, so one on a dead peer delays no other."""
+        period = self.schedule.plan(self.view.estimate(self._wall())).period_s
+        rtt = self.links.link(peer).rtt_s or 0.0
+        return min(PULL_TIMEOUT_S, max(0.5, period / 2, PULL_RTT_SLACK * rtt))
 
     async def _scheduled_pull(self, order: Any) -> None:
-        # One scheduled pull runs at a time: one stuck on a dead peer must end well before
-        # entries expire (3 periods), or every view loses every peer at once.
-        period = self.schedule.plan(self.view.estimate(self._wall())).period_s
-        ok = await self._pull(order.peer_id, cutoff=order.cutoff,
-                              timeout=min(PULL_TIMEOUT_S, max(0.5, period / 2)))
-        if not ok:
+        timeout = self.pull_timeout(order.peer_id)
+        ok = await self._pull(order.peer_id, cutoff=order.cutoff, timeout=timeout)
+        if ok is False or (ok is None and timeout >= PULL_TIMEOUT_S):
             self._pull_failed[order.peer_id] = self._clock()
-        self.schedule.pulled(self._clock(), order, ok=ok)
+        self.schedule.pulled(self._clock(), order, ok=bool(ok))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -302,11 +316,16 @@ class MembershipService:
 
     # ---- pulling and pushing ------------------------------------------------------------
     async def _pull(self, peer: str, *, cutoff: float | None,
-                    timeout: float = PULL_TIMEOUT_S) -> bool:
-        """Pull the full view (cutoff None) or a delta from ``peer``, page by page."""
+                    timeout: float = PULL_TIMEOUT_S) -> bool | None:
+        """Pull the full view (cutoff None) or a delta from ``peer``, page by page: True when
+        it succeeded, False when it failed, None when it ran out of time (the round trip
+        estimate is raised to what it waited: the next pull from that peer waits longer; a
+        peer whose pulls time out at ``PULL_TIMEOUT_S`` is taken for dead)."""
+        started: float | None = None  # once connected: a dial's time is not a round trip
         try:
             ann = self.view.get(peer)
             await self.host.ensure_connected(peer, ann.addrs if ann is not None else ())
+            started = self._clock()
             request = self.view.pull_request(self._wall(), cutoff)
             async with asyncio.timeout(timeout):
                 for _ in range(MAX_PAGES):
@@ -334,6 +353,10 @@ class MembershipService:
         except (TransportError, BadPeerMessage, TimeoutError) as exc:
             self._counters["pulls_failed"] += 1
             log.debug("pull from %s failed: %s", peer, exc)
+            if started is not None and isinstance(exc, (TimeoutError, DeadlineExceeded)):
+                self._counters["pulls_timed_out"] += 1
+                self.links.observe_rtt_at_least(peer, self._clock() - started, self._clock())
+                return None
             return False
 
     async def _push_to_connected(self, data: bytes) -> None:
