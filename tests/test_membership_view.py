@@ -176,6 +176,23 @@ def test_overdue_entries_leave_routing_before_they_expire() -> None:
     assert len(v.announcements(NOW + 201)) == 2
 
 
+def test_lateness_delays_overdue_and_expiry_of_entries_accepted_after_it_was_set() -> None:
+    """On a congested link announcements arrive seconds after they were signed: the service
+    sets ``lateness_s`` from how long its pulls take, and a peer refreshing on time is
+    neither overdue nor expired for it (without it, one signed 2 s periods ago arriving
+    6 s late is dropped as expired on arrival)."""
+    v = view(ann(0, period=2.0))
+    assert v.why_not(pid(0), NOW + 4.5) == "overdue"
+    late = ann(1, period=2.0)
+    assert v.apply(wire(late), NOW + 6.5).reason == "expired"  # 3 periods old on arrival
+    v.lateness_s = 8.0
+    assert v.apply(wire(late), NOW + 6.5).outcome == "added"
+    assert v.why_not(pid(1), NOW + 11.9) is None and v.why_not(pid(1), NOW + 12.1) == "overdue"
+    assert v.why_not(pid(0), NOW + 4.5) == "overdue"  # accepted before: as it was
+    assert v.peer_ids(NOW + 13.9) == [pid(1)]  # pid(0) expired at 6 s
+    assert {a.peer_id for a in v.expire(NOW + 14.1)} == {pid(0), pid(1)}
+
+
 def test_a_stage_has_state_when_another_peer_serves_it_online_or_announces_a_step() -> None:
     me = pid(9)
     # a first peer of a new stage: nothing shows it (nor our own entry, nor other stages)

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable, NamedTuple, Sequence
 
 from swarmd.version import __version__
@@ -47,6 +47,12 @@ PULLS_IN_FLIGHT = 3
 #: period): on a saturated uplink a page waits behind tensors (issue 26: 1-1.5 s round trips
 #: at 6 Mbit/s), and a pull cut at half a 2 s period failed every time until entries expired
 PULL_RTT_SLACK = 4.0
+#: the view's lateness allowance (``View.lateness_s``) is this many times the longest of the
+#: last ``LATENESS_PULLS`` successful pulls, at most ``LATENESS_CAP_S``: a reply that came
+#: late proves announcements reach us late; an unanswered pull proves nothing (a dead peer)
+LATENESS_FACTOR = 2.0
+LATENESS_PULLS = 16
+LATENESS_CAP_S = 30.0
 #: pulls and pushes running at once, beyond the scheduled pull
 MAX_BACKGROUND = 8
 MAX_PAGES = 256
@@ -112,6 +118,7 @@ class MembershipService:
         self._last_announcement: bytes | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pulls: set[asyncio.Task[Any]] = set()
+        self._pull_seconds: deque[float] = deque(maxlen=LATENESS_PULLS)
         #: peer -> when a scheduled pull from it last failed
         self._pull_failed: dict[str, float] = {}
         #: set once a full view has been pulled from some peer
@@ -347,6 +354,7 @@ class MembershipService:
                         break
                     request = request.next_page(cursor)
             self._counters["pulls_ok"] += 1
+            self._took(self._clock() - started)
             if cutoff is None:
                 self.has_view.set()
             return True
@@ -358,6 +366,11 @@ class MembershipService:
                 self.links.observe_rtt_at_least(peer, self._clock() - started, self._clock())
                 return None
             return False
+
+    def _took(self, seconds: float) -> None:
+        """A pull succeeded after ``seconds``: the view's lateness allowance follows."""
+        self._pull_seconds.append(max(0.0, seconds))
+        self.view.lateness_s = min(LATENESS_CAP_S, LATENESS_FACTOR * max(self._pull_seconds))
 
     async def _push_to_connected(self, data: bytes) -> None:
         peers = await self.host.connected_peers()

@@ -20,7 +20,11 @@ Rules, per peer id (one entry each):
 - a peer with another model hash, no stage, a stage >= ``stages``, a state other than online,
   or an "overdue" entry (older than one period + min(period, ``overdue_grace_s``): it missed
   its refresh, probably dead, not yet expired) stays in the view but is out of routing and out
-  of the stage totals, with the reason in the snapshot.
+  of the stage totals, with the reason in the snapshot;
+- ``lateness_s`` (0 unless set; the service sets it from how long its pulls take) is added to
+  both deadlines of an entry accepted from then on: on a congested link announcements reach
+  us seconds after they were signed, and a peer that refreshes on time must not look overdue
+  for it.
 
 Pull (anti-entropy with a neighbour): ``pull_request(now, cutoff)`` is the puller's digest (the
 fingerprints of the entries it holds signed at or after ``cutoff``); ``serve(request)`` is the
@@ -149,14 +153,15 @@ class Snapshot:
 class _Entry:
     __slots__ = ("ann", "wire", "fp", "expires_at", "overdue_at")
 
-    def __init__(self, ann: Announcement, wire: bytes, config: ViewConfig) -> None:
+    def __init__(self, ann: Announcement, wire: bytes, config: ViewConfig,
+                 lateness_s: float = 0.0) -> None:
         period = min(max(ann.period, config.min_period_s), config.max_period_s)
         self.ann = ann
         self.wire = wire
         self.fp = fingerprint(wire)
-        self.expires_at = ann.timestamp + config.expiry_periods * period
-        self.overdue_at = min(ann.timestamp + period + min(period, config.overdue_grace_s),
-                              self.expires_at)
+        self.expires_at = ann.timestamp + config.expiry_periods * period + lateness_s
+        self.overdue_at = min(ann.timestamp + period + min(period, config.overdue_grace_s)
+                              + lateness_s, self.expires_at)
 
 
 class View:
@@ -174,6 +179,8 @@ class View:
         self.counts: dict[str, int] = {k: 0 for k in ("added", "updated", "removed",
                                                        "duplicate", "expired")}
         self.dropped: dict[str, int] = {}
+        #: seconds added to the deadlines of entries accepted from now on (the module doc)
+        self.lateness_s = 0.0
 
     # ------------------------------------------------------------------------------- input
 
@@ -191,7 +198,7 @@ class View:
 
     def _accept(self, ann: Announcement, wire: bytes, now: float) -> Applied:
         pid = ann.peer_id
-        entry = _Entry(ann, wire, self.config)
+        entry = _Entry(ann, wire, self.config, self.lateness_s)
         if entry.expires_at <= now:
             return self._drop("expired", pid)
         held = self._entries.get(pid)
