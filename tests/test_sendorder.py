@@ -173,3 +173,28 @@ def test_real_hosts_keep_little_unsent_and_pass_bulk_messages_through_one_gate()
             assert await a.bridge.call(peek) == (0, 0)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_large_requests_deadline_does_not_count_its_wait_behind_our_own_large_messages(
+        ) -> None:
+    """Four 4 MiB requests at once to one peer through a 4 MiB/s upload cap: the last waits
+    about 3 s for the other three to go out, then takes 1 s. Its 2 s deadline is the peer's
+    time: the wait behind our own uplink's backlog moves it, so all four are answered (the
+    wait is counted), where a deadline counting the wait would cut the last two."""
+
+    async def main() -> None:
+        async with Host(generate(), HostOptions(upload_bytes_s=4 * MiB)) as a, \
+                Host(generate(), HostOptions()) as b:
+            async def sink(message: Message, peer: str) -> Message:
+                return Message(kind="ok")
+
+            b.set_request_handler("/test/sink/1", sink)
+            await a.dial(b.addrs[0])
+            x = torch.randn(MiB)  # 4 MiB as float32
+            replies = await asyncio.gather(*(
+                a.request(b.peer_id, "/test/sink/1", Message(kind="x", tensors=(x,)),
+                          timeout=2.0) for _ in range(4)))
+            assert [r.kind for r in replies] == ["ok"] * 4
+            assert a.counters.get("send_order.queued_ms") >= 2000
+
+    asyncio.run(asyncio.wait_for(main(), 60))

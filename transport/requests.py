@@ -16,6 +16,9 @@ from transport.errors import DeadlineExceeded, PeerProtocolError, PeerUnavailabl
 from transport.frames import Message
 from transport.stream import Stream
 
+#: the longest a request's deadline stands still while its message waits for the peer's gate
+MAX_QUEUED_S = 600.0
+
 
 class RequestReply:
     #: idle request streams kept per (peer, protocol)
@@ -32,6 +35,11 @@ class RequestReply:
                       ) -> Message:
         """Send one message and return the peer's reply (served by ``set_request_handler``).
 
+        ``timeout`` is the peer's time: while a large message waits behind this host's other
+        large messages to the same peer (``transport.sendorder``) its deadline stands still
+        (that wait is our own uplink's backlog, not the peer's slowness), for at most
+        ``MAX_QUEUED_S``.
+
         Streams are pooled per (peer, protocol) and reused, so a request costs one round trip.
         If a pooled stream turns out dead before any reply arrived (the peer restarted), the
         request is sent once more on a fresh stream: handlers must tolerate a duplicate.
@@ -40,29 +48,39 @@ class RequestReply:
         key = (peer_id, protocol)
         if not timeout > 0:
             raise DeadlineExceeded(f"{protocol} with {peer_id}: no time left to send")
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as scope:
+                clock = _Paused(scope, loop)
+
+                def queued(waiting: bool) -> None:  # trio thread: see Stream.exchange
+                    try:
+                        loop.call_soon_threadsafe(clock.pause if waiting else clock.resume)
+                    except RuntimeError:  # the loop closed meanwhile: nobody waits
+                        pass
+
                 pooled = self._idle.get(key)
                 if pooled:
                     try:
-                        return await self._exchange(key, pooled.pop(), message, codec)
+                        return await self._exchange(key, pooled.pop(), message, codec, queued)
                     except PeerUnavailable:
                         self.counters.add("pooled_stream_stale")
                 stream = await self.open_stream(peer_id, protocol, timeout=timeout)
-                return await self._exchange(key, stream, message, codec)
+                return await self._exchange(key, stream, message, codec, queued)
         except TimeoutError:
             self.counters.add("deadlines_missed")
             raise DeadlineExceeded(f"{protocol} with {peer_id}: no reply within "
                                    f"{timeout:.3g} s") from None
 
     async def _exchange(self, key: tuple[str, str], stream: Stream, message: Message,
-                        codec: CodecSpec | None) -> Message:
+                        codec: CodecSpec | None,
+                        queued: Callable[[bool], None] | None = None) -> Message:
         """One exchange on ``stream``; pooled again after a reply, reset after anything else
         (an error reply, a deadline, a dead stream): py-libp2p counts a stream against the
         connection's 256 until both sides let go, and the serving side closed its half after
         an error, so a kept one would use a slot for good."""
         try:
-            reply = await stream.exchange(message, codec=codec)
+            reply = await stream.exchange(message, codec=codec, queued=queued)
         except BaseException:
             stream.reset_soon()
             raise
@@ -111,3 +129,24 @@ class RequestReply:
                 await stream.send(reply, codec=codec)
 
         self.set_handler(protocol, handler)
+
+
+class _Paused:
+    """Stops a request's deadline while its message waits behind ours (loop thread only)."""
+
+    def __init__(self, scope: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
+        self.scope, self.loop = scope, loop
+        self.left: float | None = None
+
+    def pause(self) -> None:
+        when = self.scope.when()
+        if when is None or self.scope.expired() or self.left is not None:
+            return
+        self.left = max(0.0, when - self.loop.time())
+        self.scope.reschedule(self.loop.time() + self.left + MAX_QUEUED_S)
+
+    def resume(self) -> None:
+        if self.left is None or self.scope.expired():
+            return
+        self.scope.reschedule(self.loop.time() + self.left)
+        self.left = None

@@ -12,7 +12,7 @@ with its type saying who is at fault (see ``transport.errors``).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import trio
 
@@ -171,11 +171,15 @@ class Stream:
         return header, payload
 
     async def exchange(self, message: Message, *, codec: CodecSpec | None = None,
-                       timeout: float | None = None) -> Message:
-        """Send one message and receive the reply in a single bridge crossing."""
+                       timeout: float | None = None,
+                       queued: Callable[[bool], None] | None = None) -> Message:
+        """Send one message and receive the reply in a single bridge crossing. ``queued``
+        (called in the trio thread) is told ``True`` when a large message starts waiting
+        behind this host's other large messages to the peer, ``False`` when it goes out."""
         frame = await encode_off_loop(message, codec or self._host.options.codec)
         try:
-            header, payload = await self._guarded(self._t_exchange, frame, timeout=timeout)
+            header, payload = await self._guarded(self._t_exchange, frame, queued,
+                                                  timeout=timeout)
         except _CleanEnd:
             self.reset_soon()
             raise PeerUnavailable(f"{self.protocol} with {self.peer_id}: stream closed "
@@ -187,8 +191,10 @@ class Stream:
         counters.add("messages_received")
         return await self._decode(header, payload, kinds=None)
 
-    async def _t_exchange(self, frame: OutgoingFrame) -> tuple[FrameHeader, bytearray]:
-        await self._t_write(frame)
+    async def _t_exchange(self, frame: OutgoingFrame,
+                          queued: Callable[[bool], None] | None = None
+                          ) -> tuple[FrameHeader, bytearray]:
+        await self._t_write(frame, queued)
         return await self._t_read_frame()
 
     # ---- closing -----------------------------------------------------------------------
@@ -246,9 +252,11 @@ class Stream:
             raise PeerUnavailable(f"{self.protocol} with {self.peer_id}: {exc!r}") from None
 
     # ---- trio side ---------------------------------------------------------------------
-    async def _t_write(self, frame: OutgoingFrame) -> None:
+    async def _t_write(self, frame: OutgoingFrame,
+                       queued: Callable[[bool], None] | None = None) -> None:
         """Small frames at once; larger ones through the peer's bulk gate, one at a time, in
-        pieces sized to the link (``transport.sendorder``)."""
+        pieces sized to the link (``transport.sendorder``); ``queued(True)`` when one starts
+        waiting for the gate, ``queued(False)`` when it goes out."""
         ns, throttle = self._ns, self._host.throttle
         try:
             if frame.total_bytes <= SMALL_FRAME_BYTES:
@@ -258,7 +266,15 @@ class Stream:
             gates = self._host.gates
             gate = gates.enter(self.peer_id)
             try:
+                waiting = trio.current_time()
+                if gate.lock.locked() and queued is not None:
+                    queued(True)
                 async with gate.lock:
+                    waited = trio.current_time() - waiting
+                    if waited > 0:
+                        self._host.counters.add("send_order.queued_ms", round(waited * 1000))
+                    if queued is not None:
+                        queued(False)
                     await throttle.t_before_write(len(frame.head))
                     await ns.write(frame.head)
                     await self._t_write_pieces(frame, gate.sizer)
