@@ -181,6 +181,17 @@ class LinkEstimates:
     def forget(self, peer: str) -> None:
         self._links.pop(peer, None)
 
+    def heard_since(self, since: float) -> dict[str, float]:
+        """The peers something was measured with at or after ``since`` (a request answered,
+        a transfer done): {peer: when}, on the clock the observations were made with."""
+        out: dict[str, float] = {}
+        for peer in reversed(self._links):  # most recently updated last
+            when = self._links[peer].updated
+            if when < since:
+                break
+            out[peer] = when
+        return out
+
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         """Every link, for ``/api/v0/status``."""
         return {peer: link.to_json() for peer, link in self._links.items()}

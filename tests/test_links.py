@@ -73,6 +73,17 @@ def test_a_request_unanswered_for_long_raises_the_round_trip_at_once_answers_bri
     assert links.link("p").rtt_s < 0.1
 
 
+def test_the_peers_heard_since_a_time_are_the_most_recently_measured() -> None:
+    links = LinkEstimates()
+    links.observe_rtt("a", 0.05, now=1.0)
+    links.observe_rtt("b", 0.05, now=2.0)
+    links.observe_transfer("c", 10 * MB, 1.0, now=3.0)
+    links.observe_rtt("a", 0.05, now=4.0)
+    assert links.heard_since(2.5) == {"a": 4.0, "c": 3.0}
+    assert links.heard_since(5.0) == {}
+    assert set(links.heard_since(0.0)) == {"a", "b", "c"}
+
+
 def test_the_peer_table_is_bounded() -> None:
     links = LinkEstimates(max_peers=3)
     for i in range(10):

@@ -114,6 +114,49 @@ def test_a_peer_whose_pull_replies_wait_behind_its_tensors_stays_in_every_view()
     asyncio.run(main())
 
 
+def test_a_peer_answering_our_hops_stays_in_our_view_while_its_announcements_are_late() -> None:
+    """B answers no pull (its announcements reach nobody), but it answers A's hops (the
+    router records them in the host's link table, as here): A keeps B routable, C, which
+    hears nothing from B, expires it."""
+
+    async def main() -> None:
+        ids = [identity.generate() for _ in range(3)]
+        opts = HostOptions(pubsub=None)
+        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
+            hosts = [a, b, c]
+            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
+                   for h, i, s in zip(hosts, ids, (0, 1, 1))]
+            async with mss[0] as ma, mss[1] as mb, mss[2] as mc:
+                await a.dial(b.addrs[0])
+                await a.dial(c.addrs[0])
+                await b.dial(c.addrs[0])
+                everyone = {h.peer_id for h in hosts}
+
+                def routable(m: MembershipService, peer: str) -> bool:
+                    return peer in m.peers_of(1) or peer in m.peers_of(0)
+
+                await until("full views", 30, lambda: all(
+                    m.view.get(p) is not None for m in (ma, mb, mc) for p in everyone))
+
+                def refuse(data: bytes, now: float) -> bytes:
+                    raise BadPeerMessage("busy", "no pulls for now")
+
+                mb.view.handle_pull = refuse  # type: ignore[method-assign]
+                deadline = time.monotonic() + 60
+                while routable(mc, b.peer_id):  # C hears nothing from B: out of routing
+                    assert time.monotonic() < deadline, "C never dropped B"
+                    assert routable(ma, b.peer_id), "A dropped B although B answers it"
+                    ma.links.observe_rtt(b.peer_id, 0.01, time.monotonic())  # a hop answered
+                    await asyncio.sleep(0.2)
+                for _ in range(20):  # and A keeps it for as long as B answers
+                    ma.links.observe_rtt(b.peer_id, 0.01, time.monotonic())
+                    assert routable(ma, b.peer_id)
+                    await asyncio.sleep(0.2)
+                assert ma.counters().get("membership.vouched", 0) >= 1
+
+    asyncio.run(main())
+
+
 def test_a_joiner_whose_loop_was_held_still_finds_its_stages_mates() -> None:
     """A stage built on a loaded machine can hold the event loop for longer than entries
     live (3 periods, 6 s): when the keeper then asks for state sources, before the

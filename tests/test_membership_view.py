@@ -193,6 +193,18 @@ def test_lateness_delays_overdue_and_expiry_of_entries_accepted_after_it_was_set
     assert {a.peer_id for a in v.expire(NOW + 14.1)} == {pid(0), pid(1)}
 
 
+def test_a_peer_heard_from_directly_stays_routable_a_period_past_the_last_contact() -> None:
+    v = view(ann(0, period=2.0), ann(1, period=2.0, state=PeerState.LEAVING))
+    assert v.heard_from(pid(0), NOW + 3.5)  # answered a hop of ours, its refresh still late
+    assert v.why_not(pid(0), NOW + 5.4) is None and v.why_not(pid(0), NOW + 5.6) == "overdue"
+    assert not v.heard_from(pid(0), NOW + 3.0)  # nothing newer: nothing moves
+    assert v.expire(NOW + 7.0) == []  # would have expired at 6 s
+    assert [a.peer_id for a in v.expire(NOW + 7.6)] == [pid(0)]  # two periods past contact
+    assert not v.heard_from(pid(0), NOW + 8.0)  # gone: nothing to extend
+    assert not v.heard_from(pid(1), NOW + 1.0)  # a tombstone stays one
+    assert not v.heard_from(pid(7), NOW + 1.0)  # never listed
+
+
 def test_a_stage_has_state_when_another_peer_serves_it_online_or_announces_a_step() -> None:
     me = pid(9)
     # a first peer of a new stage: nothing shows it (nor our own entry, nor other stages)

@@ -249,6 +249,24 @@ class View:
         while self._events and self._events[0] < horizon:
             self._events.popleft()
 
+    def heard_from(self, peer_id: str, at: float) -> bool:
+        """We heard from ``peer_id`` directly at ``at`` (it answered a request of ours): its
+        entry stays routable for one more of its periods from then, and lives one more after
+        that, however late its own refreshes reach us. A peer that changes its state or
+        stage says so in an announcement, which replaces the entry; a tombstone is left
+        alone. True when the entry was extended."""
+        entry = self._entries.get(peer_id)
+        if entry is None or entry.ann.state is PeerState.LEAVING:
+            return False
+        period = min(max(entry.ann.period, self.config.min_period_s), self.config.max_period_s)
+        if entry.overdue_at >= at + period:
+            return False
+        entry.overdue_at = at + period
+        if entry.expires_at < at + 2 * period:
+            entry.expires_at = at + 2 * period
+            heapq.heappush(self._expiry, (entry.expires_at, peer_id))
+        return True
+
     def expire(self, now: float) -> list[Announcement]:
         """Remove entries (and tombstones) past their expiry; returns the peers removed (their
         last announcement: the daemon may close connections to their addresses)."""
