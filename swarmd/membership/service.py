@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import statistics
 import time
 from collections import Counter, deque
 from typing import Any, Callable, NamedTuple, Sequence
@@ -47,9 +48,11 @@ PULLS_IN_FLIGHT = 3
 #: period): on a saturated uplink a page waits behind tensors (issue 26: 1-1.5 s round trips
 #: at 6 Mbit/s), and a pull cut at half a 2 s period failed every time until entries expired
 PULL_RTT_SLACK = 4.0
-#: the view's lateness allowance (``View.lateness_s``) is this many times the longest of the
-#: last ``LATENESS_PULLS`` successful pulls, at most ``LATENESS_CAP_S``: a reply that came
-#: late proves announcements reach us late; an unanswered pull proves nothing (a dead peer)
+#: the view's lateness allowance (``View.lateness_s``) is this many times the median of the
+#: last ``LATENESS_PULLS`` successful pulls, at most ``LATENESS_CAP_S``: replies that come
+#: late prove announcements reach us late (our own link is congested); an unanswered pull
+#: proves nothing (a dead peer), and the median keeps one peer answering slowly (a hostile
+#: one: the protocol fuzzer's made the allowance keep dead entries routable) from setting it
 LATENESS_FACTOR = 2.0
 LATENESS_PULLS = 16
 LATENESS_CAP_S = 30.0
@@ -382,7 +385,8 @@ class MembershipService:
     def _took(self, seconds: float) -> None:
         """A pull succeeded after ``seconds``: the view's lateness allowance follows."""
         self._pull_seconds.append(max(0.0, seconds))
-        self.view.lateness_s = min(LATENESS_CAP_S, LATENESS_FACTOR * max(self._pull_seconds))
+        self.view.lateness_s = min(LATENESS_CAP_S,
+                                   LATENESS_FACTOR * statistics.median(self._pull_seconds))
 
     async def _push_to_connected(self, data: bytes) -> None:
         peers = await self.host.connected_peers()
