@@ -4,6 +4,7 @@ peer's pull handler can fail for a while, as a peer's does under load)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -32,41 +33,52 @@ async def until(what: str, seconds: float, check: Any) -> None:
         await asyncio.sleep(0.1)
 
 
+@contextlib.asynccontextmanager
+async def three_peers(prepare: Any = None) -> Any:
+    """A (stage 0), B and C (stage 1) on 127.0.0.1, without gossip (pulls alone: gossip
+    would hide the holes these tests make), their membership services started (``prepare``
+    sees them first), all three connected: ((a, b, c), (ma, mb, mc))."""
+    ids = [identity.generate() for _ in range(3)]
+    opts = HostOptions(pubsub=None)
+    async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
+        hosts = [a, b, c]
+        mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
+               for h, i, s in zip(hosts, ids, (0, 1, 1))]
+        if prepare is not None:
+            prepare(mss)
+        async with mss[0] as ma, mss[1] as mb, mss[2] as mc:
+            await a.dial(b.addrs[0])
+            await a.dial(c.addrs[0])
+            await b.dial(c.addrs[0])
+            yield (a, b, c), (ma, mb, mc)
+
+
 def test_a_peer_everyone_expired_while_its_pulls_failed_comes_back() -> None:
     """B stays up and connected but answers no pull for a while: A and C expire it. B's
     refreshes change nothing (no push), so A and C must pull B again although their views
     no longer list it."""
 
     async def main() -> None:
-        ids = [identity.generate() for _ in range(3)]
-        opts = HostOptions(pubsub=None)  # pulls alone: gossip would hide the hole
-        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
-            hosts = [a, b, c]
-            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
-                   for h, i, s in zip(hosts, ids, (0, 1, 1))]
-            async with mss[0] as ma, mss[1] as mb, mss[2] as mc:
-                await a.dial(b.addrs[0])
-                await a.dial(c.addrs[0])
-                await b.dial(c.addrs[0])
-                everyone = {h.peer_id for h in hosts}
+        async with three_peers() as ((a, b, c), (ma, mb, mc)):
+            everyone = {h.peer_id for h in (a, b, c)}
 
-                def has(m: MembershipService, peer: str) -> bool:
-                    return m.view.get(peer) is not None and peer in m.view.peer_ids(time.time())
+            def has(m: MembershipService, peer: str) -> bool:
+                return m.view.get(peer) is not None and peer in m.view.peer_ids(time.time())
 
-                await until("full views", 30, lambda: all(
-                    has(m, p) for m in (ma, mb, mc) for p in everyone))
+            await until("full views", 30, lambda: all(
+                has(m, p) for m in (ma, mb, mc) for p in everyone))
 
-                def refuse(data: bytes, now: float) -> bytes:
-                    raise BadPeerMessage("busy", "no pulls for now")
+            def refuse(data: bytes, now: float) -> bytes:
+                raise BadPeerMessage("busy", "no pulls for now")
 
-                mb.view.handle_pull = refuse  # type: ignore[method-assign]
-                await until("A and C expiring B", 60, lambda: not has(ma, b.peer_id)
-                            and not has(mc, b.peer_id))
-                assert ma.counters().get("pulls_failed", 0) >= 1
-                del mb.view.handle_pull  # B answers pulls again
-                await until("B back in A's and C's views", 30, lambda: has(ma, b.peer_id)
-                            and has(mc, b.peer_id))
-                assert has(mb, a.peer_id) and has(mb, c.peer_id)
+            mb.view.handle_pull = refuse  # type: ignore[method-assign]
+            await until("A and C expiring B", 60, lambda: not has(ma, b.peer_id)
+                        and not has(mc, b.peer_id))
+            assert ma.counters().get("pulls_failed", 0) >= 1
+            del mb.view.handle_pull  # B answers pulls again
+            await until("B back in A's and C's views", 30, lambda: has(ma, b.peer_id)
+                        and has(mc, b.peer_id))
+            assert has(mb, a.peer_id) and has(mb, c.peer_id)
 
     asyncio.run(main())
 
@@ -77,39 +89,31 @@ def test_a_peer_whose_pull_replies_wait_behind_its_tensors_stays_in_every_view()
     entry's life. A and C give B's pulls its measured round trips, so B is never dropped
     from their views (it was, every few seconds, when a pull was cut at half a period)."""
 
+    def slow_pulls(mss: list[MembershipService]) -> None:
+        serve = mss[1]._serve_pull
+
+        async def late(message: Any, peer: str) -> Any:
+            await asyncio.sleep(1.5)  # B's reply waits behind its tensors
+            return await serve(message, peer)
+
+        mss[1]._serve_pull = late  # type: ignore[method-assign]
+
     async def main() -> None:
-        ids = [identity.generate() for _ in range(3)]
-        opts = HostOptions(pubsub=None)
-        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
-            hosts = [a, b, c]
-            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
-                   for h, i, s in zip(hosts, ids, (0, 1, 1))]
-            mb = mss[1]
-            serve = mb._serve_pull
+        async with three_peers(slow_pulls) as ((a, b, c), (ma, mb, mc)):
+            everyone = {h.peer_id for h in (a, b, c)}
 
-            async def late(message: Any, peer: str) -> Any:
-                await asyncio.sleep(1.5)
-                return await serve(message, peer)
+            def has(m: MembershipService, peer: str) -> bool:
+                return peer in m.view.peer_ids(time.time())
 
-            mb._serve_pull = late  # type: ignore[method-assign]
-            async with mss[0] as ma, mb, mss[2] as mc:
-                await a.dial(b.addrs[0])
-                await a.dial(c.addrs[0])
-                await b.dial(c.addrs[0])
-                everyone = {h.peer_id for h in hosts}
-
-                def has(m: MembershipService, peer: str) -> bool:
-                    return peer in m.view.peer_ids(time.time())
-
-                await until("full views", 30, lambda: all(
-                    has(m, p) for m in (ma, mb, mc) for p in everyone))
-                assert ma.pull_timeout(b.peer_id) > 4.0  # 4 of its 1.5 s round trips
-                end = time.monotonic() + 5 * 2.0  # five periods: entries live three
-                while time.monotonic() < end:
-                    assert has(ma, b.peer_id) and has(mc, b.peer_id)
-                    assert all(ma.view.get(p) is not None for p in everyone)
-                    await asyncio.sleep(0.1)
-                assert ma.counters().get("pulls_ok", 0) >= 3
+            await until("full views", 30, lambda: all(
+                has(m, p) for m in (ma, mb, mc) for p in everyone))
+            assert ma.pull_timeout(b.peer_id) > 4.0  # 4 of its 1.5 s round trips
+            end = time.monotonic() + 5 * 2.0  # five periods: entries live three
+            while time.monotonic() < end:
+                assert has(ma, b.peer_id) and has(mc, b.peer_id)
+                assert all(ma.view.get(p) is not None for p in everyone)
+                await asyncio.sleep(0.1)
+            assert ma.counters().get("pulls_ok", 0) >= 3
 
     asyncio.run(main())
 
@@ -120,39 +124,30 @@ def test_a_peer_answering_our_hops_stays_in_our_view_while_its_announcements_are
     hears nothing from B, expires it."""
 
     async def main() -> None:
-        ids = [identity.generate() for _ in range(3)]
-        opts = HostOptions(pubsub=None)
-        async with Host(ids[0], opts) as a, Host(ids[1], opts) as b, Host(ids[2], opts) as c:
-            hosts = [a, b, c]
-            mss = [MembershipService(h, i, CONFIG, lambda s=s: LocalState(s, "online"), **PASSED)
-                   for h, i, s in zip(hosts, ids, (0, 1, 1))]
-            async with mss[0] as ma, mss[1] as mb, mss[2] as mc:
-                await a.dial(b.addrs[0])
-                await a.dial(c.addrs[0])
-                await b.dial(c.addrs[0])
-                everyone = {h.peer_id for h in hosts}
+        async with three_peers() as ((a, b, c), (ma, mb, mc)):
+            everyone = {h.peer_id for h in (a, b, c)}
 
-                def routable(m: MembershipService, peer: str) -> bool:
-                    return peer in m.peers_of(1) or peer in m.peers_of(0)
+            def routable(m: MembershipService, peer: str) -> bool:
+                return peer in m.peers_of(1) or peer in m.peers_of(0)
 
-                await until("full views", 30, lambda: all(
-                    m.view.get(p) is not None for m in (ma, mb, mc) for p in everyone))
+            await until("full views", 30, lambda: all(
+                m.view.get(p) is not None for m in (ma, mb, mc) for p in everyone))
 
-                def refuse(data: bytes, now: float) -> bytes:
-                    raise BadPeerMessage("busy", "no pulls for now")
+            def refuse(data: bytes, now: float) -> bytes:
+                raise BadPeerMessage("busy", "no pulls for now")
 
-                mb.view.handle_pull = refuse  # type: ignore[method-assign]
-                deadline = time.monotonic() + 60
-                while routable(mc, b.peer_id):  # C hears nothing from B: out of routing
-                    assert time.monotonic() < deadline, "C never dropped B"
-                    assert routable(ma, b.peer_id), "A dropped B although B answers it"
-                    ma.links.observe_rtt(b.peer_id, 0.01, time.monotonic())  # a hop answered
-                    await asyncio.sleep(0.2)
-                for _ in range(20):  # and A keeps it for as long as B answers
-                    ma.links.observe_rtt(b.peer_id, 0.01, time.monotonic())
-                    assert routable(ma, b.peer_id)
-                    await asyncio.sleep(0.2)
-                assert ma.counters().get("membership.vouched", 0) >= 1
+            mb.view.handle_pull = refuse  # type: ignore[method-assign]
+            deadline = time.monotonic() + 60
+            while routable(mc, b.peer_id):  # C hears nothing from B: out of routing
+                assert time.monotonic() < deadline, "C never dropped B"
+                assert routable(ma, b.peer_id), "A dropped B although B answers it"
+                ma.links.observe_rtt(b.peer_id, 0.01, time.monotonic())  # a hop answered
+                await asyncio.sleep(0.2)
+            for _ in range(20):  # and A keeps it for as long as B answers
+                ma.links.observe_rtt(b.peer_id, 0.01, time.monotonic())
+                assert routable(ma, b.peer_id)
+                await asyncio.sleep(0.2)
+            assert ma.counters().get("membership.vouched", 0) >= 1
 
     asyncio.run(main())
 
