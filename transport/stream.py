@@ -267,14 +267,15 @@ class Stream:
             gate = gates.enter(self.peer_id)
             try:
                 waiting = trio.current_time()
-                if gate.lock.locked() and queued is not None:
+                behind = gate.lock.locked()  # only then does the caller hear of the wait
+                if behind and queued is not None:
                     queued(True)
                 async with gate.lock:
-                    waited = trio.current_time() - waiting
-                    if waited > 0:
+                    if behind:
+                        waited = trio.current_time() - waiting
                         self._host.counters.add("send_order.queued_ms", round(waited * 1000))
-                    if queued is not None:
-                        queued(False)
+                        if queued is not None:
+                            queued(False)
                     await throttle.t_before_write(len(frame.head))
                     await ns.write(frame.head)
                     await self._t_write_pieces(frame, gate.sizer)
