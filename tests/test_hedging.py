@@ -10,7 +10,7 @@ import asyncio
 import random
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +190,8 @@ def test_a_forward_held_by_a_silent_liar_is_hedged_and_the_honest_answer_wins() 
         for _ in range(2):
             peer, _reply = await router.send(MSG, timeout=20.0, on_attempt=told.append)
             winners.append(peer)
+        assert host.cancelled == ["liar"]  # the second loss; the first runs on as its probe
+        await router.aclose()
         return winners
 
     winners = _run(scenario())
@@ -197,8 +199,9 @@ def test_a_forward_held_by_a_silent_liar_is_hedged_and_the_honest_answer_wins() 
     assert told == ["liar", "honest", "liar", "honest"]  # the liar first (its claim), hedged
     assert router.counters["hedged"] == 2 and router.counters["hedge_lost"] == 2
     assert router.counters["hedge_won"] == 2 and router.counters["hedge_slow"] == 2
+    assert router.counters["hedge_probe"] == 1  # one probe a peer
     assert router.counters["hop_slow"] == 0  # no try waited out its deadline
-    assert host.cancelled == ["liar", "liar"]
+    assert host.cancelled == ["liar", "liar"]  # and the probe, by close
     (row,) = [r for r in router.wiring.snapshot(0.0) if r.peer_id == "liar"]
     assert row.slow and row.timeouts == 2  # it never answered: slow at each loss
     # its probes were all freed: a peer not yet measured is still tried, at a smaller share
@@ -295,6 +298,49 @@ def test_a_peer_that_answered_before_is_marked_slow_only_after_two_lost_races() 
     # each race lost by whichever went second; a streak of 2 marks slow, a win ends it
     assert router.counters["hedge_slow"] < router.counters["hedge_lost"]
     assert router.counters.get("hop_slow", 0) == 0
+
+
+def test_an_unmeasured_peer_slow_to_first_answer_is_measured_by_the_race_it_loses() -> None:
+    """A newcomer whose path is cold (its first answer takes 0.3 s, later ones none: a relayed
+    connection, a loaded machine) beside a measured peer hedged after 0.02 s: it loses its
+    first race, but that try runs on as its probe, answers, and measures it; from then on it
+    wins its share. Cancelled instead, it would lose every race it is given, never answer,
+    and never be measured (issue 28's starved relayed peer)."""
+    answered: set[str] = set()
+
+    class ColdHost(SilentHost):
+        async def request(self, peer: str, protocol: str, message: Message, *, codec: Any,
+                          timeout: float) -> Message:
+            self.lag[peer] = 0.0 if peer in answered or peer == "warm" else 0.3
+            reply = await super().request(peer, protocol, message, codec=codec,
+                                          timeout=timeout)
+            answered.add(peer)
+            return reply
+
+    host = ColdHost(set())
+    router = _router(host, {"warm": 1.0})
+    winners: list[str] = []
+
+    async def scenario() -> None:
+        await router.send(MSG, timeout=20.0)  # measures the warm peer
+        router.peers_of = lambda s: {p: (1.0, 0, (f"/ip4/127.0.0.1/tcp/1/p2p/{p}",))
+                                     for p in ("warm", "cold")}
+        while "cold" not in host.requests:
+            await router.send(MSG, timeout=20.0)
+        await asyncio.gather(*router._probes)  # its answer, 0.3 s after it was sent
+        for _ in range(40):
+            peer, _ = await router.send(MSG, timeout=20.0)
+            winners.append(peer)
+        await router.aclose()
+
+    _run(scenario())
+    assert "cold" not in router.wiring.unmeasured()
+    assert winners.count("cold") >= 5, winners  # its share, not starved
+    (row,) = [r for r in router.wiring.snapshot(0.0) if r.peer_id == "cold"]
+    assert not row.slow  # its answer ended the mark its loss gave it
+    assert router.counters["hedge_probe_answered"] == router.counters["hedge_probe"] == 1
+    assert "cold" not in host.cancelled
+    assert router.wiring._peers["cold"].probing == 0
 
 
 def test_a_backward_is_never_hedged() -> None:

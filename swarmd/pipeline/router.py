@@ -47,6 +47,14 @@ and the other try is cancelled (``hedge_lost``; a peer that loses 2 in a row, or
 it never answered, is judged ``Wiring.timeout``, slow: ``hedge_slow``). A backward is never
 hedged: only one peer holds its activations.
 
+A losing try of a peer never measured yet is not cancelled: it runs on to its own deadline
+as the peer's *probe* (``hedge_probe``; one a peer, ``MAX_PROBES`` in all, cancelled by
+``close``). Marked slow for its loss all the same (a silent claim is the liar it may be), it
+is measured when it answers, which ends the slow mark: an honest peer whose first answer is
+slower than its stage's usual hop (a cold relayed path, a loaded machine) would otherwise
+lose every race it is given, each try cancelled, and never be measured at all. Its answer
+goes the way of any second answer: the trainer ignores a second result of a microbatch.
+
 A violation seen outside a send (a wrong-shaped backward from a peer of this router's stage)
 is charged with ``Router.penalise``: only to the peer that sent it (the authenticated libp2p
 sender, never one a message names) and only when membership lists it for this stage.
@@ -93,6 +101,8 @@ HOP_DIAL_TIMEOUT_S = 5.0
 HEDGE_POLL_S = 1.0
 #: hedges of one try at most (one more every hedge delay while no try answered)
 MAX_HEDGES = 3
+#: losing tries of unmeasured peers kept running as their probes, at most (one a peer)
+MAX_PROBES = 16
 #: a peer announced only at relayed addresses (``/p2p-circuit``) counts with this share of its
 #: announced throughput: its traffic crosses a relay's links too, so peers reached directly
 #: are preferred while they have room (measured hop times then take over)
@@ -170,6 +180,19 @@ class Router:
         self.histograms = histograms if histograms is not None else Histograms()
         #: the stage's recent hop times and race losers (None: no hedging)
         self.hedging: Hedging | None = (Hedging() if hedging is True else hedging or None)
+        #: losing tries of unmeasured peers left running to be measured: task -> peer
+        self._probes: dict[asyncio.Future[_Outcome], str] = {}
+
+    def close(self) -> list[asyncio.Future[_Outcome]]:
+        """Cancel the probes still running (the owner stops); returns them to await."""
+        probes = list(self._probes)
+        for task in probes:
+            task.cancel()
+        return probes
+
+    async def aclose(self) -> None:
+        """``close``, and wait until the probes have ended."""
+        await asyncio.gather(*self.close(), return_exceptions=True)
 
     def hop_timeout(self, target: str, nbytes: int) -> float:
         """The deadline of one try of ``nbytes`` to ``target``: see the module docstring."""
@@ -338,14 +361,38 @@ class Router:
                     if won_hedge:
                         hedging.hedge_won()
                 for task in pending:
-                    race.add(tasks[task])
-                    task.cancel()
+                    if not self._kept_as_probe(task, tasks[task]):
+                        race.add(tasks[task])
+                        task.cancel()
                 outcomes.append(winner)
             return outcomes
         finally:
-            for task in tasks:
+            ours = [task for task in tasks if task not in self._probes]
+            for task in ours:
                 task.cancel()  # (done ones: nothing; a caller that gave up: no word on them)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*ours, return_exceptions=True)
+
+    def _kept_as_probe(self, task: asyncio.Future[_Outcome], peer: str) -> bool:
+        """``peer`` lost a race while never measured: its try runs on as its probe (see the
+        module docstring) unless it has one running already or ``MAX_PROBES`` run. Judged as a
+        lost race now (slow); its answer, if it comes, measures it and ends that."""
+        if (peer not in self.wiring.unmeasured() or peer in self._probes.values()
+                or len(self._probes) >= MAX_PROBES):
+            return False
+        self._probes[task] = peer
+        task.add_done_callback(self._probe_ended)
+        self.counters["hedge_probe"] += 1
+        self._lost_race(peer, released=False)  # its task goes on: freed when it ends
+        return True
+
+    def _probe_ended(self, task: asyncio.Future[_Outcome]) -> None:
+        peer = self._probes.pop(task, "")
+        if task.cancelled():
+            return
+        exc = task.exception()  # (a stage after ours failed: nobody waits for this answer)
+        if exc is None and task.result()[1] is not None:
+            self.counters["hedge_probe_answered"] += 1
+            log.info("stage %d peer %s answered the race it lost: measured", self.stage, peer)
 
     def _hedge_target(self, kind: Kind, rows: int, exclude: set[str]) -> str | None:
         """Another peer of the stage in service now for a hedge, or None (no waiting): one
@@ -374,17 +421,18 @@ class Router:
             return target, None, Verdict.OURS, exc
         return target, reply, verdict, None
 
-    def _lost_race(self, peer: str) -> None:
-        """``peer``'s try was cancelled: another peer of the stage answered the hedge first."""
+    def _lost_race(self, peer: str, *, released: bool = True) -> None:
+        """Another peer of the stage answered the hedge first: ``peer``'s try was cancelled
+        (``released``: its task is over) or runs on as its probe."""
         self.counters["hedge_lost"] += 1
         assert self.hedging is not None
         # lost again and again, or never answered at all (a claim, which its first answer
         # would clear): slow, its share shrinks
         if self.hedging.lost(peer) or peer in self.wiring.unmeasured():
             self.counters["hedge_slow"] += 1
-            self.wiring.timeout(peer, self._clock())
+            self.wiring.timeout(peer, self._clock(), task_ended=released)
             log.info("stage %d peer %s lost hedged races: marked slow", self.stage, peer)
-        else:
+        elif released:
             self.wiring.released(peer)
 
     async def _attempt(self, target: str, kind: Kind, message: Message, rows: int,

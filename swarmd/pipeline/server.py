@@ -170,6 +170,8 @@ class StageServer:
         self.host.remove_handler(self.proto["backward"])
         self.host.remove_handler(self.proto["abandon"])
         self.host.remove_handler(self.proto["flush"])
+        if self.router is not None:
+            await self.router.aclose()
         await self.sync.close()
         self.batcher.close()
         self.compute.close()

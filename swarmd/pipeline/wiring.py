@@ -384,15 +384,17 @@ class Wiring:
         others = (q.load for q in self._peers.values() if q is not p and q.banned_until is None)
         p.load = max(load, min(others, default=0.0), 0.0)
 
-    def timeout(self, peer_id: str, now: float) -> None:
-        """A task on ``peer_id`` timed out: slow, not dead; its share shrinks for a while."""
+    def timeout(self, peer_id: str, now: float, *, task_ended: bool = True) -> None:
+        """A task on ``peer_id`` timed out: slow, not dead; its share shrinks for a while.
+        ``task_ended`` False: judged slow while the task runs on (its end is reported then)."""
         p = self._peers.get(peer_id)
         if p is None:
             return
         cfg = self.config
         factor = min(cfg.slow_max_factor, self._slow_factor(p, now) * cfg.slow_penalty)
         p.slow_excess, p.slow_since = factor - 1.0, now
-        p.probing = max(0, p.probing - 1)  # that probe is over, unanswered
+        if task_ended:
+            p.probing = max(0, p.probing - 1)  # that probe is over, unanswered
         p.timeouts += 1
         self.timeouts += 1
 

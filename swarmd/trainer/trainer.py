@@ -245,6 +245,7 @@ class Trainer(TrainerCompute):
     def close(self) -> None:
         for sender in self._late:
             sender.cancel()
+        self.router.close()
         for answer in self._answers.values():
             if not answer.done():
                 answer.set_result(None)
