@@ -10,7 +10,8 @@ on the same machine, with the same model, data, batch size, microbatches per ste
 - ``swarm_tokens_per_s``: a local swarm of 2 stages with one peer each (two ``swarmd join``
   processes, ``swarmd.local.swarm.DaemonProcess``, all on 127.0.0.1) with the default ``int8``
   wire codec, driven by ``swarmd.trainer.run.train()`` in this process (the trainer: embedding,
-  head, loss; ``microbatches`` per step, ``training.microbatches``' default 4, pipelined: as many in flight as the trainer measures it needs, ``Trainer.train``).
+  head, loss; ``microbatches`` per step (``--microbatches``, 4 as ``swarmd demo``: the
+  daemons' ``training.microbatches`` too), pipelined: as many in flight as the trainer measures it needs, ``Trainer.train``).
   Every process of the swarm runs one torch thread (``model.threads = 1``, as in
   ``swarmd demo``: three processes share two cores; ``--daemon-threads`` and
   ``--trainer-threads`` override it). The first ``warmup_steps`` steps (connections, stream pool,
@@ -160,10 +161,16 @@ def schedule_overrides(args: Any) -> dict[str, str]:
     return out
 
 
-def bench_env(model: str, root: Path | None = None) -> dict[str, str]:
+def bench_env(model: str, root: Path | None = None,
+              microbatches: int | None = None) -> dict[str, str]:
+    """The swarm's settings, the daemons' and the trainer's alike. ``microbatches``: a step's,
+    ``training.microbatches`` (a swarm setting, in its manifest: the stages step on that many
+    samples); None: the configuration's."""
     from swarmd.local.demo import DEMO_MODEL_ENV
 
     env = dict(DEMO_MODEL_ENV) if model == "demo" else {}
+    if microbatches is not None:
+        env["SWARMD_TRAINING_MICROBATCHES"] = str(microbatches)
     if model == "llama":
         assert root is not None
         env.update({**LLAMA_ENV, "SWARMD_MODEL_HF": str(llama_dir(root))})
@@ -481,7 +488,6 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
                                 "stage1": second.proc.pid}
             swarmd.trainer.trainer.Trainer = _probed_trainer(original, probe)  # train() imports it late
             result = uvloop.run(train(config, bootstrap=[first.addr], steps=marks[-1],
-                                      microbatches=microbatches,
                                       progress=lambda s: say(f"train: {s}")))
             stage_counters = {name: {k: v for k, v in d.get("/api/v0/status")["counters"].items()
                                      if k.startswith("stage.")}
@@ -544,6 +550,9 @@ def run(config: Any, env: dict[str, str], *, warmup: int, blocks: int, block_ste
             "step_ms": sw_seconds / (blocks * block_steps) * 1e3,
             "tokens_per_s_per_block": [t / s for t, s in probe.swarm_blocks],
             "rerouted": result.rerouted, "restarted": result.restarted, "lost": result.lost,
+            # every part of the model stepped on exactly each trainer step's samples (a stage
+            # that waits for another step size makes each step wait for reports that never come)
+            "trainer_steps": result.steps, "steps_exact": result.steps_exact,
             "window_mean_loss": sum(stats.losses[window]) / len(stats.losses[window]),
             "val_loss_before_after": [result.initial_val_loss, result.final_val_loss],
             "stage_counters": stage_counters,
@@ -589,7 +598,7 @@ def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int 
     t0 = time.monotonic()
     warmup, blocks, block_steps = (2, 2, 3) if quick else SCHEDULE[model]
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-model-") as model_root:
-        env = bench_env(model, Path(model_root))
+        env = bench_env(model, Path(model_root), microbatches)
         config = load_config(None, {**os.environ, **env})
         seam, _ = model_seam_of(config)
         seq = min(config.model.seq_len, seam.max_seq_len)
@@ -628,7 +637,9 @@ def measure(*, quick: bool, model: str, microbatches: int, trainer_threads: int 
         "ratio_judged": ratio_judged,
         "targets": {f"ratio_ge_{TARGET[model]}": None if ratio_judged is None
                     else ratio_judged >= TARGET[model],
-                    "wire_ratio_le_0.27": out["wire_ratio_vs_fp32"] <= 0.27},
+                    "wire_ratio_le_0.27": out["wire_ratio_vs_fp32"] <= 0.27,
+                    "every_step_exact": out["swarm"]["steps_exact"] == out["swarm"][
+                        "trainer_steps"]},
         "contended": contended,
         "loadavg_before_after": [load_before[0], os.getloadavg()[0]],
         "seconds": time.monotonic() - t0,
@@ -643,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="model settings: swarmd.local.demo.DEMO_ENV (default), the config "
                              "defaults, or a ~19M-parameter Llama (LLAMA, from a LlamaConfig)")
     parser.add_argument("--microbatches", type=int, default=4,
-                        help="microbatches per step (training.microbatches' default: 4)")
+                        help="microbatches per step, training.microbatches of the daemons "
+                             "and the trainer alike (default 4, as `swarmd demo`)")
     parser.add_argument("--daemon-threads", type=int, metavar="N",
                         help="torch intra-op threads of each daemon (OMP_NUM_THREADS; default: "
                              "torch's default, as swarmd leaves it)")

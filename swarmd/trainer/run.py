@@ -75,7 +75,7 @@ class TrainResult:
 async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
                 data_path: Path | None = None, home: Path | None = None,
                 listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-                microbatches: int | None = None, progress: Callable[[str], None] = print,
+                progress: Callable[[str], None] = print,
                 bar: bool = True, until: Callable[[], bool] | None = None,
                 schedule: str | None = None, fixed_in_flight: int | None = None
                 ) -> TrainResult:
@@ -85,7 +85,9 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     With a ``home``, the trainer is the home's identity (created when missing) and its state
     (``swarmd.state.trainer_state``) is saved there every ``checkpoint.every_steps`` steps
     and at the end; a restarted trainer resumes its step, weights, optimizer and data.
-    ``microbatches`` overrides ``training.microbatches``. ``schedule`` (default
+    A step is ``training.microbatches`` microbatches, as the swarm's manifest says (the stages
+    step on that many samples: a trainer of another step size would make no exact step).
+    ``schedule`` (default
     ``training.schedule``) is ``sync`` or ``pipelined`` (module doc); ``fixed_in_flight`` pins the pipelined schedule's number in flight
     (experiments). With ``bar``, a progress bar goes to stderr when that is a terminal;
     otherwise (or without a terminal) ``progress`` gets a line every 5% of the run."""
@@ -101,7 +103,7 @@ async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
     keep_freed_memory()
     seam, tokenizer = model_seam_of(config)
     seq_len = min(config.model.seq_len, seam.max_seq_len)
-    plan = _Plan(steps=steps, microbatches=microbatches or config.training.microbatches,
+    plan = _Plan(steps=steps, microbatches=config.training.microbatches,
                  batch=config.training.batch_size, seq=seq_len, home=home,
                  every=config.checkpoint.every_steps, schedule=schedule,
                  fixed_in_flight=fixed_in_flight, eval_every=config.training.eval_every,
