@@ -49,6 +49,7 @@ def test_a_name_that_makes_no_series_or_collides_is_skipped_and_counted() -> Non
 
 @given(st.dictionaries(st.text(max_size=30), st.integers(0, 2**40), max_size=20))
 @example({"A\n": 0})  # "$" matches before a final newline: the name was taken (hypothesis)
+@example({"total": 0})  # swarmd_total: a counter family named "swarmd" (hypothesis)
 def test_any_counters_render_as_a_valid_exposition(counters: dict[str, int]) -> None:
     got = _families(counters)  # the parser raises on anything invalid
     exported = {metric_name(c)[0] for c in counters if metric_name(c) is not None}

@@ -173,9 +173,11 @@ async def train_swarm(aggregator: str, *, peers: tuple[Corruption, ...] = PEERS,
         applied = _record_steps(servers[0])
         trainer = Trainer(trainer_host, **common)
         cycle = itertools.cycle([h.peer_id for h in stage_hosts])
-        # (a hedge under load asks for another peer than those it excludes)
         trainer.wiring.choose = lambda kind, samples, now, rng, exclude=(): next(  # type: ignore
             p for p in cycle if p not in exclude)
+        # each peer's own microbatch every step: a forward hedged away under load would leave
+        # a peer (the flipped one, say) out of a round's gradients (tests/test_hedging.py)
+        trainer.router.hedging = None
         trainer.start()
         stack.callback(trainer.close)
 

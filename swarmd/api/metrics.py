@@ -54,9 +54,11 @@ def metric_name(counter: str) -> tuple[str, str, float] | None:
     kind, factor = ("gauge" if counter in GAUGES else "counter"), 1.0
     if kind == "counter" and base.endswith("_ms"):
         base, factor = base[:-3] + "_seconds", 1e-3
-    if not base or not _VALID.fullmatch(base) or base in _RESERVED or base.endswith("_total"):
+    name = f"swarmd_{base}"
+    # (a counter family named ..._total loses that suffix: "total" would export "swarmd")
+    if not base or not _VALID.fullmatch(base) or base in _RESERVED or name.endswith("_total"):
         return None
-    return f"swarmd_{base}", kind, factor
+    return name, kind, factor
 
 
 def counter_families(counters: Mapping[str, float]) -> Iterator[Metric]:
