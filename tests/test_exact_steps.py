@@ -404,6 +404,38 @@ def test_a_peer_has_left_its_stage_after_the_grace_on_the_trainer_s_clock() -> N
     assert trainer._left_its_stage(0) and trainer.counters["reports_left"] == 1
 
 
+def test_a_report_from_a_peer_that_served_the_step_counts_while_the_view_lost_it() -> None:
+    """c served step 0 at stage 1, then the trainer's view lost it for a moment (its
+    announcements late while a mate was frozen): its report still counts. A peer neither
+    listed nor on the step's paths is refused, as before."""
+    from swarmd.errors import NotOnPath
+
+    table = {0: {"a": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
+    trainer = _trainer(table)
+    trainer._route(("a", "c"))
+    trainer.board.open(0, 4)
+    del table[1]["c"]
+    report = Message(**StepReport(step=0, stage=1, stage_step=0, sqnorm=1.0,
+                                  samples=4).wire())
+
+    async def send(peer: str) -> Any:
+        reply = asyncio.ensure_future(trainer._on_step_report(report, peer))
+        for _ in range(100):  # posted: it waits for the step's answer
+            await asyncio.sleep(0.01)
+            if reply.done() or 0 in trainer._answers:
+                break
+        if not reply.done():
+            trainer._answers.pop(0).set_result(1.0)
+        return await reply
+
+    assert asyncio.run(send("c")).meta["coefficient"] == 1.0
+    assert trainer.counters["reports_taken"] == 1
+    assert trainer.counters["refused.report_sender"] == 0
+    with pytest.raises(NotOnPath):
+        asyncio.run(send("x"))
+    assert trainer.counters["refused.report_sender"] == 1
+
+
 @pytest.mark.parametrize("case", ["a_server_leaves", "nobody_leaves", "missing_a_moment"])
 def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_stage(
         case: str) -> None:

@@ -120,7 +120,8 @@ class MembershipService:
         self._pump: asyncio.Task[None] | None = None
         self._last_announcement: bytes | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._pulls: set[asyncio.Task[Any]] = set()
+        #: scheduled pulls in flight, and the peer each asks
+        self._pulls: dict[asyncio.Task[Any], str] = {}
         self._pull_seconds: deque[float] = deque(maxlen=LATENESS_PULLS)
         #: peer -> when a scheduled pull from it last failed
         self._pull_failed: dict[str, float] = {}
@@ -267,11 +268,17 @@ class MembershipService:
             # failed everywhere); only a pull from it brings its fresh announcements back
             candidates = sorted({*self.view.peer_ids(wall), *connected} - {self.host.peer_id})
             candidates = [p for p in candidates if p not in failing] or candidates
+            # one scheduled pull a peer at a time: pulls to a frozen peer (each waiting out
+            # its deadline) would otherwise take every slot in turn, and the live peers'
+            # announcements would stop coming (a SIGSTOPped stage peer expired every other
+            # peer from the views of its stage-0 peer and its mate)
+            asking = set(self._pulls.values())
+            candidates = [p for p in candidates if p not in asking]
             order = self.schedule.pull(now, self.view.estimate(wall), candidates, wall=wall)
             if order is not None:
                 task = self._spawn(self._scheduled_pull(order))
-                self._pulls.add(task)
-                task.add_done_callback(self._pulls.discard)
+                self._pulls[task] = order.peer_id
+                task.add_done_callback(lambda t: self._pulls.pop(t, None))
 
     def _vouch_for_heard(self) -> None:
         """Peers that answered us within the last period (a hop, a pull: ``links``) are alive

@@ -538,7 +538,10 @@ class Trainer(TrainerCompute):
         except SwarmdError as exc:
             self.counters[f"refused.{getattr(exc, 'reason', exc.code)}"] += 1
             raise
-        if peer not in self.peers_of(report.stage):
+        # a peer listed at the stage, or one that served this step's microbatches there (the
+        # view may have lost it a moment: its report, refused, would never come again)
+        if (peer not in self.peers_of(report.stage)
+                and peer not in self._step_peers.get(report.stage, ())):
             self.counters["refused.report_sender"] += 1
             raise NotOnPath("sender", f"{peer} is not a peer of stage {report.stage} here")
         # (a change of the trainers in view is for ``_reported`` to judge: a view that loses
