@@ -140,16 +140,11 @@ def swarm_run(lab: Any, root: Path, env: dict[str, str], *, steps: int,
 
     trainer_home = root / "trainer"
     trainer_home.mkdir(parents=True, exist_ok=True)
-    started: list[Any] = []
+    started = lab_daemons.start_swarm(lab, root, ("s0", ("--stage", "0")),
+                                      [("s1", ("--stage", "1"))], env=env)
+    s0 = started[0]
     proc = None
     try:
-        s0 = lab_daemons.LabDaemon(lab, "s0", root / "s0", "--stage", "0", env=env)
-        started.append(s0)
-        s0.wait_started()
-        s1 = lab_daemons.LabDaemon(lab, "s1", root / "s1", "--stage", "1", "--bootstrap",
-                                   s0.addr, env=env)
-        started.append(s1)
-        s1.wait_started()
         with open(trainer_home / "train.stderr", "w") as err:
             proc = lab.run("tr", [sys.executable, "-m", "swarmd", "train", "--home",
                                   str(trainer_home), "--json", "--bootstrap", s0.addr,
