@@ -33,6 +33,11 @@ async def until(what: str, seconds: float, check: Any) -> None:
         await asyncio.sleep(0.1)
 
 
+def in_view(m: MembershipService, peer: str) -> bool:
+    """``peer`` is live in ``m``'s view now."""
+    return peer in m.view.peer_ids(time.time())
+
+
 @contextlib.asynccontextmanager
 async def three_peers(prepare: Any = None) -> Any:
     """A (stage 0), B and C (stage 1) on 127.0.0.1, without gossip (pulls alone: gossip
@@ -101,10 +106,7 @@ def test_a_peer_whose_pull_replies_wait_behind_its_tensors_stays_in_every_view()
     async def main() -> None:
         async with three_peers(slow_pulls) as ((a, b, c), (ma, mb, mc)):
             everyone = {h.peer_id for h in (a, b, c)}
-
-            def has(m: MembershipService, peer: str) -> bool:
-                return peer in m.view.peer_ids(time.time())
-
+            has = in_view
             await until("full views", 30, lambda: all(
                 has(m, p) for m in (ma, mb, mc) for p in everyone))
             assert ma.pull_timeout(b.peer_id) > 4.0  # 4 of its 1.5 s round trips
@@ -131,7 +133,7 @@ def test_a_frozen_peer_holds_one_pull_at_a_time_and_live_peers_stay_in_the_view(
 
         async def maybe_frozen(message: Any, peer: str) -> Any:
             if frozen.is_set():
-                await asyncio.sleep(3600)  # never answers (the test ends first)
+                await asyncio.Event().wait()  # never answers (cancelled when the test ends)
             return await serve(message, peer)
 
         mss[1]._serve_pull = maybe_frozen  # type: ignore[method-assign]
@@ -139,10 +141,7 @@ def test_a_frozen_peer_holds_one_pull_at_a_time_and_live_peers_stay_in_the_view(
     async def main() -> None:
         async with three_peers(freezable) as ((a, b, c), (ma, mb, mc)):
             everyone = {h.peer_id for h in (a, b, c)}
-
-            def has(m: MembershipService, peer: str) -> bool:
-                return peer in m.view.peer_ids(time.time())
-
+            has = in_view
             await until("full views", 30, lambda: all(
                 has(m, p) for m in (ma, mb, mc) for p in everyone))
             frozen.set()
