@@ -277,3 +277,19 @@ def test_status_and_peers_show_announced_addresses() -> None:
     row = ConnectedPeer.from_json({"peer_id": "QmA", "addrs": list(views["QmA"]), "new": 1})
     assert row.addrs == views["QmA"]
     assert peer_rows({"QmA"}, {})[0].addrs == ()  # no view given: none
+
+
+def test_peers_show_whether_each_connected_peer_is_reached_directly_or_relayed() -> None:
+    """``/api/v0/peers`` says how each connected peer is reached; ``swarmd peers`` adds a PATH
+    column only while some peer is relayed."""
+    from swarmd.api.types import peer_rows
+    from swarmd.cli.client import text_peers
+
+    paths = {"QmA": "relayed", "QmB": "direct", "QmGone": "direct"}
+    rows = peer_rows({"QmA", "QmB", "QmC"}, {"QmA": (1, "online")}, paths=paths)
+    assert [(r.peer_id, r.path) for r in rows] == [("QmA", "relayed"), ("QmB", "direct"),
+                                                   ("QmC", None)]
+    assert [r.path for r in peer_rows({"QmA"}, {})] == [None]  # a host without relay code
+    text = text_peers(rows)
+    assert "PATH" in text.splitlines()[0] and "relayed" in text
+    assert "PATH" not in text_peers([r for r in rows if r.path != "relayed"])

@@ -135,6 +135,9 @@ class ConnectedPeer:
     capped: bool = False
     #: the addresses its newest membership announcement lists (empty: none seen)
     addrs: tuple[str, ...] = ()
+    #: how our connection reaches it: "direct" (at least one direct connection) or "relayed"
+    #: (only through a relay's circuit); None when not connected or the host runs no relay code
+    path: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ConnectedPeer:
@@ -147,13 +150,14 @@ class ConnectedPeer:
 
 def peer_rows(connected: Collection[str], known: Mapping[str, tuple[int | None, str]],
               routing: Sequence[Any] = (), refusals: Mapping[str, int] | None = None,
-              addrs_of: Callable[[str], tuple[str, ...]] | None = None
-              ) -> list[ConnectedPeer]:
+              addrs_of: Callable[[str], tuple[str, ...]] | None = None,
+              paths: Mapping[str, str] | None = None) -> list[ConnectedPeer]:
     """The rows of ``GET /api/v0/peers``: every connected peer and every peer our routing
     knows (``routing``: ``swarmd.pipeline.wiring.PeerWiringState`` rows), by peer id.
     ``known``: membership's {peer: (stage, state)}; ``refusals``: budget refusals by peer;
-    ``addrs_of(peer)``: the addresses it announces."""
-    refusals = refusals or {}
+    ``addrs_of(peer)``: the addresses it announces; ``paths``: ``"direct"`` or ``"relayed"`` by
+    connected peer (``transport.relay.RelayNode.paths``)."""
+    refusals, paths = refusals or {}, paths or {}
     routed = {r.peer_id: r for r in routing}
     rows = []
     for p in sorted(set(connected) | routed.keys()):
@@ -168,7 +172,8 @@ def peer_rows(connected: Collection[str], known: Mapping[str, tuple[int | None, 
             violations=r.violations if r is not None else 0,
             violation_reason=r.violation_reason if r is not None else None,
             budget_refusals=refusals.get(p, 0), **_wiring_fields(r),
-            addrs=tuple(addrs_of(p)) if addrs_of is not None else ()))
+            addrs=tuple(addrs_of(p)) if addrs_of is not None else (),
+            path=paths.get(p) if p in connected else None))
     return rows
 
 

@@ -156,10 +156,12 @@ def text_peers(peers) -> str:
         return "no connected peers"
     routed = any(getattr(p, "routing", None) for p in peers)
     wired = any(getattr(p, "rate", None) is not None for p in peers)
-    rows = [["PEER ID", "STAGE", "STATE", *(["ROUTING"] if routed else []),
-             *(["WIRING"] if wired else [])]]
-    rows += [[p.peer_id, _stage(p.stage), p.state or "-", *([_routing(p)] if routed else []),
-              *([_wiring(p)] if wired else [])]
+    relayed = any(getattr(p, "path", None) == "relayed" for p in peers)  # else: all direct
+    rows = [["PEER ID", "STAGE", "STATE", *(["PATH"] if relayed else []),
+             *(["ROUTING"] if routed else []), *(["WIRING"] if wired else [])]]
+    rows += [[p.peer_id, _stage(p.stage), p.state or "-",
+              *([getattr(p, "path", None) or "-"] if relayed else []),
+              *([_routing(p)] if routed else []), *([_wiring(p)] if wired else [])]
              for p in sorted(peers, key=lambda p: (p.stage is None, p.stage or 0, p.peer_id))]
     connected = sum(1 for p in peers if getattr(p, "connected", True))
     more = len(peers) - connected

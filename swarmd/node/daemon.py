@@ -199,10 +199,12 @@ class Daemon:
         known = self.membership.peer_states() if self.membership is not None else {}
         server = self.stage_server
         wiring = server.wiring if server is not None else None
+        relay = getattr(self.host, "relay", None)
         return peer_rows(set(connected), known,
                          wiring.snapshot(self._clock()) if wiring is not None else [],
                          server.handlers.budgets.refused_by_peer if server is not None else {},
-                         addrs_of=self._addrs_of)
+                         addrs_of=self._addrs_of,
+                         paths=await relay.paths() if relay is not None else None)
 
     def training(self) -> TrainingInfo:
         return TrainingInfo(trainers=trainer_rows(self.trainers.series(), self._clock(),
