@@ -253,6 +253,41 @@ def test_busy_from_every_peer_of_a_stage_is_backpressure_and_training_goes_on() 
     assert trainer.counters["waited"] >= 1     # all busy at once: waited, did not fail
 
 
+def test_a_peer_catching_up_with_its_stage_refuses_forwards_with_busy_and_its_mate_serves(
+        ) -> None:
+    """While a peer takes a newer state of its stage (download, restore, replay:
+    ``Gate.catching_up``) a forward's backward would wait seconds behind it: it answers busy
+    at once, and the trainer routes to its mate (issue 28: 4 s steps after a thawed peer
+    caught up)."""
+    async def scenario() -> tuple[Trainer, list[StageServer]]:
+        table: dict[Any, dict[str, Any]] = {"t": {}}
+        hosts, servers = await _three_stage_servers(table, busy_first=0)
+        servers[0].gate.catching_up = True
+        # announced 1,000 times faster than its mate: the trainer's first choice
+        table[0][hosts[0].peer_id] = (1000.0, 0, tuple(hosts[0].addrs))
+        async with Host(identity.generate(), OPTS) as t_host:
+            table["t"][t_host.peer_id] = tuple(t_host.addrs)
+            trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
+                              model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3,
+                              seed=0, peers_of=lambda s: table.get(s, {}))
+            trainer.start()
+            g = torch.Generator().manual_seed(0)
+            batches = [(torch.randint(0, 256, (2, 16), generator=g),) * 2 for _ in range(4)]
+            await trainer.train_step(batches)
+            trainer.close()
+        for s in servers:
+            await s.close()
+        for h in hosts:
+            await h.close()
+        return trainer, servers
+
+    trainer, servers = uvloop.run(asyncio.wait_for(scenario(), 120))
+    catching_up, mate = servers[0].counters, servers[1].counters
+    assert catching_up["busy_catching_up"] >= 1 and catching_up["forward"] == 0
+    assert mate["forward"] >= 4 and mate.get("busy_catching_up", 0) == 0
+    assert trainer.stats.lost == 0 and trainer.stats.microbatches == 4
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -191,6 +191,14 @@ class PipelineHandlers:
             self.budgets.release(ticket)
 
     # ---- forward ---------------------------------------------------------------------------
+    def _unless_catching_up(self, fwd: Any) -> None:
+        """A training forward is refused with busy while this peer catches up with its stage
+        (``Gate.catching_up``): its backward would wait behind the download and replay."""
+        if self.gate.catching_up and not fwd.eval:
+            self.counters["busy_catching_up"] += 1
+            raise StageBusy(f"this peer is catching up with stage {self.expect.stage}'s step: "
+                            f"route elsewhere")
+
     async def _forward(self, message: Message, peer: str) -> Message:
         fwd = self._refused_unless(lambda: parse_forward(message, self.expect))
         expected = fwd.trainer if fwd.stage == 0 else fwd.path[-1]
@@ -207,9 +215,11 @@ class PipelineHandlers:
                                 f"another peer, or this one again shortly")
             self.worker.expire(self._clock())
         if fwd.at is not None:
+            self._unless_catching_up(fwd)  # no wait for a step the catch-up may jump past
             await self._wait_for_step(fwd.at[self.expect.stage])
         if self.gate.retiring:  # checked after the gate too: retiring may begin meanwhile
             raise StageBusy(f"this peer is leaving stage {self.expect.stage}: route elsewhere")
+        self._unless_catching_up(fwd)
         t0 = self._clock()
         compute_s: float | None = None
         if fwd.eval:

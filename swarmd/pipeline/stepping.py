@@ -279,6 +279,10 @@ class Gate:
         self._passing = 0
         #: set once the peer leaves the stage: new forwards are refused with busy
         self.retiring = False
+        #: set while the peer takes a newer state of its stage (download, restore, replay of
+        #: the steps since): new forwards are refused with busy, so that none waits seconds
+        #: behind the catch-up here while the stage's other peers could take it
+        self.catching_up = False
         #: microbatches forwarded here whose output is still being passed on (the next hop,
         #: the chain after it, or its reroute): never taken for lost, whatever their age
         self.passing_on: set[str] = set()

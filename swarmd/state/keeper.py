@@ -365,7 +365,17 @@ class StageKeeper:
 
     async def _catch_up(self, peer: str, *, at_least: int | None = None) -> None:
         """Download a newer state (the one ahead first) and take it over; with ``at_least``
-        (a drift), ``peer``'s own state at that step or later, even at our step."""
+        (a drift), ``peer``'s own state at that step or later, even at our step. New
+        forwards are refused with busy meanwhile (``Gate.catching_up``): the stage's peers
+        that are at its step take them."""
+        gate = self.server.gate
+        gate.catching_up = True
+        try:
+            await self._catch_up_now(peer, at_least=at_least)
+        finally:
+            gate.catching_up = False
+
+    async def _catch_up_now(self, peer: str, *, at_least: int | None) -> None:
         if at_least is None:
             peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
             if await self._replayed(peers):
