@@ -12,7 +12,10 @@ followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochasti
 ``:block=N`` (the codec's block size), ``:forward-only`` or ``:backward-only`` (the codec on
 one direction, float32 on the other), and by ``:channels`` (each channel divided by its
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
-sends such scales), and by ``:rank=R``: the model with a learned low-rank boundary
+sends such scales), by ``:rotate`` (each token's channels multiplied by random signs and a
+normalised Hadamard matrix before the codec, and rotated back after: an orthogonal map that
+spreads a channel's outliers over all channels, as QuaRot does before low-bit quantisation; an
+experiment, no codec does it; the width must be a power of two), and by ``:rank=R``: the model with a learned low-rank boundary
 (``model.boundary_rank = R``, ``swarmd.models.boundary``), so every hop carries R values a
 token through the codec (``none:rank=32``: the boundary alone, float32 on the wire), and by
 ``:frozen`` (with ``:rank=R``: the projections kept at their initial random orthonormal
@@ -40,7 +43,23 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 
-def wire_function(forward_spec: Any, backward_spec: Any, channels: bool) -> Any:
+def hadamard_rotation(width: int, seed: int = 0) -> Any:
+    """(signs, H / sqrt(width)): x -> (x * signs) @ R is orthogonal, undone by
+    (y @ R) * signs (R is symmetric and its own inverse)."""
+    import torch
+
+    if width < 1 or width & (width - 1):
+        raise SystemExit(f":rotate needs a width that is a power of two, not {width}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < width:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (width,), generator=g).float() * 2 - 1
+    return signs, h / width ** 0.5
+
+
+def wire_function(forward_spec: Any, backward_spec: Any, channels: bool,
+                  rotate: bool = False) -> Any:
     """An autograd function: the forward tensor and its gradient each through a codec."""
     import torch
 
@@ -52,6 +71,13 @@ def wire_function(forward_spec: Any, backward_spec: Any, channels: bool) -> Any:
     def through(x: torch.Tensor, spec: Any) -> torch.Tensor:
         if spec is None:
             return x
+        if rotate:
+            signs, r = hadamard_rotation(x.shape[-1])
+            y = through_plain((x * signs) @ r, spec)
+            return (y @ r) * signs
+        return through_plain(x, spec)
+
+    def through_plain(x: torch.Tensor, spec: Any) -> torch.Tensor:
         scale = None
         if channels:
             flat = x.reshape(-1, x.shape[-1])
@@ -80,7 +106,7 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     options = [o for o in options if not o.startswith("rank=") and o != "frozen"]
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
-                                "forward-only", "backward-only"} - set(blocks))
+                                "forward-only", "backward-only", "rotate"} - set(blocks))
     if unknown:
         raise SystemExit(f"unknown variant options {sorted(unknown)} in {variant!r}")
     if name == "none":
@@ -116,7 +142,8 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
     config, tokenizer, model = reference_model(p)
     t = config.training
     forward_spec, backward_spec, channels = variant_specs(variant)
-    hop = (wire_function(forward_spec, backward_spec, channels)
+    rotate = "rotate" in variant.split(":")[1:]
+    hop = (wire_function(forward_spec, backward_spec, channels, rotate)
            if forward_spec or backward_spec or channels else (lambda h: h))
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:

@@ -1,0 +1,40 @@
+"""tools/bench_wire_loss.py's pieces that decide its figures: the ``:rotate`` experiment's
+rotation is orthogonal and undone exactly, and variants parse or are refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from bench_wire_loss import hadamard_rotation, variant_specs, wire_function  # noqa: E402
+
+
+def test_the_rotation_is_orthogonal_and_its_own_inverse() -> None:
+    signs, r = hadamard_rotation(64)
+    assert torch.allclose(r @ r.T, torch.eye(64), atol=1e-5)
+    x = torch.randn(3, 5, 64)
+    assert torch.allclose(((x * signs) @ r @ r) * signs, x, atol=1e-5)
+    with pytest.raises(SystemExit, match="power of two"):
+        hadamard_rotation(96)
+
+
+def test_rotating_spreads_an_outlier_channel_before_a_2_bit_codec() -> None:
+    forward, backward, _ = variant_specs("int2:rotate")
+    x = torch.randn(4, 16, 128, generator=torch.Generator().manual_seed(0))
+    x[..., 3] *= 20  # one channel far larger than the rest, as residual streams have
+
+    def error(rotate: bool) -> float:
+        y = wire_function(forward, backward, False, rotate)(x)
+        return float((y - x).norm() / x.norm())
+
+    assert error(True) < 0.5 * error(False)
+
+
+def test_unknown_variant_options_are_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown variant options"):
+        variant_specs("int2:rotated")
