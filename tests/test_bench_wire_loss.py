@@ -38,3 +38,13 @@ def test_rotating_spreads_an_outlier_channel_before_a_2_bit_codec() -> None:
 def test_unknown_variant_options_are_refused() -> None:
     with pytest.raises(SystemExit, match="unknown variant options"):
         variant_specs("int2:rotated")
+
+
+def test_a_short_run_through_rotated_int2_hops_trains() -> None:
+    """The tool runs end to end on bench_quality's reference loop (it broke unnoticed once,
+    when that loop began to take one batch source per trainer)."""
+    import bench_wire_loss
+
+    r = bench_wire_loss.run("demo", "int2:rotate", 2, 0)
+    assert r["variant"] == "int2:rotate" and len(r["train_losses"]) == 2
+    assert r["final_val_loss"] < r["initial_val_loss"]

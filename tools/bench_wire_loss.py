@@ -159,7 +159,7 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
                 getattr(part, side).requires_grad_(False)
     params, opt, sched = reference_optimizer(model, t)
     with batches_of(config, tokenizer) as batches:
-        out = _reference_loop(p, t, model, params, opt, sched, batches)
+        out = _reference_loop(p, t, model, params, opt, sched, [batches])
     width = config.model.width if rank else None
     return {"preset": preset_name, "variant": variant, "seed": seed, "boundary_rank": rank,
             "values_per_token_vs_plain": rank / width if width else 1.0, **out}
