@@ -49,7 +49,15 @@ class Host:
 def lead_one_round(answers: dict[str, bool | None],
                    suspected: tuple[str, ...] = ()) -> dict[str, int]:
     """Leader "a" (the smallest id) with mates ``answers``' keys, at its target: one round.
-    ``suspected``: mates that failed it a moment ago."""
+    ``suspected``: mates that failed it a moment ago. Its group counters."""
+    sync = led_round(answers, suspected)
+    return {k: v for k, v in sync.counters.items() if k in (
+        "rounds_led", "group_members", "mates_left_out", "rounds_short") or k.startswith(
+        "left_out.")}
+
+
+def led_round(answers: dict[str, bool | None], suspected: tuple[str, ...] = ()) -> StageSync:
+    """The leader of ``lead_one_round``, after its round."""
     async def snapshot() -> tuple[torch.Tensor, int]:
         return torch.zeros(4), 1
 
@@ -71,9 +79,7 @@ def lead_one_round(answers: dict[str, bool | None],
         await sync.close()
 
     asyncio.run(scenario())
-    return {k: v for k, v in sync.counters.items() if k in (
-        "rounds_led", "group_members", "mates_left_out", "rounds_short") or k.startswith(
-        "left_out.")}
+    return sync
 
 
 def test_a_round_with_every_live_mate_counts_its_whole_group_and_leaves_none_out() -> None:
@@ -85,3 +91,12 @@ def test_busy_silent_or_suspected_live_mates_are_counted_as_left_out_and_why() -
     assert lead_one_round({"b": True, "c": False, "d": None, "e": True}, suspected=("e",)) == {
         "rounds_led": 1, "group_members": 2, "mates_left_out": 3, "rounds_short": 1,
         "left_out.busy": 1, "left_out.silent": 1, "left_out.suspected": 1}
+
+
+def test_the_mates_answer_times_are_kept_by_kind_and_a_silent_mate_is_not_one() -> None:
+    """``round_ask_seconds.<kind>`` (``/metrics``): what a shorter wait than ``ASK_TIMEOUT_S``
+    for a mate's answer would be chosen from."""
+    sync = led_round({"b": True, "c": False, "d": None})
+    seen = sync.histograms.snapshot()
+    assert seen["round_ask_seconds.prepare"].count == 2  # b and c answered; d did not
+    assert seen["round_ask_seconds.start"].count == 1    # the round's start, to b

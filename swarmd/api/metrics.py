@@ -30,6 +30,9 @@ HISTOGRAM_DOCS = {
     "hop_seconds": "Seconds from sending a microbatch to a peer of the next stage to its ok "
                    "(its compute and the chain after it), by kind (forward, backward)",
     "step_seconds": "Seconds between this stage peer's consecutive optimizer steps",
+    "round_ask_seconds": "Seconds from asking a stage mate about an averaging round to its "
+                         "answer, by kind (progress, prepare, start); a mate that does not "
+                         "answer within ASK_TIMEOUT_S is not observed",
 }
 
 #: counters that hold a level, not a count: exported as gauges

@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import torch
 
+from swarmd.api.histogram import Histograms
 from swarmd.averaging.allreduce import AllReduceFailed, Averager
 from swarmd.averaging.authority import ADOPT, MATE_GRACE_S, RecentMates, same_step_verdict
 from swarmd.averaging.messages import (Exact, Prepare, PrepareReply, Progress, Source, Start,
@@ -57,6 +58,8 @@ log = logging.getLogger("swarmd.sync")
 
 #: how long the leader waits for a mate's answer to ``prepare`` / ``start``
 ASK_TIMEOUT_S = 3.0
+#: the buckets of ``round_ask_seconds`` (up to the timeout)
+ASK_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, ASK_TIMEOUT_S)
 #: a start from a mate that leads only if smaller mates are gone: at most this many of them
 #: are checked (a ping each, concurrently, within ``ALIVE_TIMEOUT_S``) before answering
 MAX_ALIVE_CHECKS = 4
@@ -109,9 +112,13 @@ class StageSync:
                  round_over: Callable[[], None] = lambda: None,
                  sources: Callable[[], list[Source]] = lambda: [],
                  failed: Callable[[Exact], Awaitable[None]] | None = None,
+                 histograms: Histograms | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         #: every time here is read from this clock (seconds, monotonic)
         self._clock = clock
+        #: how long mates take to answer round messages (``round_ask_seconds.<kind>``): what a
+        #: wait shorter than ``ASK_TIMEOUT_S`` would have to be chosen from
+        self.histograms = histograms if histograms is not None else Histograms()
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -472,8 +479,12 @@ class StageSync:
                    meta: dict[str, Any]) -> Message | None:
         try:
             await self.host.ensure_connected(peer, addrs)
-            return await self.host.request(peer, self.protocol, Message(kind=kind, meta=meta),
-                                           timeout=ASK_TIMEOUT_S)
+            t0 = self._clock()
+            reply = await self.host.request(peer, self.protocol, Message(kind=kind, meta=meta),
+                                            timeout=ASK_TIMEOUT_S)
+            self.histograms.observe(f"round_ask_seconds.{kind}", self._clock() - t0,
+                                    ASK_BOUNDS_S)
+            return reply
         except RemoteError as exc:
             self.counters[f"refused.{exc.code}"] += 1
             return None

@@ -154,7 +154,7 @@ class StageServer:
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
             digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None),
             round_over=self.gate.round_over, sources=self.worker.sources.peek,
-            failed=self.step_failed)
+            failed=self.step_failed, histograms=self.histograms)
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"],
