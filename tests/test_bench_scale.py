@@ -45,3 +45,12 @@ def test_a_rejoin_that_never_converged_fails_the_membership_target() -> None:
     run = _run(0, 0)
     run["membership"]["rejoin_periods"] = [None]
     assert not bench_scale.targets(run, None)["membership_within_3_periods"]
+
+
+def test_prepare_answer_quantiles_sum_the_processes_buckets() -> None:
+    one = [[0.001, 2], [0.01, 9], [0.1, 10], [3.0, 10], ["+Inf", 10]]
+    two = [[0.001, 0], [0.01, 80], [0.1, 89], [3.0, 90], ["+Inf", 90]]
+    got = bench_scale.answer_quantiles([one, two])
+    assert got == {"count": 100, "p50_le": 0.01, "p99_le": 0.1, "max_le": 3.0}
+    assert bench_scale.answer_quantiles([]) == {"count": 0, "p50_le": None, "p99_le": None,
+                                                "max_le": None}

@@ -31,7 +31,9 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   restarted daemon being at its stage's step again, plus the leaders' ``SUSPECT_S`` after
   it; ``rounds_short_outside_kills``: the same
   over the whole training); ``left_out``: why live mates were left out of rounds
-  (``sync.left_out.*``: suspected, silent, busy, behind); ``rounds_failed``.
+  (``sync.left_out.*``: suspected, silent, busy, behind); ``rounds_failed``;
+  ``prepare_answer_s``: how long mates took to answer the leaders' ``prepare`` (count, and the
+  histogram bounds holding the median, the 99th percentile and the slowest answer).
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
   its microbatches (its shares of the swarm's steps), steps exact, tokens/s, rerouted,
   restarted, lost; ``expected_stage_steps``: the target batches the trainers sent together
@@ -167,6 +169,8 @@ class Slot:
     #: counters of each process when the first minute of training ended
     at_first_minute: list[dict[str, int]] | None = None
     rss_peak_mib: float = 0.0
+    #: the last ``round_ask_seconds.prepare`` buckets seen of each of its processes
+    asks: list[list[list[Any]]] = field(default_factory=lambda: [[]])
 
     @property
     def ready(self) -> bool:
@@ -179,10 +183,14 @@ class Slot:
         if rss is not None:
             self.rss_peak_mib = max(self.rss_peak_mib, rss)
         try:
-            c = self.proc.get("/api/v0/status")["counters"]
+            status = self.proc.get("/api/v0/status")
+            c = status["counters"]
         except (OSError, ValueError, KeyError):
             return
         self.counters[-1] = {k: int(v) for k, v in c.items()}
+        asked = (status.get("histograms") or {}).get("round_ask_seconds.prepare")
+        if isinstance(asked, dict) and isinstance(asked.get("buckets"), list):
+            self.asks[-1] = asked["buckets"]
 
     def total(self, key: str, since_first_minute: bool = False) -> int:
         base = self.at_first_minute if since_first_minute else None
@@ -266,6 +274,7 @@ class Swarm:
                                        self.bootstrap, env=self.env)
                 self.daemons.append(s.proc)
                 s.counters.append({})
+                s.asks.append([])
                 if s.at_first_minute is not None:
                     s.at_first_minute.append({})
                 k.spawned_at = t
@@ -440,6 +449,28 @@ def _train(swarm: Swarm, running: list[Any], homes: list[Path], plan: list[Kill]
     return polls
 
 
+def answer_quantiles(histograms: list[list[list[Any]]]) -> dict[str, Any]:
+    """How long mates took to answer ``prepare`` (``round_ask_seconds.prepare``, cumulative
+    buckets of several processes summed): the count and the upper bounds of the buckets that
+    hold the median, the 99th percentile and the slowest answer (what a wait shorter than
+    ``ASK_TIMEOUT_S`` would have to allow)."""
+    totals: dict[str, int] = {}
+    for buckets in histograms:
+        for bound, n in buckets:
+            totals[str(bound)] = totals.get(str(bound), 0) + int(n)
+    order = sorted(totals, key=lambda b: float("inf") if b == "+Inf" else float(b))
+    count = totals[order[-1]] if order else 0
+
+    def bound_at(q: float) -> Any:
+        for b in order:
+            if count and totals[b] >= q * count:
+                return b if b == "+Inf" else float(b)
+        return None
+
+    return {"count": count, "p50_le": bound_at(0.5), "p99_le": bound_at(0.99),
+            "max_le": bound_at(1.0)}
+
+
 def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kill],
             results: list[dict[str, Any]], period: float, converge: float,
             at_end: float | None, missing: dict[int, list[int]],
@@ -482,7 +513,8 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             "stage_steps_vs_expected": stage_step / max(1, expected),
             # the samples its peers stepped with, per stage step, against the target
             "samples_per_step": sum(s.total("stage.stepped_samples") for s in mine)
-            / max(1, stage_step), "target_samples": target})
+            / max(1, stage_step), "target_samples": target,
+            "prepare_answer_s": answer_quantiles([b for s in mine for b in s.asks])})
     rss = [s.rss_peak_mib for s in slots if s.rss_peak_mib > 0]
     rejoin = [None if k.rejoin_failed else k.rejoined_at - k.restarted_at for k in plan
               if k.rejoined_at is not None and k.restarted_at is not None]
