@@ -226,24 +226,32 @@ async def _three_stage_servers(table: dict[int, dict[str, Any]], busy_first: int
     return hosts, servers
 
 
+async def _one_step_then_close(table: dict[Any, dict[str, Any]], hosts: list[Host],
+                               servers: list[StageServer]) -> Trainer:
+    """A trainer on a host of its own takes one step of 4 microbatches through the servers
+    listed in ``table``; then every server and host is closed. The trainer, for its counters."""
+    async with Host(identity.generate(), OPTS) as t_host:
+        table["t"][t_host.peer_id] = tuple(t_host.addrs)
+        trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
+                          model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3,
+                          seed=0, peers_of=lambda s: table.get(s, {}))
+        trainer.start()
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randint(0, 256, (2, 16), generator=g),) * 2 for _ in range(4)]
+        await trainer.train_step(batches)
+        trainer.close()
+    for s in servers:
+        await s.close()
+    for h in hosts:
+        await h.close()
+    return trainer
+
+
 def test_busy_from_every_peer_of_a_stage_is_backpressure_and_training_goes_on() -> None:
     async def scenario() -> Any:
         table: dict[Any, dict[str, Any]] = {"t": {}}
         hosts, servers = await _three_stage_servers(table, busy_first=6)
-        async with Host(identity.generate(), OPTS) as t_host:
-            table["t"][t_host.peer_id] = tuple(t_host.addrs)
-            trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
-                              model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3,
-                              seed=0, peers_of=lambda s: table.get(s, {}))
-            trainer.start()
-            g = torch.Generator().manual_seed(0)
-            batches = [(torch.randint(0, 256, (2, 16), generator=g),) * 2 for _ in range(4)]
-            await trainer.train_step(batches)
-            trainer.close()
-        for s in servers:
-            await s.close()
-        for h in hosts:
-            await h.close()
+        trainer = await _one_step_then_close(table, hosts, servers)
         return trainer
 
     trainer = uvloop.run(asyncio.wait_for(scenario(), 120))
@@ -265,20 +273,7 @@ def test_a_peer_catching_up_with_its_stage_refuses_forwards_with_busy_and_its_ma
         servers[0].gate.catching_up = True
         # announced 1,000 times faster than its mate: the trainer's first choice
         table[0][hosts[0].peer_id] = (1000.0, 0, tuple(hosts[0].addrs))
-        async with Host(identity.generate(), OPTS) as t_host:
-            table["t"][t_host.peer_id] = tuple(t_host.addrs)
-            trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
-                              model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3,
-                              seed=0, peers_of=lambda s: table.get(s, {}))
-            trainer.start()
-            g = torch.Generator().manual_seed(0)
-            batches = [(torch.randint(0, 256, (2, 16), generator=g),) * 2 for _ in range(4)]
-            await trainer.train_step(batches)
-            trainer.close()
-        for s in servers:
-            await s.close()
-        for h in hosts:
-            await h.close()
+        trainer = await _one_step_then_close(table, hosts, servers)
         return trainer, servers
 
     trainer, servers = uvloop.run(asyncio.wait_for(scenario(), 120))
