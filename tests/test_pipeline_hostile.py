@@ -226,16 +226,22 @@ async def _three_stage_servers(table: dict[int, dict[str, Any]], busy_first: int
     return hosts, servers
 
 
+def _started_trainer(t_host: Host, table: dict[Any, dict[str, Any]]) -> Trainer:
+    """A trainer of the two-stage in-process swarm on ``t_host``, listed in ``table``."""
+    table["t"][t_host.peer_id] = tuple(t_host.addrs)
+    trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
+                      model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3, seed=0,
+                      peers_of=lambda s: table.get(s, {}))
+    trainer.start()
+    return trainer
+
+
 async def _one_step_then_close(table: dict[Any, dict[str, Any]], hosts: list[Host],
                                servers: list[StageServer]) -> Trainer:
     """A trainer on a host of its own takes one step of 4 microbatches through the servers
     listed in ``table``; then every server and host is closed. The trainer, for its counters."""
     async with Host(identity.generate(), OPTS) as t_host:
-        table["t"][t_host.peer_id] = tuple(t_host.addrs)
-        trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
-                          model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3,
-                          seed=0, peers_of=lambda s: table.get(s, {}))
-        trainer.start()
+        trainer = _started_trainer(t_host, table)
         g = torch.Generator().manual_seed(0)
         batches = [(torch.randint(0, 256, (2, 16), generator=g),) * 2 for _ in range(4)]
         await trainer.train_step(batches)
@@ -297,11 +303,7 @@ def test_a_trainer_whose_only_stage_0_peer_is_unreachable_waits_and_routes_on() 
         ghost = identity.generate().peer_id
         table[0] = {ghost: (1.0, 0, (f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{ghost}",))}
         async with Host(identity.generate(), OPTS) as t_host:
-            table["t"][t_host.peer_id] = tuple(t_host.addrs)
-            trainer = Trainer(t_host, swarm=SWARM, num_stages=2, model_config=CONFIG,
-                              model_hash=CONFIG.model_hash(), codec=OPTS.codec, lr=1e-3,
-                              seed=0, peers_of=lambda s: table.get(s, {}))
-            trainer.start()
+            trainer = _started_trainer(t_host, table)
             x = torch.randint(0, 256, (2, 16))
             task = asyncio.ensure_future(trainer.evaluate([(x, x)]))
             deadline = time.monotonic() + 30
