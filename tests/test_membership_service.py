@@ -38,6 +38,25 @@ def in_view(m: MembershipService, peer: str) -> bool:
     return peer in m.view.peer_ids(time.time())
 
 
+def b_pulls_held(hold: Any) -> Any:
+    """A ``three_peers`` ``prepare``: B awaits ``hold()`` before it answers each pull."""
+    def prepare(mss: list[MembershipService]) -> None:
+        serve = mss[1]._serve_pull
+
+        async def held(message: Any, peer: str) -> Any:
+            await hold()
+            return await serve(message, peer)
+
+        mss[1]._serve_pull = held  # type: ignore[method-assign]
+
+    return prepare
+
+
+async def full_views(mss: tuple[MembershipService, ...], everyone: set[str]) -> None:
+    """Until every service lists every peer live."""
+    await until("full views", 30, lambda: all(in_view(m, p) for m in mss for p in everyone))
+
+
 @contextlib.asynccontextmanager
 async def three_peers(prepare: Any = None) -> Any:
     """A (stage 0), B and C (stage 1) on 127.0.0.1, without gossip (pulls alone: gossip
@@ -94,21 +113,14 @@ def test_a_peer_whose_pull_replies_wait_behind_its_tensors_stays_in_every_view()
     entry's life. A and C give B's pulls its measured round trips, so B is never dropped
     from their views (it was, every few seconds, when a pull was cut at half a period)."""
 
-    def slow_pulls(mss: list[MembershipService]) -> None:
-        serve = mss[1]._serve_pull
-
-        async def late(message: Any, peer: str) -> Any:
-            await asyncio.sleep(1.5)  # B's reply waits behind its tensors
-            return await serve(message, peer)
-
-        mss[1]._serve_pull = late  # type: ignore[method-assign]
+    async def late() -> None:
+        await asyncio.sleep(1.5)  # B's reply waits behind its tensors
 
     async def main() -> None:
-        async with three_peers(slow_pulls) as ((a, b, c), (ma, mb, mc)):
+        async with three_peers(b_pulls_held(late)) as ((a, b, c), (ma, mb, mc)):
             everyone = {h.peer_id for h in (a, b, c)}
             has = in_view
-            await until("full views", 30, lambda: all(
-                has(m, p) for m in (ma, mb, mc) for p in everyone))
+            await full_views((ma, mb, mc), everyone)
             assert ma.pull_timeout(b.peer_id) > 4.0  # 4 of its 1.5 s round trips
             end = time.monotonic() + 5 * 2.0  # five periods: entries live three
             while time.monotonic() < end:
@@ -128,22 +140,14 @@ def test_a_frozen_peer_holds_one_pull_at_a_time_and_live_peers_stay_in_the_view(
     the stage-0 peer dropped the healthy stage-1 peer and the trainer)."""
     frozen = asyncio.Event()
 
-    def freezable(mss: list[MembershipService]) -> None:
-        serve = mss[1]._serve_pull
-
-        async def maybe_frozen(message: Any, peer: str) -> Any:
-            if frozen.is_set():
-                await asyncio.Event().wait()  # never answers (cancelled when the test ends)
-            return await serve(message, peer)
-
-        mss[1]._serve_pull = maybe_frozen  # type: ignore[method-assign]
+    async def maybe_frozen() -> None:
+        if frozen.is_set():
+            await asyncio.Event().wait()  # never answers (cancelled when the test ends)
 
     async def main() -> None:
-        async with three_peers(freezable) as ((a, b, c), (ma, mb, mc)):
-            everyone = {h.peer_id for h in (a, b, c)}
+        async with three_peers(b_pulls_held(maybe_frozen)) as ((a, b, c), (ma, mb, mc)):
             has = in_view
-            await until("full views", 30, lambda: all(
-                has(m, p) for m in (ma, mb, mc) for p in everyone))
+            await full_views((ma, mb, mc), {h.peer_id for h in (a, b, c)})
             frozen.set()
             most, oldest = 0, 0.0
             end = time.monotonic() + 8 * 2.0  # eight periods: entries live three
