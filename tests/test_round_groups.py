@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,12 +18,21 @@ from transport.errors import DeadlineExceeded
 from transport.frames import Message
 
 
-class Host:
-    """Answers ``prepare`` for each mate as ``answers`` says: free, busy, or silent (None)."""
+#: a mate that never answers (frozen: SIGSTOPped, its connection still open)
+FROZEN = "frozen"
 
-    def __init__(self, me: str, answers: dict[str, bool | None]) -> None:
+
+class Host:
+    """Answers ``prepare`` for each mate as ``answers`` says: free, busy, silent (None: a
+    deadline at once), ``FROZEN`` (no answer, ever) or free after that many seconds (a
+    float)."""
+
+    def __init__(self, me: str, answers: dict[str, bool | str | float | None],
+                 steps: dict[str, int] | None = None) -> None:
         self.peer_id = me
         self.answers = answers
+        #: the step a mate says it is at (default: the step it is asked about)
+        self.steps = steps or {}
 
     async def ensure_connected(self, peer: str, *a: Any, **k: Any) -> bool:
         return True
@@ -35,8 +44,16 @@ class Host:
         free = self.answers[peer]
         if free is None:
             raise DeadlineExceeded(f"{peer} did not answer")
+        if free == FROZEN:
+            await asyncio.Event().wait()
+        if isinstance(free, float):  # slow: answers (free) after that many seconds
+            await asyncio.sleep(free)
+            free = True
+        step = self.steps.get(peer, message.meta["step"])
         if message.kind == "prepare":
-            return Message(kind="ok", meta={"step": message.meta["step"], "free": free})
+            return Message(kind="ok", meta={"step": step, "free": free})
+        if message.kind == "progress":
+            return Message(kind="ok", meta={"step": step})
         return Message(kind="ok")
 
     def set_request_handler(self, *a: Any, **k: Any) -> None:
@@ -58,17 +75,7 @@ def lead_one_round(answers: dict[str, bool | None],
 
 def led_round(answers: dict[str, bool | None], suspected: tuple[str, ...] = ()) -> StageSync:
     """The leader of ``lead_one_round``, after its round."""
-    async def snapshot() -> tuple[torch.Tensor, int]:
-        return torch.zeros(4), 1
-
-    async def nothing(*a: Any) -> None:
-        pass
-
-    sync = StageSync(Host("a", answers), swarm="t", stage=1,
-                     trigger=RoundTrigger(me="a", target=1), averager=None,
-                     mates=lambda: {p: () for p in answers}, snapshot=snapshot, apply=nothing,
-                     give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0)
-
+    sync = stage_sync("a", answers)
     for p in suspected:
         sync.trigger.suspect(p, time.monotonic())
 
@@ -80,6 +87,43 @@ def led_round(answers: dict[str, bool | None], suspected: tuple[str, ...] = ()) 
 
     asyncio.run(scenario())
     return sync
+
+
+def stage_sync(me: str, answers: dict[str, bool | str | float | None],
+               steps: dict[str, int] | None = None) -> StageSync:
+    """Peer ``me`` of stage 1 (target: 1 sample), its mates answering as ``answers`` says
+    (at the step ``steps`` says, if it says one)."""
+    async def snapshot() -> tuple[torch.Tensor, int]:
+        return torch.zeros(4), 1
+
+    async def nothing(*a: Any) -> None:
+        pass
+
+    return StageSync(Host(me, answers, steps), swarm="t", stage=1,
+                     trigger=RoundTrigger(me=me, target=1), averager=None,
+                     mates=lambda: {p: () for p in answers}, snapshot=snapshot, apply=nothing,
+                     give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0)
+
+
+def step_with_a_frozen_mate(me: str, frozen: str, answers: dict[str, bool | str | None]
+                            ) -> dict[str, int]:
+    """``me`` reaches its target while ``frozen`` (whose last answers took 10 ms) never answers
+    again: the counters once ``me``'s stage stepped (within 10 s: a wait of the mate's
+    patience, not forever)."""
+    sync = stage_sync(me, {**answers, frozen: FROZEN})
+    for _ in range(8):
+        sync.patience.observe(frozen, 0.01)
+
+    async def scenario() -> None:
+        sync.progressed(1)
+        async with asyncio.timeout(10):
+            while sync.step == 0:
+                await asyncio.sleep(0.01)
+        await sync.close()
+
+    asyncio.run(scenario())
+    return {k: v for k, v in sync.counters.items()
+            if k.startswith(("left_out.", "answer_late.", "rounds_led", "local_steps"))}
 
 
 def test_a_round_with_every_live_mate_counts_its_whole_group_and_leaves_none_out() -> None:
@@ -100,3 +144,71 @@ def test_the_mates_answer_times_are_kept_by_kind_and_a_silent_mate_is_not_one() 
     seen = sync.histograms.snapshot()
     assert seen["round_ask_seconds.prepare"].count == 2  # b and c answered; d did not
     assert seen["round_ask_seconds.start"].count == 1    # the round's start, to b
+
+
+def test_a_frozen_mate_that_answered_fast_is_left_out_after_its_patience() -> None:
+    """The leader's ``prepare`` to a mate that froze (issue 28: one stage peer SIGSTOPped held
+    the stage's step for ``ASK_TIMEOUT_S``, 3 s): its answers so far took 10 ms, so it is left
+    out after its patience (``swarmd.averaging.patience``) and the stage steps without it."""
+    assert step_with_a_frozen_mate("a", frozen="c", answers={"b": True}) == {
+        "answer_late.prepare": 1, "left_out.silent": 1, "rounds_led": 1, "local_steps": 1}
+
+
+def test_a_frozen_leader_is_suspected_after_its_patience_and_the_next_mate_leads() -> None:
+    """A mate's ``progress`` report to a leader that froze: the mate suspects it after the
+    leader's patience, leads the stage itself and steps."""
+    assert step_with_a_frozen_mate("b", frozen="a", answers={}) == {
+        "answer_late.progress": 1, "left_out.suspected": 1, "rounds_led": 1,
+        "local_steps": 1}
+
+
+def until(sync: StageSync, done: Callable[[], bool],
+          before: Callable[[StageSync], None] = lambda sync: None) -> dict[str, int]:
+    """``sync`` at step 5 takes a sample; its counters once ``done()`` (within 10 s)."""
+    async def scenario() -> None:
+        sync.trigger.stepped(5)
+        before(sync)
+        sync.progressed(1)
+        async with asyncio.timeout(10):
+            while not done():
+                await asyncio.sleep(0.01)
+        await sync.close()
+
+    asyncio.run(scenario())
+    return {k: v for k, v in sync.counters.items() if not k.startswith("group_members")}
+
+
+def test_a_leader_that_says_it_is_behind_is_passed_over_and_the_next_mate_leads() -> None:
+    """Issue 28: a frozen leader, thawed, is at step 0 while its mate is at 5; it answers the
+    mate's progress at once but calls no round until it caught up (seconds). The mate passes
+    it over at this step and leads; at its next step it reports to it again."""
+    sync = stage_sync("b", {"a": True}, steps={"a": 0})
+    counters = until(sync, lambda: sync.step == 6)
+    assert counters == {"reports_sent": 1, "leader_behind": 1, "left_out.behind": 1,
+                        "mates_left_out": 1, "rounds_short": 1, "rounds_led": 1,
+                        "local_steps": 1}
+    assert sync.trigger.leader(["a"], time.monotonic()) == "a"  # at step 6: tried again
+
+
+def test_a_passed_over_leader_that_caught_up_leads_again_at_once() -> None:
+    """The mate passed the leader over at step 5; leading, it finds the leader at step 5 now:
+    it calls no round of its own and reports to the leader instead."""
+    sync = stage_sync("b", {"a": True})
+    counters = until(sync, lambda: sync.counters["reports_sent"] >= 1,
+                     before=lambda sync: sync.trigger.passed_over("a", 0))
+    assert counters["leader_caught_up"] == 1 and "rounds_led" not in counters
+    assert sync.step == 5 and sync.trigger.leader(["a"], time.monotonic()) == "a"
+
+
+def test_a_mate_that_answers_after_its_patience_is_slow_not_gone() -> None:
+    """A mate whose answers took 10 ms answers a ``prepare`` after 0.6 s (a loaded machine):
+    the round goes on without it, but its late answer still counts: it is not suspected any
+    more, and it is waited for 4 times that long from then on."""
+    sync = stage_sync("a", {"b": True, "c": 0.6})
+    for _ in range(8):
+        sync.patience.observe("c", 0.01)
+    counters = until(sync, lambda: sync.counters["answer_came_late.prepare"] >= 1)
+    assert counters["answer_late.prepare"] == 1 and counters["left_out.silent"] == 1
+    assert "c" not in sync.trigger.suspects
+    assert sync.patience.seconds("c") >= 4 * 0.6
+    assert sync.histograms.snapshot()["round_ask_seconds.prepare"].count == 2  # b's and c's

@@ -74,6 +74,15 @@ def test_a_prepare_reply_needs_a_step_and_a_boolean_free() -> None:
             m.parse_prepare_reply("ok", meta)
 
 
+def test_a_progress_reply_says_the_leaders_step_or_nothing() -> None:
+    assert m.parse_progress_reply("ok", {"step": 7}) == m.ProgressReply(step=7)
+    assert m.parse_progress_reply("ok", {}) == m.ProgressReply(step=None)  # an older peer
+    for kind, meta in (("ok", {"step": -1}), ("ok", {"step": True}), ("ok", {"step": 2.5}),
+                       ("ok", {"step": 1 << 60}), ("err", {"step": 1})):
+        with pytest.raises(BadRoundMessage):
+            m.parse_progress_reply(kind, meta)
+
+
 def test_an_all_reduce_request_is_typed_and_waits_are_capped() -> None:
     t = torch.zeros(4)
     c = m.parse_request("contribute", {"r": "x", "d": DIGEST, "u": 0, "t": 1e9, "w": 3,
@@ -148,6 +157,7 @@ def test_arbitrary_well_framed_metadata_raises_only_the_typed_error(
     plan = RoundPlan.build("r", ["a", "b", "c"], 9, parts=[3, 3, 3])
     calls = [lambda: m.parse_round(kind, meta, tensors),
              lambda: m.parse_prepare_reply(kind, meta),
+             lambda: m.parse_progress_reply(kind, meta),
              lambda: m.parse_request(kind, meta, tensors, max_wait=30),
              lambda: m.parse_contribution(kind, meta, tensors, length=3, max_weight=64),
              lambda: parse_part(plan, 0, kind, meta, tensors, max_weight=64)]
@@ -159,6 +169,8 @@ def test_arbitrary_well_framed_metadata_raises_only_the_typed_error(
         # whatever was accepted is in range
         for name in ("step", "samples", "weight", "wait", "unit", "epoch"):
             v = getattr(value, name, 0)
+            if v is None and isinstance(value, m.ProgressReply):
+                continue  # a leader that does not say its step
             assert v is not None and not isinstance(v, bool) and 0 <= v < math.inf
 
 

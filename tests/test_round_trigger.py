@@ -187,3 +187,32 @@ def test_forget_keeps_only_present_peers(known: set[str], present: set[str]) -> 
 def test_a_target_below_one_is_refused(target: int) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         RoundTrigger(me="m", target=target)
+
+
+# ---- a leader behind us (issue 28: a frozen leader, thawed, catching up) ------------------
+
+@given(me=IDS, mates=st.sets(IDS, min_size=1, max_size=6), step=st.integers(1, 100),
+       their=st.integers(0, 200), data=st.data())
+def test_a_mate_found_behind_never_leads_at_that_step_and_may_again_at_the_next(
+        me: str, mates: set[str], step: int, their: int, data: st.DataObject) -> None:
+    mates.discard(me)
+    if not mates:
+        return
+    t = trigger(me, step=step)
+    peer = data.draw(st.sampled_from(sorted(mates)))
+    behind = t.passed_over(peer, their)
+    assert behind == (their < step)
+    assert (t.leader(mates, NOW) == peer) == (not behind and peer == min([me, *mates]))
+    t.stepped(step + 1)
+    assert t.leader(mates, NOW) == min([me, *mates])
+
+
+def test_a_mate_heard_at_our_step_after_being_found_behind_leads_again() -> None:
+    t = trigger("m", step=5)
+    assert t.passed_over("a", 3)
+    assert t.leader(["a"], NOW) == "m"
+    assert not t.passed_over("a", 5)
+    assert t.leader(["a"], NOW) == "a"
+    t.passed_over("a", 3)
+    t.forget([])
+    assert t.behind == {}

@@ -31,8 +31,9 @@ from swarmd.averaging.plan import MAX_ROUND_ID_CHARS, BadAllReduceMessage
 from swarmd.errors import BadRoundMessage
 
 __all__ = ["MAX_GROUP", "MAX_PEER_ID_CHARS", "Contribute", "ContributionReply", "Prepare",
-           "PrepareReply", "Probe", "Progress", "Repair", "Start", "parse_contribution",
-           "parse_prepare_reply", "parse_request", "parse_round", "sane_weight"]
+           "PrepareReply", "Probe", "Progress", "ProgressReply", "Repair", "Start",
+           "parse_contribution", "parse_prepare_reply", "parse_progress_reply", "parse_request",
+           "parse_round", "sane_weight"]
 
 #: the largest averaging group a ``start`` may announce
 MAX_GROUP = 1024
@@ -151,6 +152,22 @@ class PrepareReply:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ProgressReply:
+    """The leader's answer to ``progress``: its step (None from a peer that does not say).
+    A leader at an earlier step than the report is catching up: the reporter passes it over
+    for that step (``RoundTrigger.passed_over``)."""
+
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.step is not None and (not _is_int(self.step) or not 0 <= self.step <= MAX_STEP):
+            raise BadRoundMessage("bad_step", f"step {self.step!r}")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Start:
     """The leader tells the group to average now: every member runs ``round_id`` with
     ``group`` and ``bandwidths`` (one per member, in ``group``'s order, None if unknown).
@@ -247,6 +264,13 @@ def parse_prepare_reply(kind: str, meta: Mapping[str, Any]) -> PrepareReply:
         raise BadRoundMessage("bad_prepare_reply", f"kind {kind[:40]!r}")
     return PrepareReply(step=meta.get("step"), free=meta.get("free"),  # type: ignore[arg-type]
                         bandwidth=_bandwidth(meta.get("bandwidth")))
+
+
+def parse_progress_reply(kind: str, meta: Mapping[str, Any]) -> ProgressReply:
+    """The leader's reply to ``progress``; raises BadRoundMessage if it is not one."""
+    if kind != "ok" or not isinstance(meta, Mapping):
+        raise BadRoundMessage("bad_progress_reply", f"kind {kind[:40]!r}")
+    return ProgressReply(step=meta.get("step"))
 
 
 # ---- the all-reduce protocol ---------------------------------------------------------------

@@ -25,6 +25,11 @@ step (``digest()``); a member at that step whose own digest differs (and whose i
 ``same_step_verdict``) counts ``diverged``, runs the round, then calls ``on_diverged(leader,
 step)``: its keeper downloads the leader's state even at an equal step.
 
+A mate that does not answer a ``prepare`` (or a leader that does not answer ``progress``) within
+the patience its own measured answers earned (``swarmd.averaging.patience``: a frozen mate costs
+the stage about half a second, not ``ASK_TIMEOUT_S``) is suspected and left out, counted
+``answer_late.<kind>``.
+
 A peer alone in its stage steps locally when its own samples reach the target. A round that
 fails (``AllReduceFailed`` at its deadline) puts the snapshot back into the accumulated
 gradients and does not step: the peers that did step are ahead, and this one catches up.
@@ -46,11 +51,13 @@ import torch
 from swarmd.api.histogram import Histograms
 from swarmd.averaging.allreduce import AllReduceFailed, Averager
 from swarmd.averaging.authority import ADOPT, MATE_GRACE_S, RecentMates, same_step_verdict
-from swarmd.averaging.messages import (Exact, Prepare, PrepareReply, Progress, Source, Start,
-                                       parse_prepare_reply, parse_round)
+from swarmd.averaging.messages import (Exact, Prepare, PrepareReply, Progress, ProgressReply,
+                                       Source, Start, parse_prepare_reply,
+                                       parse_progress_reply, parse_round)
+from swarmd.averaging.patience import AnswerPatience
 from swarmd.errors import BadPeerMessage, BadRoundMessage, SwarmdError
 from swarmd.averaging.trigger import RoundTrigger, exact_step
-from transport.errors import RemoteError, TransportError
+from transport.errors import DeadlineExceeded, RemoteError, TransportError
 from transport.frames import Message
 from swarmd.protocols import Protocols
 
@@ -60,6 +67,14 @@ log = logging.getLogger("swarmd.sync")
 ASK_TIMEOUT_S = 3.0
 #: the buckets of ``round_ask_seconds`` (up to the timeout)
 ASK_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, ASK_TIMEOUT_S)
+#: the messages a mate answers without work, waited for only as long as its answers take
+#: (``swarmd.averaging.patience``); a ``start`` may wait on pings first (``ALIVE_TIMEOUT_S``)
+PATIENT_KINDS = frozenset({"prepare", "progress"})
+#: when our own event loop woke this late from a mate's patience, its answer is looked for
+#: ``LATE_GRACE_S`` longer: the loop, not the mate, was late (timers fire before the replies
+#: that came meanwhile are read)
+LOOP_LATE_S = 0.05
+LATE_GRACE_S = 0.1
 #: a start from a mate that leads only if smaller mates are gone: at most this many of them
 #: are checked (a ping each, concurrently, within ``ALIVE_TIMEOUT_S``) before answering
 MAX_ALIVE_CHECKS = 4
@@ -117,8 +132,10 @@ class StageSync:
         #: every time here is read from this clock (seconds, monotonic)
         self._clock = clock
         #: how long mates take to answer round messages (``round_ask_seconds.<kind>``): what a
-        #: wait shorter than ``ASK_TIMEOUT_S`` would have to be chosen from
+        #: wait shorter than ``ASK_TIMEOUT_S`` is chosen from
         self.histograms = histograms if histograms is not None else Histograms()
+        #: how long each mate's ``prepare`` / ``progress`` answer is waited for
+        self.patience = AnswerPatience(ceiling_s=ASK_TIMEOUT_S)
         self.host = host
         self.stage = stage
         self.trigger = trigger
@@ -148,6 +165,8 @@ class StageSync:
         self._holds = 0
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: requests given up on at a mate's patience, running on to ``ASK_TIMEOUT_S``
+        self._late: set[asyncio.Task[Message]] = set()
         #: the leader as of the last ``_consider`` (this peer's id: it led; None: alone)
         self._leader: str | None = None
 
@@ -215,7 +234,8 @@ class StageSync:
     async def close(self) -> None:
         self._closed = True
         self.host.remove_handler(self.protocol)
-        tasks = [t for t in (self._round, self._reporting, *self._tasks) if t is not None]
+        tasks = [t for t in (self._round, self._reporting, *self._tasks, *self._late)
+                 if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -237,6 +257,7 @@ class StageSync:
         # what is held of mates within the grace is kept: their suspicions still count
         known = self._recent.known(live, now)
         self.trigger.forget(known)
+        self.patience.forget(known)
         self._mate_sources = {p: v for p, v in self._mate_sources.items() if p in known}
         if not mates:
             self._leader = None
@@ -308,6 +329,13 @@ class StageSync:
             if their is None:
                 left_out["silent"] += 1
                 continue
+            was_behind = self.trigger.behind.get(peer) == step
+            if not self.trigger.passed_over(peer, their.step) and was_behind and \
+                    their.step == step and peer < self.trigger.me:
+                # a leader we passed over as behind caught up: it leads this step, not us
+                self.counters["leader_caught_up"] += 1
+                asyncio.get_running_loop().call_soon(self._consider)
+                return
             if their.step == step and their.free:
                 group.append(peer)
                 bandwidths.append(their.bandwidth)
@@ -474,16 +502,23 @@ class StageSync:
                 self._consider()  # the leader was suspected: maybe we lead now
                 return
             self.counters["reports_sent"] += 1
+            their = self._progress_reply(leader, reply)
+            if their.step is not None and self.trigger.passed_over(leader, their.step):
+                # the leader is catching up (it froze, or restarted): not ours at this step
+                self.counters["leader_behind"] += 1
+                self._consider()
+                return
 
     async def _ask(self, peer: str, addrs: tuple[str, ...], kind: str,
                    meta: dict[str, Any]) -> Message | None:
         try:
             await self.host.ensure_connected(peer, addrs)
             t0 = self._clock()
-            reply = await self.host.request(peer, self.protocol, Message(kind=kind, meta=meta),
-                                            timeout=ASK_TIMEOUT_S)
-            self.histograms.observe(f"round_ask_seconds.{kind}", self._clock() - t0,
-                                    ASK_BOUNDS_S)
+            reply = await self._request(peer, kind, meta)
+            took = self._clock() - t0
+            self.histograms.observe(f"round_ask_seconds.{kind}", took, ASK_BOUNDS_S)
+            if kind in PATIENT_KINDS:
+                self.patience.observe(peer, took)
             return reply
         except RemoteError as exc:
             self.counters[f"refused.{exc.code}"] += 1
@@ -493,6 +528,57 @@ class StageSync:
             self.trigger.suspect(peer, self._clock())
             self.counters["mates_unreachable"] += 1
             return None
+
+    async def _request(self, peer: str, kind: str, meta: dict[str, Any]) -> Message:
+        """One round message and its answer, within ``ASK_TIMEOUT_S``; a ``prepare`` or
+        ``progress`` within the mate's measured patience (``swarmd.averaging.patience``), and
+        when our own event loop woke late from that wait, ``LATE_GRACE_S`` more (the answer
+        may have waited behind our stall). Too late: ``DeadlineExceeded``, counted
+        ``answer_late.<kind>``; the request runs on to ``ASK_TIMEOUT_S`` (``_late_answer``)."""
+        request = self.host.request(peer, self.protocol, Message(kind=kind, meta=meta),
+                                    timeout=ASK_TIMEOUT_S)
+        wait = self.patience.seconds(peer) if kind in PATIENT_KINDS else ASK_TIMEOUT_S
+        if wait >= ASK_TIMEOUT_S:
+            return await request
+        task = asyncio.ensure_future(request)
+        t0 = self._clock()
+        try:
+            done, _ = await asyncio.wait({task}, timeout=wait)
+            if not done and self._clock() - t0 > wait + LOOP_LATE_S:
+                done, _ = await asyncio.wait({task}, timeout=LATE_GRACE_S)
+        except BaseException:
+            task.cancel()
+            raise
+        if done:
+            return task.result()
+        self.counters[f"answer_late.{kind}"] += 1
+        self._late.add(task)
+        task.add_done_callback(lambda t: self._late_answer(peer, kind, t0, t))
+        raise DeadlineExceeded(f"{kind} with {peer}: no answer within {wait:.2f} s "
+                               f"(its recent answers came faster)")
+
+    def _late_answer(self, peer: str, kind: str, t0: float, task: asyncio.Task[Message]
+                     ) -> None:
+        """A request given up on at the mate's patience ended. Answered after all: the mate
+        was slow, not gone: its answer time counts (more patience next time), and it is no
+        longer suspected (``answer_came_late.<kind>``)."""
+        self._late.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        took = self._clock() - t0
+        self.histograms.observe(f"round_ask_seconds.{kind}", took, ASK_BOUNDS_S)
+        self.patience.observe(peer, took)
+        self.trigger.answered(peer)
+        self.counters[f"answer_came_late.{kind}"] += 1
+
+    def _progress_reply(self, peer: str, reply: Message) -> ProgressReply:
+        """The leader's answer to ``progress`` (its step unknown when malformed)."""
+        try:
+            return parse_progress_reply(reply.kind, reply.meta)
+        except BadPeerMessage as exc:
+            log.info("stage %d: bad progress reply from %s: %s", self.stage, peer, exc)
+            self.counters[f"bad_replies.{exc.reason}"] += 1
+            return ProgressReply()
 
     def _prepared(self, peer: str, reply: Message | None) -> PrepareReply | None:
         """A mate's answer to ``prepare``, or None (no answer, or a malformed one)."""
@@ -529,13 +615,15 @@ class StageSync:
                                                  f"at most {self.max_samples} are possible")
         if request.step > self.trigger.step:  # a mate ahead of us: catch up, whatever else
             self._on_behind(peer, request.step)
+        if request.step >= self.trigger.step:  # not behind us (any more): it may lead us
+            self.trigger.passed_over(peer, request.step)
         if isinstance(request, Start):
             await self._check_start(request, peer, mates)
         if isinstance(request, Progress):
             self.trigger.report(peer, request.step, request.samples)
             self._mate_sources[peer] = (request.step, request.sources)
             self._consider()
-            return Message(kind="ok")
+            return Message(kind="ok", meta=ProgressReply(step=self.trigger.step).to_meta())
         if isinstance(request, Prepare):
             reply = PrepareReply(step=self.trigger.step, free=not self.busy,
                                  bandwidth=self.bandwidth)

@@ -7,6 +7,11 @@ the *leader*, the smallest peer id among the stage's live peers that this peer d
 (step, samples) to the leader, which adds them up. A report for a later step than the leader's
 is kept: the leader may simply not have finished its own last round yet.
 
+A leader found at an earlier step than this peer's (its answer to a report says so: it froze,
+or restarted, and is catching up) is passed over *at this step* (``passed_over``): this peer
+leads, or reports to the next; at its next step it tries the smallest id again, so a leader
+that caught up leads again without a timer.
+
 Every peer computes the leader from the same membership view, so they agree without an
 election; when they briefly disagree (a view not yet converged), two leaders may each call a
 round with part of the stage, and the peers left out catch up from their neighbours' state.
@@ -35,6 +40,8 @@ class RoundTrigger:
     reports: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: peer -> until when it is passed over as leader
     suspects: dict[str, float] = field(default_factory=dict)
+    #: peer -> the step of ours at which it was found behind us (passed over at that step)
+    behind: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.target < 1:
@@ -42,7 +49,8 @@ class RoundTrigger:
 
     def leader(self, mates: Iterable[str], now: float) -> str:
         """The peer that calls rounds: the smallest live, unsuspected id (maybe this one)."""
-        live = [p for p in mates if self.suspects.get(p, 0.0) <= now]
+        live = [p for p in mates if self.suspects.get(p, 0.0) <= now
+                and self.behind.get(p) != self.step]
         return min([self.me, *live])
 
     def may_lead(self, peer: str, mates: Iterable[str], now: float) -> bool:
@@ -56,6 +64,19 @@ class RoundTrigger:
 
     def suspect(self, peer: str, now: float) -> None:
         self.suspects[peer] = now + SUSPECT_S
+
+    def answered(self, peer: str) -> None:
+        """``peer``, suspected for not answering in time, answered after all: slow, not gone."""
+        self.suspects.pop(peer, None)
+
+    def passed_over(self, peer: str, their_step: int) -> bool:
+        """``peer`` said it is at ``their_step``: when that is before ours it does not lead
+        us at our step (True); at ours or later it may again (False)."""
+        if their_step < self.step:
+            self.behind[peer] = self.step
+            return True
+        self.behind.pop(peer, None)
+        return False
 
     def report(self, peer: str, step: int, samples: int) -> None:
         held = self.reports.get(peer)
@@ -77,12 +98,14 @@ class RoundTrigger:
         """The stage moved to ``step``; ``carried`` samples already count toward it."""
         self.step, self.samples = step, carried
         self.reports = {p: r for p, r in self.reports.items() if r[0] >= step}
+        self.behind = {p: s for p, s in self.behind.items() if s >= step}
 
     def forget(self, present: Iterable[str]) -> None:
         """Drop what is held about peers no longer in the stage (bounded memory)."""
         keep = set(present)
         self.reports = {p: r for p, r in self.reports.items() if p in keep}
         self.suspects = {p: t for p, t in self.suspects.items() if p in keep}
+        self.behind = {p: s for p, s in self.behind.items() if p in keep}
 
 
 def exact_step(sources: Iterable[tuple[str, int]], samples: int, target: int
