@@ -55,7 +55,8 @@ def test_every_stage_averages_in_rounds_that_include_its_live_mates(
         # outside the kill (until the restarted daemon is at its stage's step again), every
         # round's leader had every live mate in its group (sync.rounds_short)
         assert s["rounds_short_outside_kills"] == 0, {
-            k: s[k] for k in ("stage", "left_out", "rounds_short", "rounds_led", "steps")}
+            k: s[k] for k in ("stage", "left_out", "answers_late", "rounds_short", "rounds_led",
+                              "steps")}
 
 
 @pytest.mark.timeout(600)

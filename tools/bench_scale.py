@@ -31,7 +31,9 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   restarted daemon being at its stage's step again, plus the leaders' ``SUSPECT_S`` after
   it; ``rounds_short_outside_kills``: the same
   over the whole training); ``left_out``: why live mates were left out of rounds
-  (``sync.left_out.*``: suspected, silent, busy, behind); ``rounds_failed``;
+  (``sync.left_out.*``: suspected, silent, busy, behind); ``answers_late``: round messages
+  given up on at a mate's patience (``answer_late.<kind>``) and those of them answered after
+  all (``answer_came_late.<kind>``: a slow mate, not a gone one); ``rounds_failed``;
   ``prepare_answer_s``: how long mates took to answer the leaders' ``prepare`` (count, and the
   histogram bounds holding the median, the 99th percentile and the slowest answer).
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
@@ -504,6 +506,11 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             "left_out": {k.removeprefix("sync.left_out."): sum(s.total(k) for s in mine)
                          for k in sorted({k for s in mine for c in s.counters for k in c
                                           if k.startswith("sync.left_out.")})},
+            # answers given up on at a mate's patience, and those of them that came after all
+            "answers_late": {k.removeprefix("sync."): sum(s.total(k) for s in mine)
+                             for k in sorted({k for s in mine for c in s.counters for k in c
+                                              if k.startswith(("sync.answer_late.",
+                                                               "sync.answer_came_late."))})},
             "rounds_short_after_first_minute": (
                 late if slots[0].at_first_minute is not None else None),
             "rounds_short_after_first_minute_outside_kills": _short_outside(
