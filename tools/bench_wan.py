@@ -324,8 +324,9 @@ def measure_allreduce_only(profiles: list[str]) -> dict[str, Any]:
         "seconds": time.monotonic() - t0}
 
 
-#: issue 11: pipeline tokens/s of unshaped, per profile
-PIPELINE_TARGETS = {"far": 0.85, "continent": 0.9}
+#: pipeline tokens/s of unshaped, per profile (issue 11 asked 0.85 on far; issue 24 asks 0.9 on
+#: both, with the default settings)
+PIPELINE_TARGETS = {"far": 0.9, "continent": 0.9}
 #: issue 11: one transport stream of raw TCP on the same link, every shaped profile
 TRANSPORT_TARGET = 0.9
 #: issue 11: stage all-reduce bus bandwidth of the link rate, on these profiles (the others are
