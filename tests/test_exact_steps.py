@@ -262,6 +262,12 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     async def swarm() -> dict[str, torch.Tensor]:
         async with _swarm(config, optim) as (servers, trainer):
             await _train(trainer, steps)
+            # where the last step's time went (train-metrics.jsonl's "phases"): every phase
+            # of an exact step, the first microbatch back no later than the last
+            phases = trainer.stats.step_phases
+            assert set(phases) == {"first_back", "last_back", "own_gradient", "reports",
+                                   "apply"} and min(phases.values()) >= 0
+            assert phases["first_back"] <= phases["last_back"]
             # the last step's forwards-to-be: the stages must have taken it
             for s in servers:
                 for _ in range(200):

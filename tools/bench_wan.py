@@ -24,7 +24,11 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
   ``pipeline.stages``: how each stage daemon's counters changed over the run (optimizer steps,
   ms its gate stood closed for steps, busy refusals, late and stepped samples);
   ``pipeline.steady_step_seconds``: the median and longest step of the second half (a stall
-  shows as one long step); ``pipeline_runs_others_cpu_share``: per run, the share of the
+  shows as one long step); ``pipeline.steady_step_phases``: where a step of the second half
+  went, the median of each phase (``TrainStats.step_phases``: its first and last microbatch
+  back from its start, then the trainer's own gradient, the wait for the stages' reports, the
+  optimizer step; later rounds: ``pipeline_rounds_step_phases``); a profile's extra time a
+  step over unshaped's shows in the phase that grew; ``pipeline_runs_others_cpu_share``: per run, the share of the
   machine that processes outside this benchmark used meanwhile (a test run beside it), and
   ``pipeline_contended_rounds`` the rounds where that passed ``CONTENDED_SHARE`` (0.1) in the
   profile's run or the unshaped one: their ratios say little, measure again on a quiet machine
@@ -240,6 +244,7 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     out["pipeline_runs_others_cpu_share"] = [t["cpu"]["others_share"]]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
                                              "steady_seconds", "steady_step_seconds",
+                                             "steady_step_phases",
                                              "rerouted", "restarted", "lost",
                                              "initial_val_loss", "final_val_loss", "stages",
                                              "cpu")}
@@ -377,6 +382,8 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
             out["pipeline_runs_others_cpu_share"].append(t["cpu"]["others_share"])
             out.setdefault("pipeline_rounds_step_seconds", []).append(
                 t.get("steady_step_seconds"))
+            out.setdefault("pipeline_rounds_step_phases", []).append(
+                t.get("steady_step_phases"))
             out["pipeline"]["lost"] += t.get("lost") or 0
             out.setdefault("pipeline_rounds_stages", []).append(t["stages"])
             say(f"{name}: pipeline (round {r + 1}) {rate:,.0f} tokens/s")

@@ -286,6 +286,7 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
             "data_epoch": batches.epoch, "lr": trainer.optimizer.last_lr,
             "grad_norm_trainer": trainer.optimizer.last_grad_norm,
             "grad_norm": s.grad_norm, "clip_coefficient": s.clip_coefficient,
+            "phases": {k: round(v, 4) for k, v in s.step_phases.items()},
             "time": time.time()}  # a record's timestamp for people, not a timer
         _write_metrics(plan.metrics_file, line)
         _tell(trainer, batches, loss=loss)

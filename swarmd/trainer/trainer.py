@@ -129,6 +129,11 @@ class TrainStats:
     clip_coefficient: float | None = None
     #: the whole model's gradient norm of the last step, before clipping (exact steps)
     grad_norm: float | None = None
+    #: where the last step's time went (seconds): from its start to its first and to its last
+    #: microbatch back (``first_back``, ``last_back``), then the trainer's own gradient
+    #: (``own_gradient``), the wait for the stages' reports (``reports``, exact steps) and
+    #: the optimizer step (``apply``)
+    step_phases: dict[str, float] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     #: per stage, how many microbatches each peer served (route statistics)
     routes: list[Counter[str]] = field(default_factory=list)
@@ -159,6 +164,8 @@ class Trainer(TrainerCompute):
         model's gradient (``training.grad_clip_scope = "model"``), else each part its own."""
         #: every time here is read from this clock (seconds, monotonic)
         self._clock = clock
+        #: when the step under way started and reached each phase (``TrainStats.step_phases``)
+        self._phases: dict[str, float] = {}
         from swarmd.models.builtin import BuiltinGPT, BuiltinTrainer
 
         self.host = host
@@ -308,6 +315,7 @@ class Trainer(TrainerCompute):
         size = self.share(microbatches) if barrier else microbatches
         sent = done = 0  # of the step under way (the barrier: nothing of the next one)
         losses: list[float] = []
+        phases = self._phases = {"start": self._clock()}
         busy = self.counters["hop_busy"]
         running = self._running
         try:
@@ -330,11 +338,15 @@ class Trainer(TrainerCompute):
                     if stop:
                         continue
                     done += 1
+                    if done == 1:
+                        phases["first_back"] = self._clock()
                     losses.append(loss)
                     await self._run(self._add, grads, samples)
                     if done == size:
+                        phases["last_back"] = self._clock()
                         stop = bool(await on_step(*await self._pipelined_step(losses, window)))
                         losses, taken, done, sent = [], taken + 1, 0, sent - size
+                        phases = self._phases = {"start": self._clock()}
                         if barrier:
                             size = self.share(microbatches)
         finally:
@@ -353,10 +365,25 @@ class Trainer(TrainerCompute):
     async def _pipelined_step(self, losses: list[float], window: InFlight
                               ) -> tuple[int, float]:
         await self._stepped()
+        self._record_phases()
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         self._show(window, self.stats.in_flight)
         return self.step, loss
+
+    def _record_phases(self) -> None:
+        """``stats.step_phases`` of the step just taken, from the times ``train`` and
+        ``_stepped`` noted: the microbatches from the step's start, each later phase from
+        the one before it (a phase that did not happen is left out)."""
+        t = self._phases
+        out = {name: t[name] - t["start"] for name in ("first_back", "last_back")
+               if name in t and "start" in t}
+        before = t.get("last_back")
+        for name in ("own_gradient", "reports", "apply"):
+            if name in t and before is not None:
+                out[name] = t[name] - before
+                before = t[name]
+        self.stats.step_phases = {k: max(0.0, v) for k, v in out.items()}
 
     def share(self, microbatches: int) -> int:
         """This trainer's microbatches of the swarm's next step of ``microbatches``
@@ -370,7 +397,9 @@ class Trainer(TrainerCompute):
 
     async def _stepped(self) -> None:
         samples, step = self._samples, self.step
+        phases = self._phases
         sqnorm = await self._run(self._mean_gradient)
+        phases["own_gradient"] = self._clock()
         coefficient = None
         averaged = True
         if self.exact and any(True for _ in self.other_trainers()):
@@ -387,6 +416,7 @@ class Trainer(TrainerCompute):
                 sqnorm = await self._run(self._gradient_sqnorm)
         if self.exact and averaged and not self._trainers_changed():
             coefficient = await self._reported(step, samples, sqnorm)
+            phases["reports"] = self._clock()
         else:  # forwards name no stage step (the stages' steps may mix two of ours)
             self._not_exact(step)
         if self.exact and coefficient is None:
@@ -394,6 +424,7 @@ class Trainer(TrainerCompute):
         self._step_peers.clear()
         self._missing_since.clear()
         await self._run(self._step_and_zero, coefficient)
+        phases["apply"] = self._clock()
         self.step += 1
         if self.after_step is not None:
             self.after_step(samples)
@@ -594,8 +625,11 @@ class Trainer(TrainerCompute):
                          concurrency: int = 4) -> float:
         """``accumulate``, then step the embedding and head (stage peers step on their own
         once their stage holds ``averaging.target_batch_size`` samples)."""
+        self._phases = {"start": self._clock()}
         losses = await self.accumulate(batches, concurrency)
+        self._phases["last_back"] = self._clock()
         await self._stepped()
+        self._record_phases()
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         return loss

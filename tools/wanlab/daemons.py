@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -148,4 +149,9 @@ def train(lab: Any, host: str, home: Path, bootstrap: str, steps: int, tokens_pe
         gaps = sorted(y["time"] - x["time"] for x, y in zip(lines[len(lines) // 2:],
                                                             lines[len(lines) // 2 + 1:]))
         result["steady_step_seconds"] = {"median": gaps[len(gaps) // 2], "max": gaps[-1]}
+        # where a step's time went, median of each phase (``TrainStats.step_phases``)
+        half = [x.get("phases") or {} for x in lines[len(lines) // 2:]]
+        result["steady_step_phases"] = {
+            name: statistics.median(h[name] for h in half if name in h)
+            for name in sorted({k for h in half for k in h})}
     return result
