@@ -23,7 +23,7 @@ class _Trainer:
         self.stats = SimpleNamespace(tokens=0, rerouted=0, restarted=0, lost=0, in_flight=0,
                                      microbatches=0,
                                      in_flight_target=0, round_trip_ms=None,
-                                     peers_used=lambda: [1], grad_norm=None,
+                                     peers_used=lambda: [1], grad_norm=None, step_phases={},
                                      clip_coefficient=None)
         self.optimizer = SimpleNamespace(skipped=0, last_lr=1e-3, last_grad_norm=None)
         #: what it told the stage peers after each step (``Trainer.progress``)
