@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.averaging.trigger import SUSPECT_S, RoundTrigger
+from swarmd.averaging.trigger import PASS_OVER_BEHIND, SUSPECT_S, RoundTrigger
 
 NOW = 1_700_000_000.0
 IDS = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
@@ -201,10 +201,16 @@ def test_a_mate_found_behind_never_leads_at_that_step_and_may_again_at_the_next(
     t = trigger(me, step=step)
     peer = data.draw(st.sampled_from(sorted(mates)))
     behind = t.passed_over(peer, their)
-    assert behind == (their < step)
+    assert behind == (their <= step - PASS_OVER_BEHIND)
     assert (t.leader(mates, NOW) == peer) == (not behind and peer == min([me, *mates]))
     t.stepped(step + 1)
     assert t.leader(mates, NOW) == min([me, *mates])
+
+
+def test_a_leader_one_step_behind_is_replaying_that_step_and_still_leads() -> None:
+    t = trigger("m", step=5)
+    assert not t.passed_over("a", 4)
+    assert t.leader(["a"], NOW) == "a"
 
 
 def test_a_mate_heard_at_our_step_after_being_found_behind_leads_again() -> None:

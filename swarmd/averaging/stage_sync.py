@@ -331,8 +331,9 @@ class StageSync:
                 continue
             was_behind = self.trigger.behind.get(peer) == step
             if not self.trigger.passed_over(peer, their.step) and was_behind and \
-                    their.step == step and peer < self.trigger.me:
-                # a leader we passed over as behind caught up: it leads this step, not us
+                    their.step <= step and peer < self.trigger.me:
+                # a leader we passed over as behind caught up (to within the step it
+                # replays): it leads this step, not us
                 self.counters["leader_caught_up"] += 1
                 asyncio.get_running_loop().call_soon(self._consider)
                 return

@@ -7,8 +7,9 @@ the *leader*, the smallest peer id among the stage's live peers that this peer d
 (step, samples) to the leader, which adds them up. A report for a later step than the leader's
 is kept: the leader may simply not have finished its own last round yet.
 
-A leader found at an earlier step than this peer's (its answer to a report says so: it froze,
-or restarted, and is catching up) is passed over *at this step* (``passed_over``): this peer
+A leader found ``PASS_OVER_BEHIND`` or more steps behind this peer (its answer to a report
+says so: it froze, or restarted, and is catching up) is passed over *at this step*
+(``passed_over``): this peer
 leads, or reports to the next; at its next step it tries the smallest id again, so a leader
 that caught up leads again without a timer.
 
@@ -22,10 +23,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["RoundTrigger", "exact_step", "SUSPECT_S"]
+__all__ = ["RoundTrigger", "exact_step", "PASS_OVER_BEHIND", "SUSPECT_S"]
 
 #: how long a peer that failed us is passed over as leader
 SUSPECT_S = 10.0
+#: a leader this many steps or more behind ours is passed over at our step (it froze, or
+#: restarted: a download and a replay away); one step behind is a leader replaying that step
+#: (``swarmd.state.catchup``: one gradient fetched and applied), waited for as any leader is,
+#: or a newcomer that just caught up would chase a stage that no longer waits for it
+PASS_OVER_BEHIND = 2
 
 
 @dataclass(slots=True)
@@ -70,9 +76,9 @@ class RoundTrigger:
         self.suspects.pop(peer, None)
 
     def passed_over(self, peer: str, their_step: int) -> bool:
-        """``peer`` said it is at ``their_step``: when that is before ours it does not lead
-        us at our step (True); at ours or later it may again (False)."""
-        if their_step < self.step:
+        """``peer`` said it is at ``their_step``: when that is ``PASS_OVER_BEHIND`` or more
+        before ours it does not lead us at our step (True); else it may (False)."""
+        if their_step <= self.step - PASS_OVER_BEHIND:
             self.behind[peer] = self.step
             return True
         self.behind.pop(peer, None)
