@@ -27,8 +27,9 @@ step)``: its keeper downloads the leader's state even at an equal step.
 
 A mate that does not answer a ``prepare`` (or a leader that does not answer ``progress``) within
 the patience its own measured answers earned (``swarmd.averaging.patience``: a frozen mate costs
-the stage about half a second, not ``ASK_TIMEOUT_S``) is suspected and left out, counted
-``answer_late.<kind>``.
+the stage a fifth of a second, not ``ASK_TIMEOUT_S``) is suspected and left out, counted
+``answer_late.<kind>``. A leader whose answer to ``progress`` says it is two or more steps
+behind (catching up) is passed over at this step (``RoundTrigger.passed_over``).
 
 A peer alone in its stage steps locally when its own samples reach the target. A round that
 fails (``AllReduceFailed`` at its deadline) puts the snapshot back into the accumulated
