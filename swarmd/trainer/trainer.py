@@ -365,7 +365,6 @@ class Trainer(TrainerCompute):
     async def _pipelined_step(self, losses: list[float], window: InFlight
                               ) -> tuple[int, float]:
         await self._stepped()
-        self._record_phases()
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         self._show(window, self.stats.in_flight)
@@ -425,6 +424,7 @@ class Trainer(TrainerCompute):
         self._missing_since.clear()
         await self._run(self._step_and_zero, coefficient)
         phases["apply"] = self._clock()
+        self._record_phases()
         self.step += 1
         if self.after_step is not None:
             self.after_step(samples)
@@ -629,7 +629,6 @@ class Trainer(TrainerCompute):
         losses = await self.accumulate(batches, concurrency)
         self._phases["last_back"] = self._clock()
         await self._stepped()
-        self._record_phases()
         loss = sum(losses) / len(losses)
         self.stats.losses.append(loss)
         return loss
