@@ -117,6 +117,11 @@ def test_round_and_all_reduce_messages_only_from_those_who_may_send_them(daemons
                                                     Message(kind="start", meta={
                                                         **start_base, "round": "1:0:o",
                                                         "group": group}))
+
+            async def answer_probe(message: Message, peer: str) -> Message:
+                return Message(kind="ok", meta={"step": 0})
+
+            leader.set_request_handler(PROTO.round, answer_probe)
             await announce(follower, victim)
             await announce(leader, victim)
             wait = lambda: wait_until(  # noqa: E731
@@ -136,6 +141,10 @@ def test_round_and_all_reduce_messages_only_from_those_who_may_send_them(daemons
                     **start_base, "round": "1:0:s",
                     "group": sorted([leader.peer_id, victim.peer_id, outsider.peer_id]),
                     "bandwidths": [None] * 3}))
+            # a start is taken only from a mate heard from: the leader answers the victim's
+            # probe (its progress, sent to a smaller mate never heard from)
+            await asyncio.to_thread(wait_until, lambda: counters(victim).get(
+                "sync.probes_answered", 0) >= 1, 30, "the leader's answer to a probe")
             # the leader may start a round: then it, but no one else, contributes parts. It
             # holds the victim's all-reduce requests unanswered: refused at once (no handler),
             # they let a loaded victim finish its own part without the leader's before the

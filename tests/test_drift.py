@@ -181,7 +181,8 @@ class Stage:
             return self.weights
 
         self.sync = StageSync(
-            FakeHost(me), swarm="t", stage=1, trigger=RoundTrigger(me=me, target=8),
+            FakeHost(me), swarm="t", stage=1,
+            trigger=RoundTrigger(me=me, target=8, heard=set(self.live)),
             averager=None, mates=lambda: self.live, snapshot=snapshot, apply=apply,
             give_back=give_back, on_behind=lambda p, s: None, samples_now=lambda: 0,
             settings=SyncSettings(mate_grace_s=grace_s),

@@ -90,9 +90,10 @@ def led_round(answers: dict[str, bool | None], suspected: tuple[str, ...] = ()) 
 
 
 def stage_sync(me: str, answers: dict[str, bool | str | float | None],
-               steps: dict[str, int] | None = None) -> StageSync:
+               steps: dict[str, int] | None = None, heard: bool = True) -> StageSync:
     """Peer ``me`` of stage 1 (target: 1 sample), its mates answering as ``answers`` says
-    (at the step ``steps`` says, if it says one)."""
+    (at the step ``steps`` says, if it says one). ``heard``: every mate answered it before
+    (a stage that has run a while); else all are strangers to it (it just joined)."""
     async def snapshot() -> tuple[torch.Tensor, int]:
         return torch.zeros(4), 1
 
@@ -100,7 +101,9 @@ def stage_sync(me: str, answers: dict[str, bool | str | float | None],
         pass
 
     return StageSync(Host(me, answers, steps), swarm="t", stage=1,
-                     trigger=RoundTrigger(me=me, target=1), averager=None,
+                     trigger=RoundTrigger(me=me, target=1,
+                                          heard=set(answers) if heard else set()),
+                     averager=None,
                      mates=lambda: {p: () for p in answers}, snapshot=snapshot, apply=nothing,
                      give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0)
 
@@ -212,3 +215,45 @@ def test_a_mate_that_answers_after_its_patience_is_slow_not_gone() -> None:
     assert "c" not in sync.trigger.suspects
     assert sync.patience.seconds("c") >= 4 * 0.6
     assert sync.histograms.snapshot()["round_ask_seconds.prepare"].count == 2  # b's and c's
+
+
+# ---- strangers: mates never heard from (issue 28: a silent liar whose id sorts first) ------
+
+def test_a_silent_stranger_that_sorts_first_is_probed_and_never_waited_for() -> None:
+    """A peer listed at the stage with the smallest id that takes round messages and never
+    answers (a liar, or frozen before it ever answered): by id alone it led, and each mate's
+    step waited ``ASK_TIMEOUT_S`` for its answer, again after every suspicion. Never heard
+    from, it leads nobody: the mate leads at once, its step waits for no answer, and the
+    stranger gets the mate's progress as a probe, still unanswered when the step is taken."""
+    sync = stage_sync("b", {"a": FROZEN}, heard=False)
+    counters = until(sync, lambda: sync.step == 6)
+    assert counters == {"probes": 1, "left_out.unheard": 1, "mates_left_out": 1,
+                        "rounds_short": 1, "rounds_led": 1, "local_steps": 1}
+    assert "probes_answered" not in counters and "answer_late.progress" not in counters
+
+
+def test_a_stranger_that_answers_its_probe_leads_from_then_on() -> None:
+    """An honest newcomer with the smallest id: it answers the probe, and the mate reports
+    to it from then on (its step waits for that leader, as any stage's does)."""
+    sync = stage_sync("b", {"a": True}, heard=False)
+
+    def reported() -> bool:
+        if sync.counters["probes_answered"] and not sync.counters["reports_sent"]:
+            sync.progressed(2)  # the next backward: reported to the leader now
+        return sync.counters["reports_sent"] >= 1
+
+    counters = until(sync, reported)
+    assert counters["probes"] == counters["probes_answered"] == 1
+    assert sync.trigger.heard == {"a"} and sync.trigger.leader(["a"], time.monotonic()) == "a"
+
+
+def test_a_leader_asks_a_stranger_that_reported_nothing_beside_the_round() -> None:
+    """The leader's ``prepare`` to a mate it never heard from and that holds nothing at this
+    step (it reported nothing) goes out beside the round: the round waits for the mates
+    heard from, and the stranger's answer makes it one for the next round."""
+    sync = stage_sync("a", {"b": True, "z": FROZEN}, heard=False)
+    sync.trigger.heard_from(["b"])
+    counters = until(sync, lambda: sync.step == 6)
+    assert counters["left_out.unheard"] == 1 and counters["rounds_led"] == 1
+    assert counters["probes"] == 1 and "probes_answered" not in counters
+    assert "answer_late.prepare" not in counters  # nobody was waited for past its patience

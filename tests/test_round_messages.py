@@ -194,7 +194,9 @@ class FakeHost:
         pass
 
 
-def make_sync(mates: dict[str, tuple[str, ...]], me: str = "m") -> tuple[StageSync, list[Any]]:
+def make_sync(mates: dict[str, tuple[str, ...]], me: str = "m", heard: bool = True
+              ) -> tuple[StageSync, list[Any]]:
+    """``heard``: every mate answered this peer before (a stage that has run a while)."""
     behind: list[Any] = []
 
     async def snapshot() -> tuple[torch.Tensor, int]:
@@ -205,7 +207,8 @@ def make_sync(mates: dict[str, tuple[str, ...]], me: str = "m") -> tuple[StageSy
 
     host = FakeHost()
     host.peer_id = me
-    sync = StageSync(host, swarm="t", stage=1, trigger=RoundTrigger(me=me, target=8),
+    trigger = RoundTrigger(me=me, target=8, heard=set(mates) if heard else set())
+    sync = StageSync(host, swarm="t", stage=1, trigger=trigger,
                      averager=None, mates=lambda: mates, snapshot=snapshot, apply=nothing,
                      give_back=nothing, on_behind=lambda p, s: behind.append((p, s)),
                      samples_now=lambda: 0)
@@ -247,6 +250,23 @@ def test_a_start_is_taken_only_from_the_leader_with_a_group_of_mates(
     assert refused == (0 if expected == "ok" else 1)
 
 
+def test_a_start_from_a_stranger_is_refused_whatever_its_id_and_its_group_is_heard_from() -> None:
+    """A mate that never answered this peer does not lead it, however its id sorts (a liar
+    that takes round messages and never answers would start rounds with a silent group);
+    once heard from it does, and the members of a round taken count as heard from."""
+    sync, _ = make_sync({"a": (), "b": (), "c": ()}, heard=False)
+
+    async def scenario() -> tuple[str, str]:
+        refused = await _serve(sync, "start", start_meta(["a", "m"]), "a")
+        sync.trigger.heard_from(["a"])
+        taken = await _serve(sync, "start", start_meta(["a", "c", "m"]), "a")
+        await sync.close()
+        return refused, taken
+
+    assert asyncio.run(scenario()) == ("not_leader", "ok")
+    assert sync.trigger.heard == {"a", "c"}
+
+
 def test_a_start_from_the_next_mate_is_taken_once_the_smaller_ones_do_not_answer() -> None:
     sync, _ = make_sync({"a": (), "b": ()})
     sync.host.alive = {"b"}  # "a" just died: this peer does not suspect it yet
@@ -261,7 +281,7 @@ def test_a_start_from_the_next_mate_is_taken_once_the_smaller_ones_do_not_answer
 
 
 def test_a_suspected_leader_still_may_start_and_a_follower_becomes_one() -> None:
-    t = RoundTrigger(me="m", target=4)
+    t = RoundTrigger(me="m", target=4, heard={"a", "b", "c"})
     t.suspect("a", 0.0)
     assert t.may_lead("a", ["a", "b"], 1.0)      # the smallest id, though suspected here
     assert t.may_lead("b", ["a", "b"], 1.0)      # the leader by this peer's suspicions

@@ -20,21 +20,54 @@ def trigger(me: str = "m", target: int = 10, **kw: object) -> RoundTrigger:
 # ---- the leader ----------------------------------------------------------------------------
 
 @given(me=IDS, mates=st.sets(IDS, max_size=6), suspected=st.sets(IDS, max_size=6),
-       ago=st.floats(0.0, 2 * SUSPECT_S))
-def test_leader_is_the_smallest_unsuspected_id(me: str, mates: set[str], suspected: set[str],
-                                               ago: float) -> None:
+       heard=st.sets(IDS, max_size=6), ago=st.floats(0.0, 2 * SUSPECT_S))
+def test_leader_is_the_smallest_unsuspected_id_heard_from(
+        me: str, mates: set[str], suspected: set[str], heard: set[str], ago: float) -> None:
     t = trigger(me)
+    t.heard_from(heard)
     for p in suspected:
         t.suspect(p, NOW - ago)
     now = NOW
     still = {p for p in suspected if NOW - ago + SUSPECT_S > now}
     mates -= {me}
-    assert t.leader(mates, now) == min({me} | (mates - still))
+    assert t.leader(mates, now) == min({me} | ((mates & heard) - still))
     assert t.leader(sorted(mates, reverse=True), now) == t.leader(mates, now)  # order-free
+    # the strangers are exactly the unsuspected, unheard mates that sort before the leader
+    assert t.strangers(mates, now) == sorted(p for p in mates - heard - still
+                                             if p < t.leader(mates, now))
+
+
+def test_a_stranger_leads_nobody_until_it_answers_and_is_probed_meanwhile() -> None:
+    """A mate that sorts first but never answered us (new, or a liar that takes round
+    messages and never answers) does not lead: the next heard mate, or this peer, does."""
+    t = trigger("m", heard={"b"})
+    assert t.leader(["a", "b", "z"], NOW) == "b"
+    assert t.strangers(["a", "b", "z"], NOW) == ["a"]   # "z" sorts after the leader
+    assert t.leader(["a", "z"], NOW) == "m" and t.strangers(["a", "z"], NOW) == ["a"]
+    t.suspect("a", NOW)  # the probe failed: not probed again until the suspicion ran out
+    assert t.strangers(["a", "z"], NOW) == []
+    assert t.strangers(["a", "z"], NOW + SUSPECT_S) == ["a"]
+    t.answered("a")  # it answered (late, or the next probe): it leads from now on
+    assert t.leader(["a", "b", "z"], NOW) == "a" and t.strangers(["a", "b"], NOW) == []
+    t.heard_from(["m", "z"])  # a round's group: this peer is not its own mate
+    assert t.heard == {"a", "b", "z"}
+    t.forget(["a"])
+    assert t.heard == {"a"}
+
+
+def test_a_start_is_taken_only_from_a_mate_heard_from() -> None:
+    t = trigger("m")
+    assert not t.may_lead("a", ["a", "b"], NOW)          # the smallest id, never heard
+    t.heard_from(["b"])
+    assert t.may_lead("b", ["a", "b"], NOW) and not t.may_lead("a", ["a", "b"], NOW)
+    t.heard_from(["a"])
+    t.suspect("a", NOW)
+    assert t.may_lead("a", ["a", "b"], NOW)   # suspected here, still the leader of others
+    assert t.may_lead("b", ["a", "b"], NOW)   # the leader by this peer's suspicions
 
 
 def test_leader_can_be_this_peer_and_it_is_never_passed_over() -> None:
-    t = trigger("b")
+    t = trigger("b", heard={"c", "d"})
     assert t.leader(["c", "d"], NOW) == "b"
     assert t.leader([], NOW) == "b"
     t.suspect("b", NOW)  # suspecting oneself changes nothing: this peer is alive
@@ -42,7 +75,7 @@ def test_leader_can_be_this_peer_and_it_is_never_passed_over() -> None:
 
 
 def test_a_suspect_is_passed_over_until_suspect_s_has_passed() -> None:
-    t = trigger("m")
+    t = trigger("m", heard={"a", "z"})
     t.suspect("a", NOW)
     assert t.leader(["a", "z"], NOW) == "m"
     assert t.leader(["a", "z"], NOW + SUSPECT_S / 2) == "m"
@@ -51,7 +84,7 @@ def test_a_suspect_is_passed_over_until_suspect_s_has_passed() -> None:
 
 
 def test_a_new_failure_extends_the_suspicion() -> None:
-    t = trigger("m")
+    t = trigger("m", heard={"a"})
     t.suspect("a", NOW)
     t.suspect("a", NOW + SUSPECT_S / 2)
     assert t.leader(["a"], NOW + SUSPECT_S) == "m"
@@ -152,7 +185,7 @@ def test_a_peer_alone_is_ready_with_its_own_samples() -> None:
 def test_only_the_leader_is_ever_ready(me: str, mates: set[str], samples: int,
                                        target: int) -> None:
     mates -= {me}
-    t = trigger(me, target=target, samples=samples)
+    t = trigger(me, target=target, samples=samples, heard=set(mates))
     for p in mates:
         t.report(p, 0, samples)
     ready = t.ready(mates, NOW)
@@ -163,7 +196,7 @@ def test_only_the_leader_is_ever_ready(me: str, mates: set[str], samples: int,
 
 
 def test_a_follower_becomes_ready_once_the_leader_is_suspected() -> None:
-    t = trigger("b", target=2, samples=2)
+    t = trigger("b", target=2, samples=2, heard={"a"})
     assert not t.ready(["a"], NOW)
     t.suspect("a", NOW)
     assert t.ready(["a"], NOW)
@@ -178,9 +211,11 @@ def test_forget_keeps_only_present_peers(known: set[str], present: set[str]) -> 
     for p in known:
         t.report(p, 0, 1)
         t.suspect(p, NOW)
+    t.heard_from(known)
     t.forget(present)
     assert set(t.reports) == known & present
     assert set(t.suspects) == known & present
+    assert t.heard == (known - {"m"}) & present
 
 
 @pytest.mark.parametrize("target", [0, -1, -100])
@@ -198,7 +233,7 @@ def test_a_mate_found_behind_never_leads_at_that_step_and_may_again_at_the_next(
     mates.discard(me)
     if not mates:
         return
-    t = trigger(me, step=step)
+    t = trigger(me, step=step, heard=set(mates))
     peer = data.draw(st.sampled_from(sorted(mates)))
     behind = t.passed_over(peer, their)
     assert behind == (their <= step - PASS_OVER_BEHIND)
@@ -208,13 +243,13 @@ def test_a_mate_found_behind_never_leads_at_that_step_and_may_again_at_the_next(
 
 
 def test_a_leader_one_step_behind_is_replaying_that_step_and_still_leads() -> None:
-    t = trigger("m", step=5)
+    t = trigger("m", step=5, heard={"a"})
     assert not t.passed_over("a", 4)
     assert t.leader(["a"], NOW) == "a"
 
 
 def test_a_mate_heard_at_our_step_after_being_found_behind_leads_again() -> None:
-    t = trigger("m", step=5)
+    t = trigger("m", step=5, heard={"a"})
     assert t.passed_over("a", 3)
     assert t.leader(["a"], NOW) == "m"
     assert not t.passed_over("a", 5)

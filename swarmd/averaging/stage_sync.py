@@ -31,6 +31,13 @@ the stage a fifth of a second, not ``ASK_TIMEOUT_S``) is suspected and left out,
 ``answer_late.<kind>``. A leader whose answer to ``progress`` says it is two or more steps
 behind (catching up) is passed over at this step (``RoundTrigger.passed_over``).
 
+Strangers: a mate whose id sorts before this peer's leader but that never answered a round
+message of ours leads nobody until it does (``RoundTrigger.heard``). It is probed beside the
+stage's work, never on its critical path: sent our progress report (one probe in flight per
+mate, ``probes`` / ``probes_answered``); a leader asks a stranger that reported nothing at its
+step to ``prepare`` the same way, and does not wait for it (``left_out.unheard``). A start is
+taken only from a mate heard from, and its group counts as heard (they answered that leader).
+
 A peer alone in its stage steps locally when its own samples reach the target. A round that
 fails (``AllReduceFailed`` at its deadline) puts the snapshot back into the accumulated
 gradients and does not step: the peers that did step are ahead, and this one catches up.
@@ -170,6 +177,8 @@ class StageSync:
         self._late: set[asyncio.Task[Message]] = set()
         #: the leader as of the last ``_consider`` (this peer's id: it led; None: alone)
         self._leader: str | None = None
+        #: strangers' probes in flight, one per mate
+        self._probes: dict[str, asyncio.Task[None]] = {}
 
     @property
     def step(self) -> int:
@@ -226,6 +235,7 @@ class StageSync:
             return False
         now = self._clock()
         mates = self._recent.alive(self.mates(), now)
+        self._probe(mates, now)
         if (self.trigger.leader(mates, now) if mates else None) == self._leader:
             return False
         self.counters["leader_changed"] += 1
@@ -235,8 +245,8 @@ class StageSync:
     async def close(self) -> None:
         self._closed = True
         self.host.remove_handler(self.protocol)
-        tasks = [t for t in (self._round, self._reporting, *self._tasks, *self._late)
-                 if t is not None]
+        tasks = [t for t in (self._round, self._reporting, *self._tasks, *self._late,
+                             *self._probes.values()) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -265,12 +275,34 @@ class StageSync:
             if self.trigger.samples >= self.trigger.target:
                 self._round = self._spawn(self._local_step())
             return
+        self._probe(mates, now)
         leader = self._leader = self.trigger.leader(mates, now)
         if leader == self.trigger.me:
             if self.trigger.ready(mates, now):
                 self._round = self._spawn(self._lead(mates))
         elif self._reporting is None or self._reporting.done():
             self._reporting = self._spawn(self._report(leader, mates[leader]))
+
+    def _probe(self, mates: dict[str, tuple[str, ...]], now: float) -> None:
+        """Send our progress to each stranger that would lead us once heard from."""
+        for peer in self.trigger.strangers(mates, now):
+            probing = self._probes.get(peer)
+            if probing is None or probing.done():
+                self._probes[peer] = self._spawn(self._probe_one(peer, mates[peer]))
+
+    async def _probe_one(self, peer: str, addrs: tuple[str, ...]) -> None:
+        self.counters["probes"] += 1
+        report = Progress(stage=self.stage, step=self.trigger.step,
+                          samples=min(self.trigger.samples, self.max_samples),
+                          sources=tuple(self._sources()))
+        reply = await self._ask(peer, addrs, "progress", report.to_meta())
+        if reply is None:
+            return
+        self.counters["probes_answered"] += 1
+        their = self._progress_reply(peer, reply)
+        if their.step is not None:
+            self.trigger.passed_over(peer, their.step)
+        self._consider()  # it may lead us now
 
     async def flush(self, trainer: str, before: int) -> int:
         """Step now, short of the target, when the stage holds samples of ``trainer``'s steps
@@ -321,6 +353,14 @@ class StageSync:
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
         left_out = Counter(suspected=live - len(mates))
         ask = Prepare(stage=self.stage, step=step)
+        # a stranger that reported nothing at this step is asked, not waited for
+        for peer in [p for p in mates if p not in self.trigger.heard
+                     and self.trigger.reports.get(p, (-1, 0))[0] != step]:
+            left_out["unheard"] += 1
+            probing = self._probes.get(peer)
+            if probing is None or probing.done():
+                self._probes[peer] = self._spawn(self._ask_quietly(peer, mates[peer], ask))
+            del mates[peer]
         digest, *answers = await asyncio.gather(
             self._our_digest(), *(self._ask(p, addrs, "prepare", ask.to_meta())
                                   for p, addrs in mates.items()))
@@ -360,12 +400,17 @@ class StageSync:
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths, exact=exact)
 
+    async def _ask_quietly(self, peer: str, addrs: tuple[str, ...], ask: Prepare) -> None:
+        self.counters["probes"] += 1
+        if await self._ask(peer, addrs, "prepare", ask.to_meta()) is not None:
+            self.counters["probes_answered"] += 1
+
     def _count_group(self, size: int, left_out: Counter[str]) -> None:
         """A round this peer leads, of ``size`` members (itself included): ``group_members``
         over ``rounds_led`` is the mean group; ``mates_left_out`` the live mates that were
         not in it, and why (``left_out.<why>``: ``suspected`` after failing us, ``silent``
         to the prepare, ``busy`` in a round or a state transfer, ``behind`` at an earlier
-        step); ``rounds_short`` the rounds that left one out."""
+        step, ``unheard``: a stranger, asked beside the round); ``rounds_short`` the rounds that left one out."""
         self.counters["group_members"] += size
         for why, n in left_out.items():
             if n:
@@ -521,8 +566,11 @@ class StageSync:
             self.histograms.observe(f"round_ask_seconds.{kind}", took, ASK_BOUNDS_S)
             if kind in PATIENT_KINDS:
                 self.patience.observe(peer, took)
+            self.trigger.heard_from([peer])
             return reply
         except RemoteError as exc:
+            # a typed refusal is an answer too: the mate is there (its view may lag ours)
+            self.trigger.heard_from([peer])
             self.counters[f"refused.{exc.code}"] += 1
             return None
         except TransportError as exc:
@@ -633,14 +681,16 @@ class StageSync:
         if request.step != self.trigger.step or self.busy:
             raise RoundRefused(f"this peer is at step {self.trigger.step}"
                                f"{' in another round' if self.busy else ''}")
+        self.trigger.heard_from(request.group)  # they answered the leader's prepare
         self._round = self._spawn(self._joined(request, peer))
         return Message(kind="ok")
 
     async def _check_start(self, start: Start, peer: str,
                            mates: dict[str, tuple[str, ...]]) -> None:
-        """A start is taken from the stage's leader only: the smallest live mate. When the
-        sender would lead but for smaller mates this peer does not suspect yet (one just
-        died: the sender found out first), those are pinged before answering."""
+        """A start is taken from the stage's leader only: the smallest live mate heard from.
+        When the sender (heard from) would lead but for smaller mates heard from that this
+        peer does not suspect yet (one just died: the sender found out first), those are
+        pinged before answering."""
         me = self.trigger.me
         if me not in start.group or peer not in start.group:
             raise BadRoundMessage("bad_group", "a start's group holds its leader and this peer")
@@ -651,8 +701,9 @@ class StageSync:
         now = self._clock()
         if self.trigger.may_lead(peer, mates, now):
             return
-        ahead = [p for p in mates if p < peer and self.trigger.suspects.get(p, 0.0) <= now]
-        if peer < me and len(ahead) <= MAX_ALIVE_CHECKS:
+        ahead = [p for p in mates if p < peer and p in self.trigger.heard
+                 and self.trigger.suspects.get(p, 0.0) <= now]
+        if peer < me and peer in self.trigger.heard and len(ahead) <= MAX_ALIVE_CHECKS:
             alive = await asyncio.gather(*(self._alive(p, mates[p]) for p in ahead))
             if not any(alive):
                 return

@@ -2,10 +2,18 @@
 
 Every peer of a stage accumulates gradients from the microbatches it serves. The stage steps
 once its peers together hold ``target`` samples at the current step. One peer calls each round:
-the *leader*, the smallest peer id among the stage's live peers that this peer does not suspect
-(a peer is suspected for a while after a message to it failed). The others report their progress
-(step, samples) to the leader, which adds them up. A report for a later step than the leader's
-is kept: the leader may simply not have finished its own last round yet.
+the *leader*, the smallest peer id among the stage's live peers that this peer has *heard from*
+(it answered one of this peer's round messages, or an honest leader's round counted it in) and
+does not suspect (a peer is suspected for a while after a message to it failed). The others
+report their progress (step, samples) to the leader, which adds them up. A report for a later
+step than the leader's is kept: the leader may simply not have finished its own last round yet.
+
+A smaller mate not yet heard from (a *stranger*: new, or a liar that takes messages and never
+answers) is probed off the critical path (``strangers``: the peer sends it its progress report
+too, and waits for nobody): an honest newcomer answers within a round trip and leads from then
+on; a silent one never leads anyone, so it costs the stage's steps nothing. By id alone, a peer
+that announces itself at a stage with an id that sorts first and never answers held every
+round of that stage for the whole patience, again after each suspicion ran out.
 
 A leader found ``PASS_OVER_BEHIND`` or more steps behind this peer (its answer to a report
 says so: it froze, or restarted, and is catching up) is passed over *at this step*
@@ -48,32 +56,50 @@ class RoundTrigger:
     suspects: dict[str, float] = field(default_factory=dict)
     #: peer -> the step of ours at which it was found behind us (passed over at that step)
     behind: dict[str, int] = field(default_factory=dict)
+    #: mates that answered one of our round messages, or were in a round we took part in
+    heard: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.target < 1:
             raise ValueError("RoundTrigger needs a target of at least 1 sample")
 
     def leader(self, mates: Iterable[str], now: float) -> str:
-        """The peer that calls rounds: the smallest live, unsuspected id (maybe this one)."""
-        live = [p for p in mates if self.suspects.get(p, 0.0) <= now
+        """The peer that calls rounds: the smallest live id heard from and not suspected
+        (maybe this one)."""
+        live = [p for p in mates if p in self.heard and self.suspects.get(p, 0.0) <= now
                 and self.behind.get(p) != self.step]
         return min([self.me, *live])
 
+    def strangers(self, mates: Iterable[str], now: float) -> list[str]:
+        """The mates to probe: those not heard from yet, not suspected, whose ids sort before
+        the leader's (each would lead once heard from), smallest first."""
+        leader = self.leader(mates, now)
+        return sorted(p for p in mates if p < leader and p not in self.heard
+                      and self.suspects.get(p, 0.0) <= now)
+
     def may_lead(self, peer: str, mates: Iterable[str], now: float) -> bool:
-        """Whether this peer takes a round ``start`` from ``peer``: only from a mate that
-        leads by this peer's view, with or without the suspicions held here (a leader this
-        peer suspects after one failed message is still the leader of the others)."""
+        """Whether this peer takes a round ``start`` from ``peer``: only from a mate heard
+        from that leads by this peer's view, with or without the suspicions held here (a
+        leader this peer suspects after one failed message is still the leader of the
+        others)."""
         mates = list(mates)
-        if peer == self.me or peer not in mates:
+        if peer == self.me or peer not in mates or peer not in self.heard:
             return False
-        return peer == self.leader(mates, now) or peer == min([self.me, *mates])
+        return peer == self.leader(mates, now) or \
+            peer == min([self.me, *(p for p in mates if p in self.heard)])
 
     def suspect(self, peer: str, now: float) -> None:
         self.suspects[peer] = now + SUSPECT_S
 
+    def heard_from(self, peers: Iterable[str]) -> None:
+        """``peers`` answered a round message of ours, or were counted in a round by a leader
+        that answered us: they may lead."""
+        self.heard.update(p for p in peers if p != self.me)
+
     def answered(self, peer: str) -> None:
         """``peer``, suspected for not answering in time, answered after all: slow, not gone."""
         self.suspects.pop(peer, None)
+        self.heard_from([peer])
 
     def passed_over(self, peer: str, their_step: int) -> bool:
         """``peer`` said it is at ``their_step``: when that is ``PASS_OVER_BEHIND`` or more
@@ -112,6 +138,7 @@ class RoundTrigger:
         self.reports = {p: r for p, r in self.reports.items() if p in keep}
         self.suspects = {p: t for p, t in self.suspects.items() if p in keep}
         self.behind = {p: s for p, s in self.behind.items() if p in keep}
+        self.heard &= keep
 
 
 def exact_step(sources: Iterable[tuple[str, int]], samples: int, target: int
