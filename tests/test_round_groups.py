@@ -13,13 +13,15 @@ from typing import Any, Callable
 import torch
 
 from swarmd.averaging.stage_sync import StageSync
-from swarmd.averaging.trigger import RoundTrigger
-from transport.errors import DeadlineExceeded
+from swarmd.averaging.trigger import REFUSING_S, RoundTrigger
+from transport.errors import DeadlineExceeded, RemoteError
 from transport.frames import Message
 
 
 #: a mate that never answers (frozen: SIGSTOPped, its connection still open)
 FROZEN = "frozen"
+#: a mate that answers every round message with a typed error
+REFUSES = "refuses"
 
 
 class Host:
@@ -46,6 +48,8 @@ class Host:
             raise DeadlineExceeded(f"{peer} did not answer")
         if free == FROZEN:
             await asyncio.Event().wait()
+        if free == REFUSES:
+            raise RemoteError("bad_round_message", "no")
         if isinstance(free, float):  # slow: answers (free) after that many seconds
             await asyncio.sleep(free)
             free = True
@@ -90,7 +94,8 @@ def led_round(answers: dict[str, bool | None], suspected: tuple[str, ...] = ()) 
 
 
 def stage_sync(me: str, answers: dict[str, bool | str | float | None],
-               steps: dict[str, int] | None = None, heard: bool = True) -> StageSync:
+               steps: dict[str, int] | None = None, heard: bool = True,
+               clock: Callable[[], float] = time.monotonic) -> StageSync:
     """Peer ``me`` of stage 1 (target: 1 sample), its mates answering as ``answers`` says
     (at the step ``steps`` says, if it says one). ``heard``: every mate answered it before
     (a stage that has run a while); else all are strangers to it (it just joined)."""
@@ -105,7 +110,8 @@ def stage_sync(me: str, answers: dict[str, bool | str | float | None],
                                           heard=set(answers) if heard else set()),
                      averager=None,
                      mates=lambda: {p: () for p in answers}, snapshot=snapshot, apply=nothing,
-                     give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0)
+                     give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0,
+                     clock=clock)
 
 
 def step_with_a_frozen_mate(me: str, frozen: str, answers: dict[str, bool | str | None]
@@ -257,3 +263,30 @@ def test_a_leader_asks_a_stranger_that_reported_nothing_beside_the_round() -> No
     assert counters["left_out.unheard"] == 1 and counters["rounds_led"] == 1
     assert counters["probes"] == 1 and "probes_answered" not in counters
     assert "answer_late.prepare" not in counters  # nobody was waited for past its patience
+
+
+def test_a_leader_that_refuses_every_report_for_refusing_s_leads_nobody() -> None:
+    """A refusal is an answer (a leader whose view lags ours for a moment refuses our
+    reports, and is waited for): a mate that refused every report for ``REFUSING_S`` is
+    suspected, and the stage steps without it (else one answering errors held it forever)."""
+    now = [1000.0]
+    sync = stage_sync("b", {"a": REFUSES}, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        sync.trigger.stepped(5)
+        sync.progressed(1)
+        async with asyncio.timeout(10):
+            while not sync.counters["refused.bad_round_message"]:
+                await asyncio.sleep(0.01)
+            assert sync.step == 5 and "a" not in sync.trigger.suspects  # waited for
+            now[0] += REFUSING_S
+            while sync._reporting is not None and not sync._reporting.done():
+                await asyncio.sleep(0.01)
+            sync.progressed(2)  # the next backward's report, refused again
+            while sync.step == 5:
+                await asyncio.sleep(0.01)
+        await sync.close()
+
+    asyncio.run(scenario())
+    assert sync.counters["mates_refusing"] == 1 and sync.counters["rounds_led"] == 1
+    assert "a" in sync.trigger.suspects

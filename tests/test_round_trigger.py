@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmd.averaging.trigger import PASS_OVER_BEHIND, SUSPECT_S, RoundTrigger
+from swarmd.averaging.trigger import PASS_OVER_BEHIND, REFUSING_S, SUSPECT_S, RoundTrigger
 
 NOW = 1_700_000_000.0
 IDS = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
@@ -53,6 +53,19 @@ def test_a_stranger_leads_nobody_until_it_answers_and_is_probed_meanwhile() -> N
     assert t.heard == {"a", "b", "z"}
     t.forget(["a"])
     assert t.heard == {"a"}
+
+
+def test_a_mate_refusing_every_report_for_refusing_s_is_suspected_one_taking_one_is_not() -> None:
+    t = trigger("m")
+    assert not t.refused_report("a", NOW)          # there (a typed error), its view may lag
+    assert t.leader(["a"], NOW) == "a"
+    assert not t.refused_report("a", NOW + REFUSING_S / 2)
+    t.took_report("a")                             # it took one: refusing starts over
+    assert not t.refused_report("a", NOW + REFUSING_S)
+    assert t.refused_report("a", NOW + 2 * REFUSING_S)
+    assert t.leader(["a"], NOW + 2 * REFUSING_S) == "m"
+    t.forget([])
+    assert t.refusing == {}
 
 
 def test_a_start_is_taken_only_from_a_mate_heard_from() -> None:

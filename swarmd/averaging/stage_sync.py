@@ -37,6 +37,7 @@ stage's work, never on its critical path: sent our progress report (one probe in
 mate, ``probes`` / ``probes_answered``); a leader asks a stranger that reported nothing at its
 step to ``prepare`` the same way, and does not wait for it (``left_out.unheard``). A start is
 taken only from a mate heard from, and its group counts as heard (they answered that leader).
+A leader that refused every report for ``REFUSING_S`` is suspected (``mates_refusing``).
 
 A peer alone in its stage steps locally when its own samples reach the target. A round that
 fails (``AllReduceFailed`` at its deadline) puts the snapshot back into the accumulated
@@ -566,12 +567,17 @@ class StageSync:
             self.histograms.observe(f"round_ask_seconds.{kind}", took, ASK_BOUNDS_S)
             if kind in PATIENT_KINDS:
                 self.patience.observe(peer, took)
+            if kind == "progress":
+                self.trigger.took_report(peer)
             self.trigger.heard_from([peer])
             return reply
         except RemoteError as exc:
-            # a typed refusal is an answer too: the mate is there (its view may lag ours)
+            # a typed refusal is an answer too: the mate is there (its view may lag ours);
+            # one that refuses every report for REFUSING_S leads nobody for a while
             self.trigger.heard_from([peer])
             self.counters[f"refused.{exc.code}"] += 1
+            if kind == "progress" and self.trigger.refused_report(peer, self._clock()):
+                self.counters["mates_refusing"] += 1
             return None
         except TransportError as exc:
             log.info("stage %d: %s to %s failed (%s)", self.stage, kind, peer, exc)

@@ -13,7 +13,9 @@ answers) is probed off the critical path (``strangers``: the peer sends it its p
 too, and waits for nobody): an honest newcomer answers within a round trip and leads from then
 on; a silent one never leads anyone, so it costs the stage's steps nothing. By id alone, a peer
 that announces itself at a stage with an id that sorts first and never answers held every
-round of that stage for the whole patience, again after each suspicion ran out.
+round of that stage for the whole patience, again after each suspicion ran out. A mate that
+refuses every report of ours (a typed error: it is there, and its view may lag ours for a
+moment) for ``REFUSING_S`` is suspected too: one answering only errors held its stage forever.
 
 A leader found ``PASS_OVER_BEHIND`` or more steps behind this peer (its answer to a report
 says so: it froze, or restarted, and is catching up) is passed over *at this step*
@@ -31,10 +33,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["RoundTrigger", "exact_step", "PASS_OVER_BEHIND", "SUSPECT_S"]
+__all__ = ["RoundTrigger", "exact_step", "PASS_OVER_BEHIND", "REFUSING_S", "SUSPECT_S"]
 
 #: how long a peer that failed us is passed over as leader
 SUSPECT_S = 10.0
+#: a mate that refused every report of ours this long (its view of the stage may lag ours
+#: for a few announcement periods; a liar answering with errors would lag forever) fails us
+REFUSING_S = 10.0
 #: a leader this many steps or more behind ours is passed over at our step (it froze, or
 #: restarted: a download and a replay away); one step behind is a leader replaying that step
 #: (``swarmd.state.catchup``: one gradient fetched and applied), waited for as any leader is,
@@ -58,6 +63,8 @@ class RoundTrigger:
     behind: dict[str, int] = field(default_factory=dict)
     #: mates that answered one of our round messages, or were in a round we took part in
     heard: set[str] = field(default_factory=set)
+    #: peer -> when it began refusing our reports (none taken since)
+    refusing: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.target < 1:
@@ -95,6 +102,22 @@ class RoundTrigger:
         """``peers`` answered a round message of ours, or were counted in a round by a leader
         that answered us: they may lead."""
         self.heard.update(p for p in peers if p != self.me)
+
+    def took_report(self, peer: str) -> None:
+        """``peer`` took a report of ours."""
+        self.refusing.pop(peer, None)
+        self.heard_from([peer])
+
+    def refused_report(self, peer: str, now: float) -> bool:
+        """``peer`` refused a report of ours (a typed error: it is there). True when it has
+        refused every one for ``REFUSING_S``: it is suspected (passed over as leader) from
+        now, as a mate that does not answer is."""
+        since = self.refusing.setdefault(peer, now)
+        self.heard_from([peer])
+        if now - since < REFUSING_S:
+            return False
+        self.suspect(peer, now)
+        return True
 
     def answered(self, peer: str) -> None:
         """``peer``, suspected for not answering in time, answered after all: slow, not gone."""
@@ -139,6 +162,7 @@ class RoundTrigger:
         self.suspects = {p: t for p, t in self.suspects.items() if p in keep}
         self.behind = {p: s for p, s in self.behind.items() if p in keep}
         self.heard &= keep
+        self.refusing = {p: t for p, t in self.refusing.items() if p in keep}
 
 
 def exact_step(sources: Iterable[tuple[str, int]], samples: int, target: int
