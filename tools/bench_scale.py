@@ -35,7 +35,9 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   given up on at a mate's patience (``answer_late.<kind>``) and those of them answered after
   all (``answer_came_late.<kind>``: a slow mate, not a gone one); ``rounds_failed``;
   ``prepare_answer_s``: how long mates took to answer the leaders' ``prepare`` (count, and the
-  histogram bounds holding the median, the 99th percentile and the slowest answer).
+  histogram bounds holding the median, the 99th percentile and the slowest answer);
+  ``other_sync_counters``: every other ``sync.*`` counter summed over the stage's daemons
+  (refusals by reason, strangers probed, starts refused, leader changes).
 - ``trainers``: each one's steps (its step at the end, and how many it took in this run),
   its microbatches (its shares of the swarm's steps), steps exact, tokens/s, rerouted,
   restarted, lost; ``expected_stage_steps``: the target batches the trainers sent together
@@ -521,7 +523,16 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             # the samples its peers stepped with, per stage step, against the target
             "samples_per_step": sum(s.total("stage.stepped_samples") for s in mine)
             / max(1, stage_step), "target_samples": target,
-            "prepare_answer_s": answer_quantiles([b for s in mine for b in s.asks])})
+            "prepare_answer_s": answer_quantiles([b for s in mine for b in s.asks]),
+            # every other round counter (refusals, probes of strangers, starts refused,
+            # leader changes...), summed over the stage's daemons: what explains a short round
+            "other_sync_counters": {
+                k.removeprefix("sync."): sum(s.total(k) for s in mine)
+                for k in sorted({k for s in mine for c in s.counters for k in c
+                                 if k.startswith("sync.") and not k.startswith(
+                                     ("sync.left_out.", "sync.answer_late.",
+                                      "sync.answer_came_late."))
+                                 and k.removeprefix("sync.") not in SYNC_KEYS})}})
     rss = [s.rss_peak_mib for s in slots if s.rss_peak_mib > 0]
     rejoin = [None if k.rejoin_failed else k.rejoined_at - k.restarted_at for k in plan
               if k.rejoined_at is not None and k.restarted_at is not None]

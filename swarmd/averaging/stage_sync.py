@@ -271,6 +271,7 @@ class StageSync:
         self.trigger.forget(known)
         self.patience.forget(known)
         self._mate_sources = {p: v for p, v in self._mate_sources.items() if p in known}
+        self._probes = {p: t for p, t in self._probes.items() if p in known or not t.done()}
         if not mates:
             self._leader = None
             if self.trigger.samples >= self.trigger.target:
