@@ -48,6 +48,8 @@ the CPU (``model.device = "cpu"``, one torch thread a process). Reports one JSON
   trainers'.
 - ``tokens_per_s`` (the trainers' sum), ``lost``, ``seconds``.
 
+``--keep DIR`` keeps every home (logs included) under DIR, to read why a round was short.
+
 With ``--reference`` (the default) the same run with 4 daemons and no kills follows, and
 ``memory_ratio`` is the mean peak RSS per daemon of the big swarm over the reference's.
 ``targets`` (issue 28): lost 0, rounds include all live mates after the first minute (None
@@ -59,6 +61,7 @@ stopped on exit (also on Ctrl-C, SIGTERM or an error); every loop is bounded in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -594,8 +597,11 @@ def targets(big: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, bool |
 
 
 def measure(daemons: int, trainers: int, steps: int, kills: int, seed: int,
-            reference: bool) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="swarmd-bench-scale-") as tmp:
+            reference: bool, keep: Path | None = None) -> dict[str, Any]:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(keep)) if keep is not None
+          else tempfile.TemporaryDirectory(prefix="swarmd-bench-scale-")) as tmp:
         big = run_swarm(daemons, trainers, steps, kills, seed, Path(tmp) / "big")
         ref = None
         if reference:
@@ -617,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help=f"also run {REFERENCE_DAEMONS} daemons (no kills) for the "
                              "per-daemon figures (default on)")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="put the daemons' and trainers' homes (their logs) under DIR and "
+                             "keep them (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
     if args.daemons < 2 * STAGES or args.trainers < 1 or args.steps < 1 or args.kills < 0:
         parser.error(f"need --daemons >= {2 * STAGES}, --trainers >= 1, --steps >= 1, "
@@ -624,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (timeout, a supervisor) unwinds like Ctrl-C: every process is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = measure(args.daemons, args.trainers, args.steps, args.kills, args.seed,
-                     args.reference)
+                     args.reference, args.keep)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
