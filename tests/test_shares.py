@@ -46,3 +46,29 @@ def test_a_flush_names_a_stage_of_the_model_and_a_step() -> None:
                   Message(kind="ok", meta={"stage_step": -1})):
         with pytest.raises(BadActivation):
             parse_flushed(reply)
+
+
+def test_a_flush_whose_rounds_do_not_end_is_answered_busy_not_left_to_fail(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage whose rounds run one after the other past ``FLUSH_WAIT_S``: the flush gets a
+    typed ``busy`` and a counter (it raised a bare TimeoutError out of the handler, logged as
+    an error on every try: 23 times in one 24-daemon run)."""
+    import asyncio
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from swarmd.errors import StageBusy
+    from swarmd.pipeline import server as server_module
+
+    monkeypatch.setattr(server_module, "FLUSH_WAIT_S", 0.05)
+
+    async def rounds_forever(trainer: str, before: int) -> int:
+        await asyncio.Event().wait()
+        return 0
+
+    stage = SimpleNamespace(num_stages=2, stage=1, counters=Counter(),
+                            sync=SimpleNamespace(flush=rounds_forever))
+    message = Message(**Flush(stage=1, step=7).wire())
+    with pytest.raises(StageBusy, match="did not end"):
+        asyncio.run(server_module.StageServer.on_flush(stage, message, "trainer"))
+    assert stage.counters["flush_timeouts"] == 1

@@ -39,7 +39,7 @@ from swarmd.averaging.trigger import RoundTrigger, exact_step
 from swarmd.pipeline.exact import AGREE
 from swarmd.pipeline.batching import MAX_BATCH, MAX_QUEUE, Batcher, Compute, Throughput
 from swarmd.pipeline.handlers import PipelineHandlers
-from swarmd.errors import NotOnPath, SwarmdError
+from swarmd.errors import NotOnPath, StageBusy, SwarmdError
 from swarmd.pipeline.messages import (Expect, StepReport, hop_seconds, parse_flush,
                                       parse_step_answer)
 from swarmd.pipeline.held import HOP_TIMEOUT_S
@@ -271,8 +271,13 @@ class StageServer:
         flush = parse_flush(message, num_stages=self.num_stages)  # refusals: request_errors
         if flush.stage != self.stage:
             raise NotOnPath("stage", f"this peer serves stage {self.stage}, not {flush.stage}")
-        async with asyncio.timeout(FLUSH_WAIT_S):
-            stage_step = await self.sync.flush(peer, flush.step)
+        try:
+            async with asyncio.timeout(FLUSH_WAIT_S):
+                stage_step = await self.sync.flush(peer, flush.step)
+        except TimeoutError:  # rounds one after the other (the trainer gave up long ago)
+            self.counters["flush_timeouts"] += 1
+            raise StageBusy(f"stage {self.stage}'s rounds did not end within "
+                            f"{FLUSH_WAIT_S:.0f} s: not flushed") from None
         return Message(kind="ok", meta={"stage_step": stage_step})
 
     async def step_failed(self, exact: Exact) -> None:
