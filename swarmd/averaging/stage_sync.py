@@ -412,7 +412,8 @@ class StageSync:
         over ``rounds_led`` is the mean group; ``mates_left_out`` the live mates that were
         not in it, and why (``left_out.<why>``: ``suspected`` after failing us, ``silent``
         to the prepare, ``busy`` in a round or a state transfer, ``behind`` at an earlier
-        step, ``unheard``: a stranger, asked beside the round); ``rounds_short`` the rounds that left one out."""
+        step, ``unheard``: a stranger, asked beside the round); ``rounds_short`` the rounds
+        that left one out."""
         self.counters["group_members"] += size
         for why, n in left_out.items():
             if n:
@@ -569,8 +570,9 @@ class StageSync:
             if kind in PATIENT_KINDS:
                 self.patience.observe(peer, took)
             if kind == "progress":
-                self.trigger.took_report(peer)
-            self.trigger.heard_from([peer])
+                self.trigger.took_report(peer)  # heard from, and not refusing
+            else:
+                self.trigger.heard_from([peer])
             return reply
         except RemoteError as exc:
             # a typed refusal is an answer too: the mate is there (its view may lag ours);

@@ -619,7 +619,6 @@ class Daemon:
         log.info("moved from stage %s to stage %d in %.1f s", old, target,
                  self.last_migration["seconds"])
 
-
     async def _out_of_rounds(self, server: Any, stack: contextlib.AsyncExitStack) -> None:
         """Let the old stage's round in progress end (``MOVE_ROUND_WAIT_S`` at most) and join
         no new one until the stage server is closed (``stack`` holds it so)."""
