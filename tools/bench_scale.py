@@ -74,7 +74,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -108,6 +108,8 @@ TARGET_MEMORY_RATIO = 1.2
 REFERENCE_DAEMONS = 4
 SYNC_KEYS = ("rounds_led", "rounds", "local_steps", "rounds_failed", "group_members",
              "mates_left_out", "rounds_short")
+#: round messages given up on at a mate's patience, and those answered after all
+LATE_KEYS = ("sync.answer_late.", "sync.answer_came_late.")
 
 
 def say(text: str) -> None:
@@ -508,14 +510,10 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             "rounds_per_step": sums["rounds_led"] / max(1, stage_step),
             "mean_group": sums["group_members"] / max(1, sums["rounds_led"]),
             "mates_left_out": sums["mates_left_out"], "rounds_short": sums["rounds_short"],
-            "left_out": {k.removeprefix("sync.left_out."): sum(s.total(k) for s in mine)
-                         for k in sorted({k for s in mine for c in s.counters for k in c
-                                          if k.startswith("sync.left_out.")})},
+            "left_out": _summed(mine, "sync.left_out.", lambda k: k.startswith(
+                "sync.left_out.")),
             # answers given up on at a mate's patience, and those of them that came after all
-            "answers_late": {k.removeprefix("sync."): sum(s.total(k) for s in mine)
-                             for k in sorted({k for s in mine for c in s.counters for k in c
-                                              if k.startswith(("sync.answer_late.",
-                                                               "sync.answer_came_late."))})},
+            "answers_late": _summed(mine, "sync.", lambda k: k.startswith(LATE_KEYS)),
             "rounds_short_after_first_minute": (
                 late if slots[0].at_first_minute is not None else None),
             "rounds_short_after_first_minute_outside_kills": _short_outside(
@@ -529,13 +527,9 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
             "prepare_answer_s": answer_quantiles([b for s in mine for b in s.asks]),
             # every other round counter (refusals, probes of strangers, starts refused,
             # leader changes...), summed over the stage's daemons: what explains a short round
-            "other_sync_counters": {
-                k.removeprefix("sync."): sum(s.total(k) for s in mine)
-                for k in sorted({k for s in mine for c in s.counters for k in c
-                                 if k.startswith("sync.") and not k.startswith(
-                                     ("sync.left_out.", "sync.answer_late.",
-                                      "sync.answer_came_late."))
-                                 and k.removeprefix("sync.") not in SYNC_KEYS})}})
+            "other_sync_counters": _summed(mine, "sync.", lambda k: k.startswith("sync.")
+                                           and not k.startswith(("sync.left_out.", *LATE_KEYS))
+                                           and k.removeprefix("sync.") not in SYNC_KEYS)})
     rss = [s.rss_peak_mib for s in slots if s.rss_peak_mib > 0]
     rejoin = [None if k.rejoin_failed else k.rejoined_at - k.restarted_at for k in plan
               if k.rejoined_at is not None and k.restarted_at is not None]
@@ -563,6 +557,13 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
                    for k in plan if k.killed_at is not None and k.restarted_at is not None],
         "kills_not_reached": sum(k.killed_at is None for k in plan),
         "seconds": seconds}
+
+
+def _summed(slots: list[Any], prefix: str, wanted: Callable[[str], bool]) -> dict[str, int]:
+    """Each ``wanted`` counter summed over ``slots`` (their restarts included), named without
+    ``prefix``, in name order."""
+    names = sorted({k for s in slots for c in s.counters for k in c if wanted(k)})
+    return {k.removeprefix(prefix): sum(s.total(k) for s in slots) for k in names}
 
 
 def _short_outside(polls: list[tuple[float, dict[int, int]]],

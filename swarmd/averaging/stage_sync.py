@@ -288,9 +288,13 @@ class StageSync:
     def _probe(self, mates: dict[str, tuple[str, ...]], now: float) -> None:
         """Send our progress to each stranger that would lead us once heard from."""
         for peer in self.trigger.strangers(mates, now):
-            probing = self._probes.get(peer)
-            if probing is None or probing.done():
-                self._probes[peer] = self._spawn(self._probe_one(peer, mates[peer]))
+            self._probe_with(peer, lambda: self._probe_one(peer, mates[peer]))
+
+    def _probe_with(self, peer: str, probe: Callable[[], Awaitable[None]]) -> None:
+        """Run ``probe()`` unless a probe of ``peer`` is in flight (one at a time a mate)."""
+        probing = self._probes.get(peer)
+        if probing is None or probing.done():
+            self._probes[peer] = self._spawn(probe())
 
     async def _probe_one(self, peer: str, addrs: tuple[str, ...]) -> None:
         self.counters["probes"] += 1
@@ -359,10 +363,8 @@ class StageSync:
         for peer in [p for p in mates if p not in self.trigger.heard
                      and self.trigger.reports.get(p, (-1, 0))[0] != step]:
             left_out["unheard"] += 1
-            probing = self._probes.get(peer)
-            if probing is None or probing.done():
-                self._probes[peer] = self._spawn(self._ask_quietly(peer, mates[peer], ask))
-            del mates[peer]
+            addrs = mates.pop(peer)
+            self._probe_with(peer, lambda: self._ask_quietly(peer, addrs, ask))
         digest, *answers = await asyncio.gather(
             self._our_digest(), *(self._ask(p, addrs, "prepare", ask.to_meta())
                                   for p, addrs in mates.items()))
