@@ -605,7 +605,8 @@ def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() ->
 
     s0, s1, stats, tc, held, mismatch = uvloop.run(asyncio.wait_for(scenario(), 120))
     total = steps * per_step
-    print(f"\nstalled stage-1 peer held {len(held)} forwards; stage 0 hedged {s0['hedged']}, "
+    print(f"\nstalled stage-1 peer held {len(held)} forwards; stage 0 hedged "
+          f"{s0.get('hedged', 0)}, "
           f"won {s0.get('hedge_won', 0)}, marked slow {s0.get('hedge_slow', 0)}; trainer: "
           f"duplicate results {tc.get('duplicate_results', 0)}, late "
           f"{tc.get('late_arrivals', 0)}, restarted {stats.restarted}; stage 1: "
@@ -615,7 +616,7 @@ def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() ->
     # every forward the stalled peer held was hedged, or was itself a hedge (its first try, at
     # the mate, slow under load: a race the first try won; 6 of 7 held ones won in one loaded
     # run), so not every held forward is a race its hedge won
-    assert s0["hedged"] >= len(held) and s0.get("hedge_won", 0) >= 1
+    assert s0.get("hedged", 0) >= len(held) and s0.get("hedge_won", 0) >= 1
     assert s0.get("hop_slow", 0) == 0  # no forward waited out its deadline
     # each microbatch that came back whole ran its backward once at each stage
     if stats.restarted == 0:  # (a restart may have run a backward at stage 1 only)
