@@ -35,7 +35,8 @@ Strangers: a mate whose id sorts before this peer's leader but that never answer
 message of ours leads nobody until it does (``RoundTrigger.heard``). It is probed beside the
 stage's work, never on its critical path: sent our progress report (one probe in flight per
 mate, ``probes`` / ``probes_answered``); a leader asks a stranger that reported nothing at its
-step to ``prepare`` the same way, and does not wait for it (``left_out.unheard``). A start is
+step to ``prepare`` with the others and waits for it no longer than for them: one answering
+with them is in the round, a silent one costs nothing (``left_out.unheard``). A start is
 taken only from a mate heard from, and its group counts as heard (they answered that leader).
 A leader that refused every report for ``REFUSING_S`` is suspected (``mates_refusing``).
 
@@ -359,15 +360,25 @@ class StageSync:
         mates = {p: a for p, a in mates.items() if self.trigger.suspects.get(p, 0.0) <= now}
         left_out = Counter(suspected=live - len(mates))
         ask = Prepare(stage=self.stage, step=step)
-        # a stranger that reported nothing at this step is asked, not waited for
-        for peer in [p for p in mates if p not in self.trigger.heard
-                     and self.trigger.reports.get(p, (-1, 0))[0] != step]:
-            left_out["unheard"] += 1
-            addrs = mates.pop(peer)
-            self._probe_with(peer, lambda: self._ask_quietly(peer, addrs, ask))
+        # a stranger that reported nothing at this step (never measured: its patience would
+        # be the ceiling) is asked with the others and waited for no longer than they are: a
+        # new mate answering with them is in the round, a silent one costs nothing (its ask
+        # runs on beside, a probe)
+        addrs_of = dict(mates)
+        strangers = {p: asyncio.ensure_future(self._ask(p, mates.pop(p), "prepare",
+                                                        ask.to_meta()))
+                     for p in [p for p in mates if p not in self.trigger.heard
+                               and self.trigger.reports.get(p, (-1, 0))[0] != step]}
+        self._probes.update(strangers)  # owned: cancelled on close
         digest, *answers = await asyncio.gather(
             self._our_digest(), *(self._ask(p, addrs, "prepare", ask.to_meta())
                                   for p, addrs in mates.items()))
+        for peer, asking in strangers.items():
+            if asking.done():
+                mates[peer] = addrs_of[peer]
+                answers.append(asking.result())
+            else:
+                left_out["unheard"] += 1
         group, bandwidths = [self.trigger.me], [self.bandwidth]
         for peer, reply in zip(mates, answers):
             their = self._prepared(peer, reply)
@@ -404,18 +415,13 @@ class StageSync:
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths, exact=exact)
 
-    async def _ask_quietly(self, peer: str, addrs: tuple[str, ...], ask: Prepare) -> None:
-        self.counters["probes"] += 1
-        if await self._ask(peer, addrs, "prepare", ask.to_meta()) is not None:
-            self.counters["probes_answered"] += 1
-
     def _count_group(self, size: int, left_out: Counter[str]) -> None:
         """A round this peer leads, of ``size`` members (itself included): ``group_members``
         over ``rounds_led`` is the mean group; ``mates_left_out`` the live mates that were
         not in it, and why (``left_out.<why>``: ``suspected`` after failing us, ``silent``
         to the prepare, ``busy`` in a round or a state transfer, ``behind`` at an earlier
-        step, ``unheard``: a stranger, asked beside the round); ``rounds_short`` the rounds
-        that left one out."""
+        step, ``unheard``: a stranger that had not answered when the others had);
+        ``rounds_short`` the rounds that left one out."""
         self.counters["group_members"] += size
         for why, n in left_out.items():
             if n:
