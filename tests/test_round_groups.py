@@ -10,6 +10,7 @@ import asyncio
 import time
 from typing import Any, Callable
 
+import pytest
 import torch
 
 from swarmd.averaging.stage_sync import StageSync
@@ -95,10 +96,12 @@ def led_round(answers: dict[str, bool | None], suspected: tuple[str, ...] = ()) 
 
 def stage_sync(me: str, answers: dict[str, bool | str | float | None],
                steps: dict[str, int] | None = None, heard: bool = True,
-               clock: Callable[[], float] = time.monotonic) -> StageSync:
+               clock: Callable[[], float] = time.monotonic,
+               behind: list[tuple[str, int]] | None = None) -> StageSync:
     """Peer ``me`` of stage 1 (target: 1 sample), its mates answering as ``answers`` says
     (at the step ``steps`` says, if it says one). ``heard``: every mate answered it before
-    (a stage that has run a while); else all are strangers to it (it just joined)."""
+    (a stage that has run a while); else all are strangers to it (it just joined).
+    ``behind`` collects the (mate, step) it is told to catch up to."""
     async def snapshot() -> tuple[torch.Tensor, int]:
         return torch.zeros(4), 1
 
@@ -110,7 +113,9 @@ def stage_sync(me: str, answers: dict[str, bool | str | float | None],
                                           heard=set(answers) if heard else set()),
                      averager=None,
                      mates=lambda: {p: () for p in answers}, snapshot=snapshot, apply=nothing,
-                     give_back=nothing, on_behind=lambda p, s: None, samples_now=lambda: 0,
+                     give_back=nothing,
+                     on_behind=lambda p, s: None if behind is None else behind.append((p, s)),
+                     samples_now=lambda: 0,
                      clock=clock)
 
 
@@ -263,6 +268,24 @@ def test_a_leader_asks_a_stranger_that_reported_nothing_beside_the_round() -> No
     assert counters["left_out.unheard"] == 1 and counters["rounds_led"] == 1
     assert "z" in sync._probes  # its ask ran on beside, as a probe of it
     assert "answer_late.prepare" not in counters  # nobody was waited for past its patience
+
+
+@pytest.mark.parametrize("heard", [True, False])
+def test_a_mate_whose_leader_answers_from_a_later_step_catches_up(heard: bool) -> None:
+    """The leader went on without this mate (a stranger to it then: a new trainer, whose
+    first share it did not wait for) and asks it nothing at its new step. The leader's
+    answer to the mate's report (or probe, before the mate heard from it) says where it
+    is: the mate catches up from it (before: two trainers missed every round under load).
+    The mate holds half the target (a trainer's share): it never leads a round of its own."""
+    behind: list[tuple[str, int]] = []
+    sync = stage_sync("b", {"a": True}, steps={"a": 7}, heard=heard, behind=behind)
+
+    def half(sync: StageSync) -> None:
+        sync.trigger.target = 2
+
+    counters = until(sync, lambda: bool(behind), before=half)
+    assert behind[0] == ("a", 7) and counters["behind_leader"] >= 1
+    assert sync.step == 5 and "rounds_led" not in counters  # it led no round of its own
 
 
 def test_a_leader_that_refuses_every_report_for_refusing_s_leads_nobody() -> None:

@@ -307,9 +307,19 @@ class StageSync:
             return
         self.counters["probes_answered"] += 1
         their = self._progress_reply(peer, reply)
+        self._ahead(peer, their.step)
         if their.step is not None:
             self.trigger.passed_over(peer, their.step)
         self._consider()  # it may lead us now
+
+    def _ahead(self, peer: str, step: int | None) -> None:
+        """``peer`` answered our progress at ``step``: when that is past ours, we catch up
+        (``on_behind``). A leader that stepped while we were a stranger to it (its round
+        went on without us) asks us nothing at its new step: its answer is how we learn.
+        Not while a round of ours runs: its end may be what the answer saw first."""
+        if step is not None and step > self.trigger.step and not self.busy:
+            self.counters["behind_leader"] += 1
+            self._on_behind(peer, step)
 
     async def flush(self, trainer: str, before: int) -> int:
         """Step now, short of the target, when the stage holds samples of ``trainer``'s steps
@@ -561,6 +571,7 @@ class StageSync:
                 return
             self.counters["reports_sent"] += 1
             their = self._progress_reply(leader, reply)
+            self._ahead(leader, their.step)
             if their.step is not None and self.trigger.passed_over(leader, their.step):
                 # the leader is catching up (it froze, or restarted): not ours at this step
                 self.counters["leader_behind"] += 1
