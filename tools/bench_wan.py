@@ -31,7 +31,12 @@ region 5 ms, 1 Gbit/s; continent 25 ms, 200 Mbit/s; far 50 ms, 100 Mbit/s; home 
   step over unshaped's shows in the phase that grew; ``pipeline_runs_others_cpu_share``: per run, the share of the
   machine that processes outside this benchmark used meanwhile (a test run beside it), and
   ``pipeline_contended_rounds`` the rounds where that passed ``CONTENDED_SHARE`` (0.1) in the
-  profile's run or the unshaped one: their ratios say little, measure again on a quiet machine
+  profile's run or the unshaped one: their ratios say little, measure again on a quiet machine;
+  ``pipeline_runs_delayer_cpu_share``: per run, the share of the machine the lab's delayer
+  used (it holds every packet of a delayed host, in Python, on the cores the swarm computes
+  on: a cost a real WAN does not have; unshaped passes no packet through it);
+  ``pipeline.steady_in_flight_target`` / ``steady_round_trip_ms``: the trainer's in-flight
+  target and shortest microbatch round trip over the second half (medians)
 - ``join_to_online_s``: from starting ``swarmd join --stage 1`` in ``nx`` until its status
   says online (state sync from the stage-1 peer included)
 - ``membership_convergence_6_daemons_s``: 6 daemons of a separate swarm on hosts m0..m5, from
@@ -70,7 +75,7 @@ sys.path.insert(0, str(HERE.parent))
 from tools.wanlab import HostSpec, LabUnavailable, Link, WanLab  # noqa: E402
 from tools.wanlab import daemons, probe  # noqa: E402
 from bench_pipeline import CONTENDED_SHARE, add_schedule_options, schedule_overrides  # noqa: E402
-from cpu_use import OthersShare  # noqa: E402
+from cpu_use import OthersShare, proc_cpu_s  # noqa: E402
 
 #: name: (host-to-host one-way delay ms, down Mbit/s, up Mbit/s); None: unshaped
 PROFILES: dict[str, tuple[float, float, float] | None] = {
@@ -204,8 +209,14 @@ def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, boot
     (``cpu_use.OthersShare``)."""
     before = stage_counters(stages)
     cpu = OthersShare().start()
+    delayer = lab.delayer_pid
+    delayer0 = 0.0 if delayer is None else proc_cpu_s(delayer)
     t = daemons.train(lab, "tr", home, bootstrap, steps, tokens_per_step, env, seconds=900)
     t["cpu"] = cpu.stop()
+    # the lab's delayer runs on the cores under test (counted among ours): its share of the
+    # machine is what the emulated WAN itself took from the swarm, not the swarm's own cost
+    t["cpu"]["delayer_share"] = 0.0 if delayer is None else (
+        (proc_cpu_s(delayer) - delayer0) / max(1e-9, t["cpu"]["seconds"] * (os.cpu_count() or 1)))
     if t["cpu"]["others_share"] > CONTENDED_SHARE:
         say(f"other processes used {t['cpu']['others_share']:.0%} of the machine during this "
             f"run: its rate is not comparable with a quiet run's")
@@ -242,9 +253,11 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     out["pipeline_runs_tokens_per_s"] = [out["pipeline_tokens_per_s"]]
     out["pipeline_whole_run_tokens_per_s"] = t["tokens_per_s"]
     out["pipeline_runs_others_cpu_share"] = [t["cpu"]["others_share"]]
+    out["pipeline_runs_delayer_cpu_share"] = [t["cpu"]["delayer_share"]]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
                                              "steady_seconds", "steady_step_seconds",
                                              "steady_step_phases",
+                                             "steady_in_flight_target", "steady_round_trip_ms",
                                              "rerouted", "restarted", "lost",
                                              "initial_val_loss", "final_val_loss", "stages",
                                              "cpu")}
@@ -376,10 +389,12 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
                 out["errors"][f"pipeline_round_{r}"] = f"{type(exc).__name__}: {exc}"
                 out["pipeline_runs_tokens_per_s"].append(None)
                 out["pipeline_runs_others_cpu_share"].append(None)
+                out["pipeline_runs_delayer_cpu_share"].append(None)
                 continue
             rate = t["rate"]
             out["pipeline_runs_tokens_per_s"].append(rate)
             out["pipeline_runs_others_cpu_share"].append(t["cpu"]["others_share"])
+            out["pipeline_runs_delayer_cpu_share"].append(t["cpu"]["delayer_share"])
             out.setdefault("pipeline_rounds_step_seconds", []).append(
                 t.get("steady_step_seconds"))
             out.setdefault("pipeline_rounds_step_phases", []).append(

@@ -154,4 +154,8 @@ def train(lab: Any, host: str, home: Path, bootstrap: str, steps: int, tokens_pe
         result["steady_step_phases"] = {
             name: statistics.median(h[name] for h in half if name in h)
             for name in sorted({k for h in half for k in h})}
+        # what the trainer kept in flight there, and the shortest round trip it measured
+        for name in ("in_flight_target", "round_trip_ms"):
+            seen = [x[name] for x in lines[len(lines) // 2:] if x.get(name) is not None]
+            result[f"steady_{name}"] = statistics.median(seen) if seen else None
     return result

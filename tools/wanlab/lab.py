@@ -326,6 +326,12 @@ class WanLab:
         """The delayer's counters: passed, held, released, lost, blocked, overflow."""
         return self._control([], stats=True)
 
+    @property
+    def delayer_pid(self) -> int | None:
+        """The delayer's process (``ip netns exec`` runs it in place): the CPU it uses is
+        the lab's, taken from the cores the hosts under test share."""
+        return None if self._delayer is None else self._delayer.pid
+
     # ---- internals -------------------------------------------------------------------------
 
     def _index(self, host: str) -> int:
