@@ -569,22 +569,30 @@ def test_a_stalled_stage_peer_is_hedged_around_and_no_gradient_counts_twice() ->
         async with two_stage_swarm(config, target_batch_size=8, swarm="hedge-stall",
                                    stage1_peers=2) as (servers, trainer):
             trainer.exact = True
-            stalled = servers[2]
-            serve = stalled.handlers._forward
             resume = asyncio.Event()
             held: list[str] = []
+            #: the stage-1 peer that stalls: the first to take a forward from step 2 on (the
+            #: router may send a few steps' forwards all to one of them: a fixed choice of
+            #: peer then held nothing, and the test tested nothing)
+            stalled: list[int] = []
 
-            async def stalling(message: Message, peer: str) -> Message:
-                if not resume.is_set():
-                    held.append(str(message.meta.get("mb")))
-                    await resume.wait()
-                return await serve(message, peer)
+            def stalling_at(i: int) -> Any:
+                serve = servers[i].handlers._forward
+
+                async def stalling(message: Message, peer: str) -> Message:
+                    if not resume.is_set() and stalled in ([], [i]):
+                        stalled[:] = [i]
+                        held.append(str(message.meta.get("mb")))
+                        await resume.wait()
+                    return await serve(message, peer)
+                return stalling
 
             drawn = iter(batches)
 
             async def stepped(step: int, loss: float) -> bool:
-                if step == 2:  # its forwards stall from now on (the handler's work behind it)
-                    stalled.handlers._forward = stalling  # type: ignore[method-assign]
+                if step == 2:  # one's forwards stall from now on (the handler's work behind it)
+                    for i in (1, 2):
+                        servers[i].handlers._forward = stalling_at(i)  # type: ignore[method-assign]
                 if step == 6:
                     resume.set()
                 return False
