@@ -54,3 +54,20 @@ def test_prepare_answer_quantiles_sum_the_processes_buckets() -> None:
     assert got == {"count": 100, "p50_le": 0.01, "p99_le": 0.1, "max_le": 3.0}
     assert bench_scale.answer_quantiles([]) == {"count": 0, "p50_le": None, "p99_le": None,
                                                 "max_le": None}
+
+
+def test_a_daemon_that_moved_counts_at_the_stage_its_status_names() -> None:
+    """Balancing moves a daemon: its counters and step belong to the stage it serves now (they
+    were summed with its start stage's, whose step it no longer shares)."""
+    import os
+    from types import SimpleNamespace
+
+    status = {"stage": 1, "counters": {"stage.step": 7}}
+    proc = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), get=lambda path: status)
+    slot = bench_scale.Slot(index=3, stage=0, proc=proc)  # type: ignore[arg-type]
+    assert slot.now_stage == 0  # nothing seen yet: where it started
+    slot.sample()
+    assert (slot.now_stage, slot.step) == (1, 7)
+    status.pop("stage")  # a status without it (an older daemon): the last seen stays
+    slot.sample()
+    assert slot.now_stage == 1

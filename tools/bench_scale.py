@@ -180,6 +180,13 @@ class Slot:
     rss_peak_mib: float = 0.0
     #: the last ``round_ask_seconds.prepare`` buckets seen of each of its processes
     asks: list[list[list[Any]]] = field(default_factory=lambda: [[]])
+    #: the stage its status last named (balancing may move it from ``stage``)
+    serving: int | None = None
+
+    @property
+    def now_stage(self) -> int:
+        """The stage it serves now, as far as seen (its start stage until it said)."""
+        return self.stage if self.serving is None else self.serving
 
     @property
     def ready(self) -> bool:
@@ -197,6 +204,8 @@ class Slot:
         except (OSError, ValueError, KeyError):
             return
         self.counters[-1] = {k: int(v) for k, v in c.items()}
+        if isinstance(status.get("stage"), int):
+            self.serving = status["stage"]
         asked = (status.get("histograms") or {}).get("round_ask_seconds.prepare")
         if isinstance(asked, dict) and isinstance(asked.get("buckets"), list):
             self.asks[-1] = asked["buckets"]
@@ -253,7 +262,7 @@ class Swarm:
         return [s.proc for s in self.slots if s.ready]
 
     def mates_step(self, s: Slot) -> int:
-        return max((m.step for m in self.slots if m.stage == s.stage and m is not s
+        return max((m.step for m in self.slots if m.now_stage == s.now_stage and m is not s
                     and m.ready), default=0)
 
     def sample(self) -> None:
@@ -272,14 +281,14 @@ class Swarm:
                 s.proc.proc.kill()
                 k.killed_at, k.killed_at_trainer_step = t, progress
                 stop_all([s.proc], seconds=10.0)  # reaps it and closes its stderr
-                mates = [m for m in self.slots if m.stage == s.stage and m.ready]
+                mates = [m for m in self.slots if m.now_stage == s.now_stage and m.ready]
                 list(self.pool.map(Slot.sample, mates))  # their step now, not a poll ago
                 k.mates_step = self.mates_step(s)
         elif k.spawned_at is None:
             if now or self.mates_step(s) > k.mates_step or (
                     t - k.killed_at > RESTART_AFTER_LIMIT_S):
                 os.replace(s.proc.stderr_path, s.proc.home / f"daemon.stderr.{len(s.counters)}")
-                s.proc = DaemonProcess(s.proc.home, "--stage", str(s.stage), "--bootstrap",
+                s.proc = DaemonProcess(s.proc.home, "--stage", str(s.now_stage), "--bootstrap",
                                        self.bootstrap, env=self.env)
                 self.daemons.append(s.proc)
                 s.counters.append({})
@@ -497,12 +506,15 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
         SMALL_ENV["SWARMD_TRAINING_MICROBATCHES"])
     stages = []
     for stage in range(STAGES):
-        mine = [s for s in slots if s.stage == stage]
+        # a daemon that moved counts at the stage it serves at the end (its counters of the
+        # stage it left come with it: ``moved`` says which)
+        mine = [s for s in slots if s.now_stage == stage]
         sums = {k: sum(s.total(f"sync.{k}") for s in mine) for k in SYNC_KEYS}
-        stage_step = max(s.step for s in mine)
+        stage_step = max((s.step for s in mine), default=0)
         late = sum(s.total("sync.rounds_short", since_first_minute=True) for s in mine)
         stages.append({
             "stage": stage, "size": len(mine),
+            "moved_in": [s.index for s in mine if s.stage != stage],
             "steps": [s.step for s in mine],
             "optimizer_steps": [s.total("stage.optimizer_steps") for s in mine],
             "rounds_led": sums["rounds_led"], "rounds_failed": sums["rounds_failed"],
