@@ -507,7 +507,7 @@ def _report(n: int, trainers: int, steps: int, slots: list[Slot], plan: list[Kil
     stages = []
     for stage in range(STAGES):
         # a daemon that moved counts at the stage it serves at the end (its counters of the
-        # stage it left come with it: ``moved`` says which)
+        # stage it left come with it: ``moved_in`` says which)
         mine = [s for s in slots if s.now_stage == stage]
         sums = {k: sum(s.total(f"sync.{k}") for s in mine) for k in SYNC_KEYS}
         stage_step = max((s.step for s in mine), default=0)
