@@ -306,20 +306,21 @@ class StageSync:
         if reply is None:
             return
         self.counters["probes_answered"] += 1
-        their = self._progress_reply(peer, reply)
-        self._ahead(peer, their.step)
-        if their.step is not None:
-            self.trigger.passed_over(peer, their.step)
+        self._answered_at(peer, self._progress_reply(peer, reply).step)
         self._consider()  # it may lead us now
 
-    def _ahead(self, peer: str, step: int | None) -> None:
-        """``peer`` answered our progress at ``step``: when that is past ours, we catch up
-        (``on_behind``). A leader that stepped while we were a stranger to it (its round
-        went on without us) asks us nothing at its new step: its answer is how we learn.
-        Not while a round of ours runs: its end may be what the answer saw first."""
-        if step is not None and step > self.trigger.step and not self.busy:
+    def _answered_at(self, peer: str, step: int | None) -> bool:
+        """``peer`` answered our progress at ``step`` (None: not said). Past ours: we catch
+        up (``on_behind``): a leader that stepped while we were a stranger to it (its round
+        went on without us) asks us nothing at its new step, its answer is how we learn; not
+        while a round of ours runs, whose end may be what the answer saw first. True when it
+        is far enough behind ours to be passed over at this step (``passed_over``)."""
+        if step is None:
+            return False
+        if step > self.trigger.step and not self.busy:
             self.counters["behind_leader"] += 1
             self._on_behind(peer, step)
+        return self.trigger.passed_over(peer, step)
 
     async def flush(self, trainer: str, before: int) -> int:
         """Step now, short of the target, when the stage holds samples of ``trainer``'s steps
@@ -570,9 +571,7 @@ class StageSync:
                 self._consider()  # the leader was suspected: maybe we lead now
                 return
             self.counters["reports_sent"] += 1
-            their = self._progress_reply(leader, reply)
-            self._ahead(leader, their.step)
-            if their.step is not None and self.trigger.passed_over(leader, their.step):
+            if self._answered_at(leader, self._progress_reply(leader, reply).step):
                 # the leader is catching up (it froze, or restarted): not ours at this step
                 self.counters["leader_behind"] += 1
                 self._consider()
