@@ -48,3 +48,25 @@ def test_a_short_run_through_rotated_int2_hops_trains() -> None:
     r = bench_wire_loss.run("demo", "int2:rotate", 2, 0)
     assert r["variant"] == "int2:rotate" and len(r["train_losses"]) == 2
     assert r["final_val_loss"] < r["initial_val_loss"]
+
+
+def test_the_summary_compares_means_over_seeds_and_pairs_seed_by_seed() -> None:
+    """One seed says little (the module doc): the figure is the variant's mean over the seeds
+    against the reference's, perturbed reference runs counted in the noisy mean only."""
+    from bench_wire_loss import summarize
+
+    def r(variant: str, seed: int, loss: float, perturb: int = 0) -> dict:
+        return {"variant": variant, "seed": seed, "final_val_loss": loss, "perturb": perturb}
+
+    runs = [r("none", 0, 2.0), r("none", 1, 3.0), r("none", 0, 2.2, perturb=1),
+            r("int8", 0, 2.2), r("int8", 1, 3.0), r("int2", 0, 2.2), r("int2", 1, 3.3)]
+    s = summarize(runs, paired_to="int8")
+    assert s["none"]["mean_final_val_loss"] == pytest.approx(2.5)
+    assert s["int2"]["ratio_of_means"] == pytest.approx(2.75 / 2.5)
+    assert s["int2"]["ratio_to_noisy_means"] == pytest.approx(2.75 / (7.2 / 3))
+    assert s["int2"]["ratios"] == pytest.approx([1.1, 1.1])
+    assert s["int2"]["paired_to"]["ratios"] == pytest.approx([1.0, 1.1])
+    assert "paired_to" not in s["int8"]
+    # a variant missing a seed is compared over the seeds it ran
+    s = summarize(runs[:-1])
+    assert s["int2"]["seeds"] == [0] and s["int2"]["ratios"] == pytest.approx([1.1])

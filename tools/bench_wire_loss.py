@@ -26,14 +26,25 @@ as the swarm's trainer reports it. Same seed, same batches, same weights as ``be
 reference, so ``ratio`` (variant / ``none`` final validation loss) isolates the codec. Faster
 than a swarm run (no processes, no network), it is how variants were screened; the swarm's own
 figures come from ``bench_quality.py --set SWARMD_WIRE_CODEC=...``.
+
+One seed says little: the demo preset's final loss moves by a few percent on any perturbation
+(a relative 1e-6 on the reference's gradients moves it by 2%, and int8, whose error is a
+hundredth of int2's, lands anywhere from 1% below to 5% above float32 depending on the seed).
+``--seeds N`` runs every variant on seeds ``seed .. seed+N-1``, ``--noise N`` runs the ``none``
+reference N more times per seed with its gradients perturbed as ``bench_quality --noise`` does,
+and ``--jobs N`` runs N of those single-threaded runs at once. ``summary`` gives, per variant,
+the ratio of its mean final loss over the seeds to ``none``'s (``ratio_of_means``), to the mean
+of every reference run, perturbed ones included (``ratio_to_noisy_means``), and each seed's
+ratio; ``paired_to`` compares each variant with another variant seed by seed
+(``--paired-to int8``: the loss it costs against the default codec).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -131,12 +142,19 @@ def variant_rank(variant: str) -> int:
     return int(ranks[-1].split("=")[1]) if ranks else 0
 
 
-def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[str, Any]:
-    from bench_quality import (BOUNDARY_KEY, _reference_loop, batches_of, preset,
+def run(preset_name: str, variant: str, steps: int | None, seed: int,
+        perturb: int = 0) -> dict[str, Any]:
+    """One training run of ``variant``; ``perturb`` (``none`` only): the reference's gradients
+    perturbed as ``bench_quality``'s ``--noise`` runs, with that generator seed."""
+    with tempfile.TemporaryDirectory(prefix="swarmd-bench-wire-loss-") as tmp:
+        return _run_in(Path(tmp), preset_name, variant, steps, seed, perturb)
+
+
+def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed: int,
+            perturb: int) -> dict[str, Any]:
+    from bench_quality import (BOUNDARY_KEY, _reference_loop, batches_of, evaluate, preset,
                                reference_model, reference_optimizer)
 
-    root = Path(os.environ.get("TMPDIR", "/tmp")) / "swarmd-bench-wire-loss"
-    root.mkdir(exist_ok=True)
     rank = variant_rank(variant)
     p = preset(preset_name, root, steps, seed, {BOUNDARY_KEY: str(rank)} if rank else {})
     config, tokenizer, model = reference_model(p)
@@ -146,10 +164,12 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
     hop = (wire_function(forward_spec, backward_spec, channels, rotate)
            if forward_spec or backward_spec or channels else (lambda h: h))
 
+    hops = [hop]  # float32 hops (the identity) for the last evaluation
+
     def forward(x: Any, y: Any) -> tuple[None, Any]:
-        h = hop(model.parts.embed(x))
+        h = hops[-1](model.parts.embed(x))
         for stage in model.stages:
-            h = hop(stage(h))
+            h = hops[-1](stage(h))
         return None, model.parts.loss(model.parts.head(h), y)
 
     model.forward = forward  # type: ignore[method-assign]
@@ -159,10 +179,62 @@ def run(preset_name: str, variant: str, steps: int | None, seed: int) -> dict[st
                 getattr(part, side).requires_grad_(False)
     params, opt, sched = reference_optimizer(model, t)
     with batches_of(config, tokenizer) as batches:
-        out = _reference_loop(p, t, model, params, opt, sched, [batches])
+        out = _reference_loop(p, t, model, params, opt, sched, [batches], perturb=perturb)
+        hops.append(lambda h: h)
+        # the trained weights with nothing on the wire: the model that is taken out of the
+        # swarm (``swarmd export``) is evaluated so, while the trainer's validation (the
+        # figure) goes through the codec's forward hops as the swarm's does
+        out["final_val_loss_float32_hops"] = evaluate(model, batches.val)
     width = config.model.width if rank else None
-    return {"preset": preset_name, "variant": variant, "seed": seed, "boundary_rank": rank,
+    return {"preset": preset_name, "variant": variant, "seed": seed, "perturb": perturb,
+            "boundary_rank": rank,
             "values_per_token_vs_plain": rank / width if width else 1.0, **out}
+
+
+def _run_alone(job: tuple[str, str, int | None, int, int]) -> dict[str, Any]:
+    """``run`` in a worker process, on one thread (``--jobs``: runs side by side)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return run(*job)
+
+
+def summarize(runs: list[dict[str, Any]], paired_to: str | None = None) -> dict[str, Any]:
+    """Per variant: its final losses over the seeds against ``none``'s (unperturbed, and every
+    reference run), and seed by seed against ``paired_to``'s."""
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    final: dict[tuple[str, int], float] = {
+        (r["variant"], r["seed"]): r["final_val_loss"] for r in runs if not r["perturb"]}
+    unwired: dict[tuple[str, int], float] = {
+        (r["variant"], r["seed"]): r["final_val_loss_float32_hops"] for r in runs
+        if not r["perturb"] and "final_val_loss_float32_hops" in r}
+    seeds = sorted({r["seed"] for r in runs})
+    base = mean([final[("none", s)] for s in seeds if ("none", s) in final])
+    noisy = mean([r["final_val_loss"] for r in runs if r["variant"] == "none"])
+    out: dict[str, Any] = {}
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        mine = [final[(variant, s)] for s in seeds if (variant, s) in final]
+        m = mean(mine)
+        entry: dict[str, Any] = {
+            "seeds": [s for s in seeds if (variant, s) in final],
+            "final_val_losses": mine, "mean_final_val_loss": m,
+            "ratios": [final[(variant, s)] / final[("none", s)] for s in seeds
+                       if (variant, s) in final and ("none", s) in final],
+            "ratio_of_means": m / base if m and base else None,
+            "ratio_to_noisy_means": m / noisy if m and noisy else None}
+        plain = [unwired[(variant, s)] for s in seeds if (variant, s) in unwired]
+        if plain and len(plain) == len(mine) and base:
+            # the same weights evaluated with float32 hops, against none's (which has none)
+            entry["ratio_of_means_float32_hops"] = mean(plain) / base
+        if paired_to and paired_to != variant:
+            pairs = [final[(variant, s)] / final[(paired_to, s)] for s in seeds
+                     if (variant, s) in final and (paired_to, s) in final]
+            entry["paired_to"] = {"variant": paired_to, "ratios": pairs,
+                                  "mean_ratio": mean(pairs)}
+        out[variant] = entry
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,23 +246,66 @@ def main(argv: list[str] | None = None) -> int:
                         "loss when it is one of them")
     parser.add_argument("--steps", type=int, help="steps per run (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, metavar="N",
+                        help="run every variant on N seeds from --seed (default 1)")
+    parser.add_argument("--noise", type=int, default=0, metavar="N",
+                        help="run the none reference N more times per seed, its gradients "
+                        "perturbed (bench_quality's --noise; default 0)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="N single-threaded runs at once (default 1: one run at a time, "
+                        "on torch's threads)")
+    parser.add_argument("--paired-to", metavar="VARIANT",
+                        help="also compare each variant with this one, seed by seed")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
+    if not variants or args.seeds < 1 or args.noise < 0 or args.jobs < 1:
+        parser.error("give at least one variant; --seeds and --jobs at least 1, --noise at "
+                     "least 0")
+    if args.noise and "none" not in variants:
+        parser.error("--noise perturbs the none reference: add none to --variants")
+    if args.paired_to and args.paired_to not in variants:
+        parser.error(f"--paired-to {args.paired_to}: not one of --variants")
+    for v in variants:
+        variant_specs(v)  # a bad variant stops here, before any run
+    jobs = [(args.preset, v, args.steps, seed, 0)
+            for seed in range(args.seed, args.seed + args.seeds) for v in variants]
+    jobs += [(args.preset, "none", args.steps, seed, k)
+             for seed in range(args.seed, args.seed + args.seeds)
+             for k in range(1, args.noise + 1)]
     t0 = time.monotonic()
-    runs = []
-    for variant in variants:
-        runs.append(run(args.preset, variant, args.steps, args.seed))
-        print(f"[bench_wire_loss] {args.preset} {variant}: final val loss "
-              f"{runs[-1]['final_val_loss']:.4f}", file=sys.stderr, flush=True)
-    base = next((r["final_val_loss"] for r in runs if r["variant"] == "none"), None)
-    report = {"runs": runs, "ratios": {r["variant"]: r["final_val_loss"] / base if base else None
-                                       for r in runs},
+    runs: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:
+        runs.append(r)
+        print(f"[bench_wire_loss] {r['preset']} seed {r['seed']} {r['variant']}"
+              f"{' perturbed %d' % r['perturb'] if r['perturb'] else ''}: final val loss "
+              f"{r['final_val_loss']:.4f}", file=sys.stderr, flush=True)
+
+    if args.jobs == 1:
+        for job in jobs:
+            done(run(*job))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) \
+                as pool:
+            for future in as_completed([pool.submit(_run_alone, job) for job in jobs]):
+                done(future.result())
+    runs.sort(key=lambda r: (r["seed"], variants.index(r["variant"]), r["perturb"]))
+    summary = summarize(runs, args.paired_to)
+    report = {"runs": runs, "summary": summary,
+              "ratios": {v: s["ratio_of_means"] for v, s in summary.items()},
               "seconds": time.monotonic() - t0}
     if args.json:
         print(json.dumps(report))
     else:
-        for r in runs:
-            print(f"{r['variant']:28s} {r['final_val_loss']:.4f}  {report['ratios'][r['variant']]}")
+        for v, s in summary.items():
+            paired = s.get("paired_to")
+            print(f"{v:28s} mean {s['mean_final_val_loss']:.4f}  ratio of means "
+                  f"{s['ratio_of_means']}  to noisy means {s['ratio_to_noisy_means']}  per seed "
+                  f"{[round(x, 4) for x in s['ratios']]}"
+                  + (f"  / {paired['variant']} {paired['mean_ratio']}" if paired else ""))
     return 0
 
 
