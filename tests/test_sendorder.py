@@ -118,7 +118,10 @@ def test_a_dropped_gate_remembers_its_peers_rate() -> None:
     assert again is not gate and again.sizer.size() == 100_000
 
 
-async def _lowat_of(host: Host) -> list[int]:
+async def _lowat_of(host: Host, seconds: float = 10.0) -> list[int]:
+    """TCP_NOTSENT_LOWAT of each of ``host``'s connections, once it has one (the dialled
+    side registers the connection after the dialler's ``dial`` returned: under load, a
+    moment later), or ``[]`` after ``seconds``."""
     async def read() -> list[int]:
         out = []
         for conns in host._t_host.get_network().connections.values():
@@ -127,7 +130,11 @@ async def _lowat_of(host: Host) -> list[int]:
                                                         socket.TCP_NOTSENT_LOWAT))
         return out
 
-    return await host.bridge.call(read)
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not (out := await host.bridge.call(read)) and \
+            asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    return out
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="needs TCP_NOTSENT_LOWAT "
