@@ -70,3 +70,5 @@ def test_the_summary_compares_means_over_seeds_and_pairs_seed_by_seed() -> None:
     # a variant missing a seed is compared over the seeds it ran
     s = summarize(runs[:-1])
     assert s["int2"]["seeds"] == [0] and s["int2"]["ratios"] == pytest.approx([1.1])
+    assert s["int2"]["ratio_of_means"] == pytest.approx(1.1)  # against none's seed 0 only
+    assert s["int2"]["ratio_to_noisy_means"] == pytest.approx(2.2 / 2.1)

@@ -215,21 +215,22 @@ def summarize(runs: list[dict[str, Any]], paired_to: str | None = None) -> dict[
         (r["variant"], r["seed"]): r["final_val_loss_float32_hops"] for r in runs
         if not r["perturb"] and "final_val_loss_float32_hops" in r}
     seeds = sorted({r["seed"] for r in runs})
-    base = mean([final[("none", s)] for s in seeds if ("none", s) in final])
-    noisy = mean([r["final_val_loss"] for r in runs if r["variant"] == "none"])
     out: dict[str, Any] = {}
     for variant in dict.fromkeys(r["variant"] for r in runs):
-        mine = [final[(variant, s)] for s in seeds if (variant, s) in final]
+        # the means over the seeds this variant ran (and none with it)
+        ran = [s for s in seeds if (variant, s) in final and ("none", s) in final]
+        mine = [final[(variant, s)] for s in ran]
         m = mean(mine)
+        base = mean([final[("none", s)] for s in ran])
+        noisy = mean([r["final_val_loss"] for r in runs
+                      if r["variant"] == "none" and r["seed"] in ran])
         entry: dict[str, Any] = {
-            "seeds": [s for s in seeds if (variant, s) in final],
-            "final_val_losses": mine, "mean_final_val_loss": m,
-            "ratios": [final[(variant, s)] / final[("none", s)] for s in seeds
-                       if (variant, s) in final and ("none", s) in final],
+            "seeds": ran, "final_val_losses": mine, "mean_final_val_loss": m,
+            "ratios": [final[(variant, s)] / final[("none", s)] for s in ran],
             "ratio_of_means": m / base if m and base else None,
             "ratio_to_noisy_means": m / noisy if m and noisy else None}
-        plain = [unwired[(variant, s)] for s in seeds if (variant, s) in unwired]
-        if plain and len(plain) == len(mine) and base:
+        plain = [unwired[(variant, s)] for s in ran if (variant, s) in unwired]
+        if plain and len(plain) == len(ran) and base:
             # the same weights evaluated with float32 hops, against none's (which has none)
             entry["ratio_of_means_float32_hops"] = mean(plain) / base
         if paired_to and paired_to != variant:
