@@ -195,6 +195,18 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
             "values_per_token_vs_plain": rank / width if width else 1.0, **out}
 
 
+def _die_with_parent() -> None:
+    """A ``--jobs`` worker ends when the tool does, however it was stopped (a killed tool left
+    its workers training for the better part of an hour once): Linux's PR_SET_PDEATHSIG."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a worker outlives a killed tool, as before
+
+
 def _run_alone(job: tuple[str, str, int | None, int, int]) -> dict[str, Any]:
     """``run`` in a worker process, on one thread (``--jobs``: runs side by side)."""
     import torch
@@ -293,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) \
-                as pool:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_die_with_parent) as pool:
             for future in as_completed([pool.submit(_run_alone, job) for job in jobs]):
                 done(future.result())
     runs.sort(key=lambda r: (r["seed"], variants.index(r["variant"]), r["perturb"]))
