@@ -144,7 +144,10 @@ def test_a_nated_peer_serves_again_after_its_router_restarts(wanlab: Any, tmp_pa
                        f"n1 to serve again within {RECOVERY_S:.0f} s of the recovery "
                        f"(served {at_recovery} before)")
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{_diagnose(daemons)}") from None
+            # the trainer picks each microbatch's path: its log says where it sent them
+            log = (home / "train.stderr").read_text(errors="replace").splitlines()[-40:]
+            raise AssertionError(f"{exc}\n{_diagnose(daemons)}\ntrainer's log, last lines:\n"
+                                 + "\n".join(log)) from None
         dead = [_counter(d, "liveness.dead_closed") for d in daemons]
         print(f"n1 served again {time.monotonic() - t_recovery:.1f} s after its gateway "
               f"came back; connections closed as dead (pub, p1, n1): {dead}")  # shown with -s
