@@ -184,11 +184,15 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
     params, opt, sched = reference_optimizer(model, t)
     with batches_of(config, tokenizer) as batches:
         out = _reference_loop(p, t, model, params, opt, sched, [batches], perturb=perturb)
-        hops.append(lambda h: h)
         # the trained weights with nothing on the wire: the model that is taken out of the
         # swarm (``swarmd export``) is evaluated so, while the trainer's validation (the
-        # figure) goes through the codec's forward hops as the swarm's does
-        out["final_val_loss_float32_hops"] = evaluate(model, batches.val)
+        # figure) goes through the codec's forward hops as the swarm's does; a run whose
+        # hops send float32 already measured exactly that
+        if forward_spec or channels:
+            hops.append(lambda h: h)
+            out["final_val_loss_float32_hops"] = evaluate(model, batches.val)
+        else:
+            out["final_val_loss_float32_hops"] = out["final_val_loss"]
     width = config.model.width if rank else None
     return {"preset": preset_name, "variant": variant, "seed": seed, "perturb": perturb,
             "boundary_rank": rank,
