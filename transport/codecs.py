@@ -30,6 +30,7 @@ Adding a codec means registering one object with the :class:`Codec` methods in `
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Protocol
@@ -362,9 +363,15 @@ class _LowBitCodec:
             if bool((sent.isinf() & exact.isfinite()).any()):
                 mean_dtype, sent = "float32", exact
             mean, parts = sent.float(), (sent,)
-        step = _steps(x, block, self.bits, mean)
+        cover = spec.rounding == "stochastic"
+        step = _steps(x, block, self.bits, mean, cover)
         wire = step.to(_LOWBIT_SCALE_DTYPES[scale_dtype])
         wide = wire.float()
+        if cover and scale_dtype != "float32" and bool((wide < step).any()):
+            # a step rounded down would clip its block's largest value: those are rounded up
+            wire = torch.where(wide < step, torch.nextafter(wire, torch.full_like(
+                wire, math.inf)), wire)
+            wide = wire.float()
         if scale_dtype != "float32" and bool((wide.isinf() & step.isfinite()).any()):
             scale_dtype, wire, wide = "float32", step, step  # a step beyond the scale dtype
         packed = _pack(x, wide, block, self.bits, spec.rounding == "stochastic", mean)

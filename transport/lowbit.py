@@ -9,13 +9,18 @@ one may be shorter). Each block has one non-negative step ``s``; a ``bits``-bit 
 quantiser whose ``L`` levels are ``+-s/2, +-3s/2, ...``. An all-zero block has ``s = 0`` and
 decodes to exact zeros.
 
-**Steps.** 4 bits: ``absmax / 8``, so every value lies within half a step of a level. 2 bits:
-``CLIP[2] * rms`` (the step of the best uniform 4-level quantiser of a Gaussian, Max 1960):
-the largest ~5% of a Gaussian block's values are clipped to the outer levels, which gives
-a third of the mean squared error of absmax scaling.
+**Steps.** For nearest rounding, 4 bits: ``absmax / 8``, so every value lies within half a
+step of a level; 2 bits: ``CLIP[2] * rms`` (the step of the best uniform 4-level quantiser of
+a Gaussian, Max 1960): the largest ~5% of a Gaussian block's values are clipped to the outer
+levels, which gives a third of the mean squared error of absmax scaling. For stochastic
+rounding (``cover``), ``absmax / (L/2 - 1/2)``, at least: the outer levels reach the block's
+largest value, so nothing is clipped.
 
 **Rounding.** ``nearest`` (each value to its closest level), or ``stochastic`` (up or down with
-the probabilities that make the decoded value unbiased for values between the outer levels).
+the probabilities that make the decoded value unbiased: with covering steps every value lies
+between two levels, so the decoded tensor's expectation is the tensor itself. Clipping is a
+bias that does not average out over microbatches: the 2-bit RMS step's clipped gradients
+gave a parameter gradient 35% off its float32 direction however many microbatches were summed).
 
 **Packing** (the wire format). The codes are cut into groups of ``GROUP`` values (the last
 group shorter), each padded with zero codes to a multiple of ``k = 8 // bits``; a group of
@@ -65,27 +70,30 @@ def block_rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     return rows
 
 
-def steps(x: torch.Tensor, block: int, bits: int, mean: torch.Tensor | None = None
-          ) -> torch.Tensor:
+def steps(x: torch.Tensor, block: int, bits: int, mean: torch.Tensor | None = None,
+          cover: bool = False) -> torch.Tensor:
     """Per-block float32 steps of a flat float32 tensor (NaN or inf for a block holding NaN
-    or inf); with ``mean`` (one value per channel), of ``x`` less its channels' means."""
+    or inf); with ``mean`` (one value per channel), of ``x`` less its channels' means;
+    ``cover``: steps whose outer levels reach each block's largest magnitude (for stochastic
+    rounding: nothing clipped, so nothing biased)."""
     if mean is None:
-        return _steps(x, block, bits)
+        return _steps(x, block, bits, cover)
     buf, tiled = torch.empty(min(x.numel(), GROUP)), _tiled(mean, min(x.numel(), GROUP))
     out = []
     for start in range(0, x.numel(), GROUP):
         chunk = _centred(x, start, mean.numel(), tiled, buf)
-        out.append(_steps(chunk, block, bits))
+        out.append(_steps(chunk, block, bits, cover))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _steps(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+def _steps(x: torch.Tensor, block: int, bits: int, cover: bool = False) -> torch.Tensor:
     out = []
     for r in block_rows(x, block):
-        if bits == 4:
+        if bits == 4 or cover:
             # positive floats order like their bits: an int32 max is faster than a float one
             positive = r.view(torch.int32).amax(1).view(torch.float32)
-            out.append(torch.maximum(positive, r.amin(1).neg_()).mul_(1 / 8))
+            top = (1 << (bits - 1)) - 0.5 if cover else 8
+            out.append(torch.maximum(positive, r.amin(1).neg_()).mul_(1 / top))
         else:
             norm = torch.linalg.vector_norm(r, dim=1)
             out.append(norm.mul_(CLIP[bits] / math.sqrt(r.shape[1])))
