@@ -38,7 +38,7 @@ from transport.limits import Limits  # noqa: E402
 from transport.memory import keep_freed_memory  # noqa: E402
 
 #: codec names; ``:center`` and ``:stochastic`` add those options (``spec_of``)
-CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd", "int4", "int2", "int4:center",
+CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd", "int4", "int2", "int2:stochastic", "int4:center",
                "int2:center", "int2:center:stochastic")
 DEFAULT_SHAPE = (8, 512, 1024)
 

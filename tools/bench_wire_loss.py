@@ -15,7 +15,9 @@ RMS over the tokens before the codec, and multiplied back after: an experiment, 
 sends such scales), by ``:rotate`` (each token's channels multiplied by random signs and a
 normalised Hadamard matrix before the codec, and rotated back after: an orthogonal map that
 spreads a channel's outliers over all channels, as QuaRot does before low-bit quantisation; an
-experiment, no codec does it; the width must be a power of two), and by ``:rank=R``: the model with a learned low-rank boundary
+experiment, no codec does it; the width must be a power of two), by ``:fwd-hops=I+J``
+(the forward through the codec at those hops only, 0 the trainer's to stage 0, the last the
+last stage's to the trainer; every gradient still through it), and by ``:rank=R``: the model with a learned low-rank boundary
 (``model.boundary_rank = R``, ``swarmd.models.boundary``), so every hop carries R values a
 token through the codec (``none:rank=32``: the boundary alone, float32 on the wire), and by
 ``:frozen`` (with ``:rank=R``: the projections kept at their initial random orthonormal
@@ -118,7 +120,7 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     from transport.codecs import CodecSpec
 
     name, *options = variant.split(":")
-    options = [o for o in options if not o.startswith("rank=") and o != "frozen"]
+    options = [o for o in options if not o.startswith(("rank=", "fwd-hops=")) and o != "frozen"]
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
                                 "forward-only", "backward-only", "rotate"} - set(blocks))
@@ -138,6 +140,18 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     if "backward-only" in options:
         forward = None
     return forward, backward, "channels" in options
+
+
+def variant_forward_hops(variant: str) -> set[int] | None:
+    """The hops of ``:fwd-hops=I+J`` (0: trainer -> stage 0, ..., the last: last stage ->
+    trainer), the only ones whose forward goes through the codec; None: every hop."""
+    named = [o for o in variant.split(":")[1:] if o.startswith("fwd-hops=")]
+    if not named:
+        return None
+    try:
+        return {int(h) for h in named[-1].split("=")[1].split("+") if h}
+    except ValueError:
+        raise SystemExit(f"fwd-hops takes hop numbers joined by +, not {named[-1]!r}") from None
 
 
 def variant_rank(variant: str) -> int:
@@ -168,12 +182,17 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
     hop = (wire_function(forward_spec, backward_spec, channels, rotate)
            if forward_spec or backward_spec or channels else (lambda h: h))
 
-    hops = [hop]  # float32 hops (the identity) for the last evaluation
+    forward_hops = variant_forward_hops(variant)
+    gradient_only = (wire_function(None, backward_spec, channels, rotate) if backward_spec
+                     else (lambda h: h))
+    per_hop = [hop if forward_hops is None or i in forward_hops else gradient_only
+               for i in range(len(model.stages) + 1)]
+    hops = [per_hop]  # float32 hops (the identity) for the last evaluation
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:
-        h = hops[-1](model.parts.embed(x))
-        for stage in model.stages:
-            h = hops[-1](stage(h))
+        h = hops[-1][0](model.parts.embed(x))
+        for i, stage in enumerate(model.stages, 1):
+            h = hops[-1][i](stage(h))
         return None, model.parts.loss(model.parts.head(h), y)
 
     model.forward = forward  # type: ignore[method-assign]
@@ -189,7 +208,7 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
         # figure) goes through the codec's forward hops as the swarm's does; a run whose
         # hops send float32 already measured exactly that
         if forward_spec or channels:
-            hops.append(lambda h: h)
+            hops.append([lambda h: h] * len(per_hop))
             out["final_val_loss_float32_hops"] = evaluate(model, batches.val)
         else:
             out["final_val_loss_float32_hops"] = out["final_val_loss"]
@@ -288,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--paired-to {args.paired_to}: not one of --variants")
     for v in variants:
         variant_specs(v)  # a bad variant stops here, before any run
+        variant_forward_hops(v)
     jobs = [(args.preset, v, args.steps, seed, 0)
             for seed in range(args.seed, args.seed + args.seeds) for v in variants]
     jobs += [(args.preset, "none", args.steps, seed, k)
