@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from bench_wire_loss import hadamard_rotation, variant_specs, wire_function  # noqa: E402
+from bench_wire_loss import (hadamard_rotation, variant_forward_hops, variant_specs,  # noqa: E402
+                             wire_function)
 
 
 def test_the_rotation_is_orthogonal_and_its_own_inverse() -> None:
@@ -72,3 +73,12 @@ def test_the_summary_compares_means_over_seeds_and_pairs_seed_by_seed() -> None:
     assert s["int2"]["seeds"] == [0] and s["int2"]["ratios"] == pytest.approx([1.1])
     assert s["int2"]["ratio_of_means"] == pytest.approx(1.1)  # against none's seed 0 only
     assert s["int2"]["ratio_to_noisy_means"] == pytest.approx(2.2 / 2.1)
+
+
+def test_forward_hops_parse_or_are_refused() -> None:
+    assert variant_forward_hops("int2:grad-stochastic") is None
+    assert variant_forward_hops("int2:fwd-hops=0+2") == {0, 2}
+    assert variant_forward_hops("int2:fwd-hops=") == set()
+    variant_specs("int2:fwd-hops=1")  # not an unknown option
+    with pytest.raises(SystemExit, match="hop numbers"):
+        variant_forward_hops("int2:fwd-hops=1,2")
