@@ -305,6 +305,13 @@ def test_a_message_kind_can_have_its_own_rounding():
 
     spec = CodecSpec(name="int4", kind_rounding=(("backward", "stochastic"),))
     assert spec.for_kind("backward").rounding == "stochastic" and spec.for_kind("x") is spec
+    centred = CodecSpec(name="int2", center=True, kind_rounding=(("backward", "stochastic"),),
+                        uncentred_kinds=("backward",))
+    backward = centred.for_kind("backward")
+    assert (backward.rounding, backward.center, backward.kind_rounding) == ("stochastic", False, ())
+    assert centred.for_kind("forward") is centred
+    with pytest.raises(ValueError, match="uncentred_kinds"):
+        CodecSpec(name="int2", uncentred_kinds=("backward", 3))
     block = torch.full((64,), 0.37)
     block[0] = 1.0
     x = block.repeat(64)

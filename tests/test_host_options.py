@@ -28,14 +28,21 @@ def test_listen_override_wins() -> None:
 
 
 def test_lowbit_codecs_take_their_own_settings() -> None:
-    config = load_config(None, env={"SWARMD_WIRE_CODEC": "int2",
-                                    "SWARMD_WIRE_LOWBIT_ROUNDING": "gradients"})
-    spec = codec_spec(config)
+    """By default int2 is centred in blocks of 512 (a quarter of int8's bytes for a message of
+    512 tokens), activations rounded to nearest and gradients stochastically (unbiased)."""
+    spec = codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int2"}))
     assert (spec.block_size, spec.scale_dtype, spec.center, spec.rounding) == (
-        256, "bfloat16", False, "nearest")
+        512, "bfloat16", True, "nearest")
     assert spec.for_kind("backward").rounding == spec.for_kind("grad").rounding == "stochastic"
+    assert not spec.for_kind("backward").center and not spec.for_kind("grad").center
     assert spec.for_kind("forward") is spec
+    spec = codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int2",
+                                             "SWARMD_WIRE_LOWBIT_CENTER": "false",
+                                             "SWARMD_WIRE_LOWBIT_ROUNDING": "nearest"}))
+    assert (spec.block_size, spec.center, spec.kind_rounding) == (256, False, ())
+    assert codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int4"})).block_size == 64
     spec = codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int4+zstd",
                                              "SWARMD_WIRE_LOWBIT_BLOCK_SIZE": "128",
-                                             "SWARMD_WIRE_LOWBIT_CENTER": "true"}))
-    assert (spec.block_size, spec.center, spec.kind_rounding) == (128, True, ())
+                                             "SWARMD_WIRE_LOWBIT_ROUNDING": "stochastic"}))
+    assert (spec.block_size, spec.center, spec.rounding, spec.kind_rounding) == (
+        128, True, "stochastic", ())

@@ -65,10 +65,13 @@ def hop_bytes(env: dict[str, str]) -> dict[str, Any]:
     width = config.model.boundary_rank or mc.width
     shape = (config.training.batch_size, mc.seq_len, width)
     g = torch.Generator().manual_seed(0)
-    one = encode(torch.randn(shape, generator=g), codec_spec(config)).nbytes
+    x, spec = torch.randn(shape, generator=g), codec_spec(config)
+    # the output forward and the input's gradient back, each as its kind is sent (int2 centres
+    # activations only: GRADIENT_KINDS are uncentred)
+    both = encode(x, spec.for_kind("forward")).nbytes + encode(x, spec.for_kind("backward")).nbytes
     return {"codec": config.wire.codec, "shape": list(shape), "wire_width": width,
-            "tokens": shape[0] * shape[1], "hop_bytes": 2 * one,
-            "bytes_per_token": 2 * one / (shape[0] * shape[1])}
+            "tokens": shape[0] * shape[1], "hop_bytes": both,
+            "bytes_per_token": both / (shape[0] * shape[1])}
 
 
 def measure_bandwidth_bound(widths: list[int], *, uplink_mbit: float, steps: int,

@@ -9,6 +9,7 @@ passed through a codec's encode and decode, in one process.
 A variant is a codec name (``transport/codecs.py``, e.g. ``int2``, ``int4+zstd``), optionally
 followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochastic``
 (stochastic rounding for the gradients only), ``:center`` (the codec's channel centring),
+``:center-activations`` (centring for the activations only, as the swarm's int2 default),
 ``:block=N`` (the codec's block size), ``:forward-only`` or ``:backward-only`` (the codec on
 one direction, float32 on the other), and by ``:channels`` (each channel divided by its
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
@@ -123,7 +124,8 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     options = [o for o in options if not o.startswith(("rank=", "fwd-hops=")) and o != "frozen"]
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
-                                "forward-only", "backward-only", "rotate"} - set(blocks))
+                                "center-activations", "forward-only", "backward-only",
+                                "rotate"} - set(blocks))
     if unknown:
         raise SystemExit(f"unknown variant options {sorted(unknown)} in {variant!r}")
     if name == "none":
@@ -132,7 +134,8 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     if blocks:
         common["block_size"] = int(blocks[-1].split("=")[1])
     stochastic = "stochastic" in options
-    forward = CodecSpec.parse(name, **common, **({"rounding": "stochastic"} if stochastic else {}))
+    forward = CodecSpec.parse(name, **common, **({"rounding": "stochastic"} if stochastic else {}),
+                              **({"center": True} if "center-activations" in options else {}))
     backward = CodecSpec.parse(name, **common, **(
         {"rounding": "stochastic"} if stochastic or "grad-stochastic" in options else {}))
     if "forward-only" in options:

@@ -123,6 +123,9 @@ class CodecSpec:
     #: ``((message kind, rounding), ...)``: the rounding of the tensors of those kinds (e.g.
     #: stochastic for gradients, nearest for activations); ``for_kind`` applies it
     kind_rounding: tuple[tuple[str, str], ...] = ()
+    #: message kinds whose tensors are not centred although ``center`` is set (gradients: they
+    #: carry no shared offset, and their means would cost bytes); ``for_kind`` applies it
+    uncentred_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or _split_name(self.name) is None:
@@ -149,15 +152,25 @@ class CodecSpec:
                 and pair[1] in ("nearest", "stochastic") for pair in self.kind_rounding):
             raise ValueError(f"kind_rounding must be ((kind, 'nearest' | 'stochastic'), ...), "
                              f"got {self.kind_rounding!r}")
+        if not isinstance(self.uncentred_kinds, tuple) or not all(
+                isinstance(kind, str) for kind in self.uncentred_kinds):
+            raise ValueError(f"uncentred_kinds must be a tuple of message kinds, "
+                             f"got {self.uncentred_kinds!r}")
         if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
             raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
 
     def for_kind(self, kind: str) -> CodecSpec:
-        """The spec for a message of ``kind``: its rounding from ``kind_rounding``, if named."""
+        """The spec for a message of ``kind``: its rounding from ``kind_rounding``, if named,
+        and no centring if it is one of ``uncentred_kinds``."""
+        changes: dict[str, Any] = {}
         for named, rounding in self.kind_rounding:
             if named == kind and rounding != self.rounding:
-                return replace(self, rounding=rounding, kind_rounding=())
-        return self
+                changes["rounding"] = rounding
+        if self.center and kind in self.uncentred_kinds:
+            changes["center"] = False
+        if not changes:
+            return self
+        return replace(self, **changes, kind_rounding=(), uncentred_kinds=())
 
     @property
     def base(self) -> str:

@@ -451,16 +451,16 @@ class WireConfig(_Section):
     )
     lowbit_block_size: int = _opt(
         0, "Values per scale block of the int4 and int2 codecs; 0: the codec's own (64 for "
-        "int4, 256 for int2).",
+        "int4; 256 for int2, 512 when centred).",
         "0 or a power of two from 16 to 65536", _zero_or(_power_of_two(16, 65536)),
     )
     lowbit_rounding: str = _opt(
-        "nearest", "Rounding of the int4 and int2 codecs: nearest, stochastic (unbiased), or "
+        "gradients", "Rounding of the int4 and int2 codecs: nearest, stochastic (unbiased), or "
         "gradients (stochastic for gradients, nearest for activations).",
         '"nearest", "stochastic" or "gradients"', _one_of(("nearest", "stochastic", "gradients")),
     )
     lowbit_center: bool = _opt(
-        False, "int4 and int2: subtract each channel's mean over the tokens before quantising, "
+        True, "int4 and int2: subtract each channel's mean over the tokens before quantising, "
         "and send the means (two bytes a channel).",
         "true or false",
     )

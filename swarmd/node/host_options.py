@@ -22,6 +22,22 @@ log = logging.getLogger("swarmd.node.limits")
 GRADIENT_KINDS = ("backward", "grad")
 
 
+#: int2's block when it is centred and ``wire.lowbit_block_size`` is 0: the channel means cost
+#: 2 / tokens bytes a value and the steps 2 / block, so blocks of 512 keep a message of 512
+#: tokens at a quarter of int8's bytes, as plain int2's 256 do
+CENTRED_INT2_BLOCK = 512
+
+
+def lowbit_block_size(config: Config) -> int | None:
+    """The int4/int2 block size ``[wire]`` selects; None: the codec's own."""
+    w = config.wire
+    if w.lowbit_block_size:
+        return w.lowbit_block_size
+    if w.lowbit_center and w.codec.split("+")[0] == "int2":
+        return CENTRED_INT2_BLOCK
+    return None
+
+
 def codec_spec(config: Config) -> CodecSpec:
     """The tensor codec that ``[wire]`` selects, with its parameters."""
     from transport.codecs import CodecSpec
@@ -30,10 +46,10 @@ def codec_spec(config: Config) -> CodecSpec:
     if w.codec.split("+")[0] in ("int4", "int2"):
         gradients = w.lowbit_rounding == "gradients"
         return CodecSpec.parse(
-            w.codec, block_size=w.lowbit_block_size or None, center=w.lowbit_center,
+            w.codec, block_size=lowbit_block_size(config), center=w.lowbit_center,
             rounding="nearest" if gradients else w.lowbit_rounding, zstd_level=w.zstd_level,
             kind_rounding=tuple((kind, "stochastic") for kind in GRADIENT_KINDS) if gradients
-            else ())
+            else (), uncentred_kinds=GRADIENT_KINDS)
     return CodecSpec.parse(w.codec, block_size=w.int8_block_size,
                            scale_dtype=w.int8_scale_dtype, zstd_level=w.zstd_level)
 
@@ -98,7 +114,7 @@ def upload_bytes_per_sample(config: Config, seam: Any) -> float:
     tokens = min(int(getattr(seam, "max_seq_len", config.model.seq_len)), config.model.seq_len)
     lowbit = w.codec.split("+")[0] in ("int4", "int2")
     return per_sample(tokens=tokens, width=int(seam.width), bytes_per_value=wire_bytes_per_value(
-        w.codec, block_size=(w.lowbit_block_size or None) if lowbit else w.int8_block_size,
+        w.codec, block_size=lowbit_block_size(config) if lowbit else w.int8_block_size,
         scale_dtype="bfloat16" if lowbit else w.int8_scale_dtype))
 
 
