@@ -10,6 +10,7 @@ A variant is a codec name (``transport/codecs.py``, e.g. ``int2``, ``int4+zstd``
 followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochastic``
 (stochastic rounding for the gradients only), ``:center`` (the codec's channel centring),
 ``:center-activations`` (centring for the activations only, as the swarm's int2 default),
+``:fwd0-stochastic`` (the trainer's embeddings, hop 0's forward, rounded stochastically),
 ``:block=N`` (the codec's block size), ``:forward-only`` or ``:backward-only`` (the codec on
 one direction, float32 on the other), and by ``:channels`` (each channel divided by its
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
@@ -125,7 +126,7 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
                                 "center-activations", "forward-only", "backward-only",
-                                "rotate"} - set(blocks))
+                                "rotate", "fwd0-stochastic"} - set(blocks))
     if unknown:
         raise SystemExit(f"unknown variant options {sorted(unknown)} in {variant!r}")
     if name == "none":
@@ -190,6 +191,11 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
                      else (lambda h: h))
     per_hop = [hop if forward_hops is None or i in forward_hops else gradient_only
                for i in range(len(model.stages) + 1)]
+    if "fwd0-stochastic" in variant.split(":")[1:] and forward_spec and per_hop[0] is hop:
+        from dataclasses import replace
+
+        per_hop[0] = wire_function(replace(forward_spec, rounding="stochastic"), backward_spec,
+                                   channels, rotate)
     hops = [per_hop]  # float32 hops (the identity) for the last evaluation
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:
