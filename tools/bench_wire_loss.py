@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import sys
 import tempfile
 import time
@@ -192,16 +193,13 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
     per_hop = [hop if forward_hops is None or i in forward_hops else gradient_only
                for i in range(len(model.stages) + 1)]
     if "fwd0-stochastic" in variant.split(":")[1:] and forward_spec and per_hop[0] is hop:
-        from dataclasses import replace
-
         per_hop[0] = wire_function(replace(forward_spec, rounding="stochastic"), backward_spec,
                                    channels, rotate)
-    hops = [per_hop]  # float32 hops (the identity) for the last evaluation
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:
-        h = hops[-1][0](model.parts.embed(x))
+        h = per_hop[0](model.parts.embed(x))
         for i, stage in enumerate(model.stages, 1):
-            h = hops[-1][i](stage(h))
+            h = per_hop[i](stage(h))
         return None, model.parts.loss(model.parts.head(h), y)
 
     model.forward = forward  # type: ignore[method-assign]
@@ -217,7 +215,7 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
         # figure) goes through the codec's forward hops as the swarm's does; a run whose
         # hops send float32 already measured exactly that
         if forward_spec or channels:
-            hops.append([lambda h: h] * len(per_hop))
+            per_hop[:] = [lambda h: h] * len(per_hop)
             out["final_val_loss_float32_hops"] = evaluate(model, batches.val)
         else:
             out["final_val_loss_float32_hops"] = out["final_val_loss"]

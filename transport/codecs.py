@@ -380,14 +380,14 @@ class _LowBitCodec:
         step = _steps(x, block, self.bits, mean, cover)
         wire = step.to(_LOWBIT_SCALE_DTYPES[scale_dtype])
         wide = wire.float()
-        if cover and scale_dtype != "float32" and bool((wide < step).any()):
+        low = wide < step if cover and scale_dtype != "float32" else None
+        if low is not None and bool(low.any()):
             # a step rounded down would clip its block's largest value: those are rounded up
-            wire = torch.where(wide < step, torch.nextafter(wire, torch.full_like(
-                wire, math.inf)), wire)
+            wire = torch.where(low, torch.nextafter(wire, torch.full_like(wire, math.inf)), wire)
             wide = wire.float()
         if scale_dtype != "float32" and bool((wide.isinf() & step.isfinite()).any()):
             scale_dtype, wire, wide = "float32", step, step  # a step beyond the scale dtype
-        packed = _pack(x, wide, block, self.bits, spec.rounding == "stochastic", mean)
+        packed = _pack(x, wide, block, self.bits, cover, mean)
         return self._params(block, scale_dtype, channels, mean_dtype), (*parts, wire, packed)
 
     def _params(self, block: int, scale_dtype: str, channels: int,
