@@ -584,6 +584,9 @@ class Daemon:
             target = self.balancer.check(load, self._clock(), fits)
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
+                log.info("stage totals as this peer sees them: %s samples/s planned, %s "
+                         "peer(s) online or arriving", _rounded(load.planned_totals()),
+                         load.planned_counts())
                 await self._migrate(target)
                 # let the swarm see the move and our speed on the new stage before judging
                 # again: a peer that just moved never moves straight back
@@ -629,6 +632,10 @@ class Daemon:
             self.balance_counters["migration_cut_round"] += 1
             log.warning("stage %s: its round did not end within %.0f s: moving anyway (its "
                         "mates repair this peer's part)", server.stage, MOVE_ROUND_WAIT_S)
+
+
+def _rounded(xs: list[float]) -> list[int]:
+    return [round(x) for x in xs]
 
 
 class _Stopping(Exception):
