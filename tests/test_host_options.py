@@ -36,10 +36,15 @@ def test_lowbit_codecs_take_their_own_settings() -> None:
     assert spec.for_kind("backward").rounding == spec.for_kind("grad").rounding == "stochastic"
     assert not spec.for_kind("backward").center and not spec.for_kind("grad").center
     assert spec.for_kind("forward") is spec
+    # gradients (stochastic codes crowd the inner levels) are compressed with zstd
+    assert spec.for_kind("backward").name == spec.for_kind("grad").name == "int2+zstd"
     spec = codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int2",
                                              "SWARMD_WIRE_LOWBIT_CENTER": "false",
-                                             "SWARMD_WIRE_LOWBIT_ROUNDING": "nearest"}))
-    assert (spec.block_size, spec.center, spec.kind_rounding) == (256, False, ())
+                                             "SWARMD_WIRE_LOWBIT_ROUNDING": "nearest",
+                                             "SWARMD_WIRE_LOWBIT_ZSTD": "off"}))
+    assert (spec.block_size, spec.center, spec.kind_rounding, spec.zstd_kinds) == (
+        256, False, (), ())
+    assert spec.for_kind("backward") is spec
     assert codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int4"})).block_size == 64
     spec = codec_spec(load_config(None, env={"SWARMD_WIRE_CODEC": "int4+zstd",
                                              "SWARMD_WIRE_LOWBIT_BLOCK_SIZE": "128",

@@ -126,6 +126,10 @@ class CodecSpec:
     #: message kinds whose tensors are not centred although ``center`` is set (gradients: they
     #: carry no shared offset, and their means would cost bytes); ``for_kind`` applies it
     uncentred_kinds: tuple[str, ...] = ()
+    #: message kinds whose payload is compressed with zstd although ``name`` has no ``+zstd``
+    #: (int2/int4 gradients rounded stochastically: their codes crowd the inner levels and
+    #: compress to 0.6-0.7); ``for_kind`` applies it
+    zstd_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or _split_name(self.name) is None:
@@ -152,25 +156,27 @@ class CodecSpec:
                 and pair[1] in ("nearest", "stochastic") for pair in self.kind_rounding):
             raise ValueError(f"kind_rounding must be ((kind, 'nearest' | 'stochastic'), ...), "
                              f"got {self.kind_rounding!r}")
-        if not isinstance(self.uncentred_kinds, tuple) or not all(
-                isinstance(kind, str) for kind in self.uncentred_kinds):
-            raise ValueError(f"uncentred_kinds must be a tuple of message kinds, "
-                             f"got {self.uncentred_kinds!r}")
+        for name in ("uncentred_kinds", "zstd_kinds"):
+            kinds = getattr(self, name)
+            if not isinstance(kinds, tuple) or not all(isinstance(k, str) for k in kinds):
+                raise ValueError(f"{name} must be a tuple of message kinds, got {kinds!r}")
         if not (_is_int(self.zstd_level) and 1 <= self.zstd_level <= 22):
             raise ValueError(f"zstd_level must be an integer in 1..22, got {self.zstd_level!r}")
 
     def for_kind(self, kind: str) -> CodecSpec:
         """The spec for a message of ``kind``: its rounding from ``kind_rounding``, if named,
-        and no centring if it is one of ``uncentred_kinds``."""
+        no centring if it is one of ``uncentred_kinds``, zstd if one of ``zstd_kinds``."""
         changes: dict[str, Any] = {}
         for named, rounding in self.kind_rounding:
             if named == kind and rounding != self.rounding:
                 changes["rounding"] = rounding
         if self.center and kind in self.uncentred_kinds:
             changes["center"] = False
+        if kind in self.zstd_kinds and not self.zstd:
+            changes["name"] = f"{self.name}+{_ZSTD}"
         if not changes:
             return self
-        return replace(self, **changes, kind_rounding=(), uncentred_kinds=())
+        return replace(self, **changes, kind_rounding=(), uncentred_kinds=(), zstd_kinds=())
 
     @property
     def base(self) -> str:

@@ -464,6 +464,11 @@ class WireConfig(_Section):
         "and send the means (two bytes a channel).",
         "true or false",
     )
+    lowbit_zstd: str = _opt(
+        "gradients", "int4 and int2: compress with zstd the gradients (rounded stochastically, "
+        "their codes compress to about 0.6-0.7), or nothing more than the codec name says (off).",
+        '"gradients" or "off"', _one_of(("gradients", "off")),
+    )
     zstd_level: int = _opt(
         1, "zstd level of the +zstd codecs: 1 is fastest, 22 smallest.",
         "an integer from 1 to 22", _int_range(1, 22),

@@ -49,7 +49,8 @@ def codec_spec(config: Config) -> CodecSpec:
             w.codec, block_size=lowbit_block_size(config), center=w.lowbit_center,
             rounding="nearest" if gradients else w.lowbit_rounding, zstd_level=w.zstd_level,
             kind_rounding=tuple((kind, "stochastic") for kind in GRADIENT_KINDS) if gradients
-            else (), uncentred_kinds=GRADIENT_KINDS)
+            else (), uncentred_kinds=GRADIENT_KINDS,
+            zstd_kinds=GRADIENT_KINDS if w.lowbit_zstd == "gradients" else ())
     return CodecSpec.parse(w.codec, block_size=w.int8_block_size,
                            scale_dtype=w.int8_scale_dtype, zstd_level=w.zstd_level)
 
