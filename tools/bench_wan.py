@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --bandwidth-bound: wire.codec values, comma-separated, "
                              "each measured at every width")
     parser.add_argument("--steps", type=int, help="trainer steps per run (default 40; "
-                        "--bandwidth-bound: 6)")
+                        "--bandwidth-bound: 3, of the default 64 microbatches)")
     add_schedule_options(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         if not widths or min(widths) < 8 or not args.uplink_mbit >= 0:
             parser.error("--widths must name widths >= 8 and --uplink-mbit must be >= 0")
         result = measure_bandwidth_bound(widths, uplink_mbit=args.uplink_mbit,
-                                         steps=args.steps or 6, repeats=args.repeats,
+                                         steps=args.steps or 3, repeats=args.repeats,
                                          codecs=tuple(c for c in args.codecs.split(",") if c),
                                          overrides=schedule_overrides(args))
     elif args.allreduce_only:

@@ -3,7 +3,8 @@
 The lab's other profiles are latency-bound: the demo model sends about 17 KB a microbatch hop,
 nothing next to their link rates. A volunteer's stage is the other way round (a 7B-sized stage
 sends megabytes a hop over a 20 Mbit/s uplink). Scaled to this machine: the built-in model
-``--widths`` wide (4 layers, 8 x 128 tokens a microbatch, 8 microbatches a step) over the
+``--widths`` wide (4 layers, 8 x 128 tokens a microbatch, the swarm's default 64 microbatches
+a step, ``--microbatches`` to change it; before 2026-12-06, 8: see docs/compression.md) over the
 ``uplink`` profile (10 ms one way, the same rate both ways on every host's link), each width
 against the unshaped lab in the same run, once per ``--codecs`` codec. The rate is
 ``--uplink-mbit``, or (0, the default) chosen once from the first unshaped run so that an
@@ -33,7 +34,7 @@ from typing import Any
 #: for every width a sweep takes)
 BANDWIDTH_MODEL = {
     "SWARMD_MODEL_LAYERS": "4", "SWARMD_MODEL_HEADS": "8", "SWARMD_MODEL_SEQ_LEN": "128",
-    "SWARMD_TRAINING_BATCH_SIZE": "8", "SWARMD_TRAINING_MICROBATCHES": "8",
+    "SWARMD_TRAINING_BATCH_SIZE": "8",
     "SWARMD_TRAINING_VAL_BATCHES": "2",
 }
 #: issue 26: the regime counts as bandwidth-bound from this transfer / compute ratio (int8)
