@@ -47,23 +47,26 @@ class _Training:
         self.enough = threading.Event()  # set by the test: finish after the current step
         self.error: BaseException | None = None
         config = load_config(None, {**os.environ, **env})
+        #: the trainer's last log lines, INFO and up, heard while it runs
+        self.said: collections.deque[str] = collections.deque(maxlen=12)
+        listener, trainer_log = _Said(self.said), logging.getLogger("swarmd.trainer")
 
         def run() -> None:
+            trainer_log.addHandler(listener)
             try:
                 self.result = uvloop.run(asyncio.wait_for(train(
                     config, bootstrap=[first.addr], steps=steps, progress=lambda line: None,
                     bar=False, until=self.enough.is_set), 280))
             except BaseException as exc:  # reported by finish()
                 self.error = exc
+            finally:
+                trainer_log.removeHandler(listener)
 
         self.thread = threading.Thread(target=run, daemon=True)
-        self.said: collections.deque[str] = collections.deque(maxlen=12)
-        self._listener = _Said(self.said)
-        logging.getLogger("swarmd.trainer").addHandler(self._listener)
         self.thread.start()
 
     def tail(self) -> str:
-        """The trainer's last log lines (INFO and up), for a failure's message."""
+        """The trainer's last log lines, for a failure's message."""
         return " | ".join(self.said)
 
     def going(self) -> bool:
@@ -75,7 +78,6 @@ class _Training:
 
     def finish(self) -> Any:
         self.thread.join(300)
-        logging.getLogger("swarmd.trainer").removeHandler(self._listener)
         if self.error is not None:
             raise self.error
         assert self.result is not None, "training did not finish"

@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

@@ -585,7 +585,7 @@ class Daemon:
             self.balance_counters["checks"] += 1
             if target is not None and target != self.stage:
                 log.info("stage totals as this peer sees them: %s samples/s planned, %s "
-                         "peer(s) online or arriving", _rounded(load.planned_totals()),
+                         "peer(s) online or arriving", [round(t) for t in load.planned_totals()],
                          load.planned_counts())
                 await self._migrate(target)
                 # let the swarm see the move and our speed on the new stage before judging
@@ -632,10 +632,6 @@ class Daemon:
             self.balance_counters["migration_cut_round"] += 1
             log.warning("stage %s: its round did not end within %.0f s: moving anyway (its "
                         "mates repair this peer's part)", server.stage, MOVE_ROUND_WAIT_S)
-
-
-def _rounded(xs: list[float]) -> list[int]:
-    return [round(x) for x in xs]
 
 
 class _Stopping(Exception):
