@@ -37,21 +37,27 @@ from transport.codecs import CodecSpec, decode, encode  # noqa: E402
 from transport.limits import Limits  # noqa: E402
 from transport.memory import keep_freed_memory  # noqa: E402
 
-#: codec names; ``:center`` and ``:stochastic`` add those options (``spec_of``)
+#: codec names; ``:center``, ``:stochastic`` and ``:block=N`` add those options (``spec_of``);
+#: ``int2:center:block=512`` is what a swarm with ``wire.codec = "int2"`` sends as activations
 CODEC_NAMES = ("none", "fp16", "int8", "int8+zstd", "int4", "int2", "int2:stochastic", "int4:center",
-               "int2:center", "int2:center:stochastic")
+               "int2:center", "int2:center:stochastic", "int2:center:block=512")
 DEFAULT_SHAPE = (8, 512, 1024)
 
 
 def spec_of(name: str) -> CodecSpec:
     """``"int2:center:stochastic"`` -> the int2 spec with channel centring and stochastic
-    rounding; a name without options -> ``CodecSpec.parse(name)``."""
+    rounding, ``":block=512"`` its block size; a name without options ->
+    ``CodecSpec.parse(name)``."""
     base, *options = name.split(":")
-    unknown = set(options) - {"center", "stochastic"}
-    if unknown:
-        raise ValueError(f"unknown codec options {sorted(unknown)} in {name!r}")
-    return CodecSpec.parse(base, center="center" in options,
-                           **({"rounding": "stochastic"} if "stochastic" in options else {}))
+    blocks = [o for o in options if o.startswith("block=")]
+    unknown = set(options) - {"center", "stochastic", *blocks}
+    if unknown or len(blocks) > 1:
+        raise ValueError(f"unknown or repeated codec options {sorted(unknown) or blocks} in "
+                         f"{name!r}")
+    extra = {"block_size": blocks[0].removeprefix("block=")} if blocks else {}
+    if "stochastic" in options:
+        extra["rounding"] = "stochastic"
+    return CodecSpec.parse(base, center="center" in options, **extra)
 
 
 def steady_allocator() -> bool:

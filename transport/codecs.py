@@ -30,7 +30,6 @@ Adding a codec means registering one object with the :class:`Codec` methods in `
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Protocol
@@ -42,7 +41,6 @@ from .lowbit import block_rows
 from .lowbit import decode_into as _unpack_into
 from .lowbit import encode as _pack
 from .lowbit import packed_bytes as _packed_bytes
-from .lowbit import steps as _steps
 from .errors import CodecError, LimitExceeded, LocalUsageError, UnknownCodec
 from .limits import Limits
 
@@ -382,18 +380,15 @@ class _LowBitCodec:
             if bool((sent.isinf() & exact.isfinite()).any()):
                 mean_dtype, sent = "float32", exact
             mean, parts = sent.float(), (sent,)
-        cover = spec.rounding == "stochastic"
-        step = _steps(x, block, self.bits, mean, cover)
-        wire = step.to(_LOWBIT_SCALE_DTYPES[scale_dtype])
-        wide = wire.float()
-        low = wide < step if cover and scale_dtype != "float32" else None
-        if low is not None and bool(low.any()):
-            # a step rounded down would clip its block's largest value: those are rounded up
-            wire = torch.where(low, torch.nextafter(wire, torch.full_like(wire, math.inf)), wire)
-            wide = wire.float()
-        if scale_dtype != "float32" and bool((wide.isinf() & step.isfinite()).any()):
-            scale_dtype, wire, wide = "float32", step, step  # a step beyond the scale dtype
-        packed = _pack(x, wide, block, self.bits, cover, mean)
+        stochastic = spec.rounding == "stochastic"
+        encoded = _pack(x, block, self.bits, scale_dtype=_LOWBIT_SCALE_DTYPES[scale_dtype],
+                        stochastic=stochastic, mean=mean)
+        if encoded is None:  # a step beyond the scale dtype: every step goes as float32
+            scale_dtype = "float32"
+            encoded = _pack(x, block, self.bits, scale_dtype=torch.float32,
+                            stochastic=stochastic, mean=mean)
+        assert encoded is not None  # float32 steps cannot overflow float32
+        wire, packed = encoded
         return self._params(block, scale_dtype, channels, mean_dtype), (*parts, wire, packed)
 
     def _params(self, block: int, scale_dtype: str, channels: int,

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["BITS", "CLIP", "GROUP", "decode_into", "encode", "packed_bytes", "steps"]
+__all__ = ["BITS", "CLIP", "GROUP", "decode_into", "encode", "packed_bytes"]
 
 #: the bit widths this module packs
 BITS = (2, 4)
@@ -70,22 +71,6 @@ def block_rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     return rows
 
 
-def steps(x: torch.Tensor, block: int, bits: int, mean: torch.Tensor | None = None,
-          cover: bool = False) -> torch.Tensor:
-    """Per-block float32 steps of a flat float32 tensor (NaN or inf for a block holding NaN
-    or inf); with ``mean`` (one value per channel), of ``x`` less its channels' means;
-    ``cover``: steps whose outer levels reach each block's largest magnitude (for stochastic
-    rounding: nothing clipped, so nothing biased)."""
-    if mean is None:
-        return _steps(x, block, bits, cover)
-    buf, tiled = torch.empty(min(x.numel(), GROUP)), _tiled(mean, min(x.numel(), GROUP))
-    out = []
-    for start in range(0, x.numel(), GROUP):
-        chunk = _centred(x, start, mean.numel(), tiled, buf)
-        out.append(_steps(chunk, block, bits, cover))
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
 def _steps(x: torch.Tensor, block: int, bits: int, cover: bool = False) -> torch.Tensor:
     out = []
     for r in block_rows(x, block):
@@ -100,19 +85,42 @@ def _steps(x: torch.Tensor, block: int, bits: int, cover: bool = False) -> torch
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _tiled(mean: torch.Tensor, size: int) -> torch.Tensor:
-    """``mean`` repeated to cover ``size`` values from any channel on: the per-value means of
-    a group are one contiguous slice of it."""
-    channels = mean.numel()
-    return mean.repeat(-(-size // channels) + 1)
+def _by_channel(op: Any, x: torch.Tensor, mean: torch.Tensor, start: int,
+               out: torch.Tensor) -> None:
+    """``out = op(x, mean[channel of each value])`` for the flat values ``x`` that begin at
+    value ``start`` of a tensor of ``mean.numel()`` channels: the whole rows broadcast ``mean``
+    (faster than a per-value copy of it), the partial rows at either end take a slice."""
+    channels, size = mean.numel(), x.numel()
+    at, done = start % channels, 0
+    if at:
+        done = min(channels - at, size)
+        op(x[:done], mean[at:at + done], out=out[:done])
+    rows = (size - done) // channels
+    if rows:
+        end = done + rows * channels
+        op(x[done:end].view(rows, channels), mean, out=out[done:end].view(rows, channels))
+        done = end
+    if done < size:
+        op(x[done:], mean[:size - done], out=out[done:])
 
 
-def _centred(x: torch.Tensor, start: int, channels: int, tiled: torch.Tensor,
-             buf: torch.Tensor) -> torch.Tensor:
-    """The group of ``x`` at ``start`` less its values' channel means, in ``buf``."""
-    size = min(x.numel(), start + GROUP) - start
-    at = start % channels
-    return torch.sub(x[start:start + size], tiled[at:at + size], out=buf[:size])
+def _to_wire(step: torch.Tensor, out: torch.Tensor, cover: bool) -> torch.Tensor | None:
+    """Write float32 ``step`` into ``out`` (the steps as sent, in the wire's scale dtype) and
+    return them as float32: rounded up where ``cover`` (a step rounded down would clip its
+    block's largest value); None when a finite step overflows the scale dtype."""
+    if out.dtype == torch.float32:
+        return out.copy_(step)
+    wire = step.to(out.dtype)
+    wide = wire.float()
+    if cover:
+        low = wide < step
+        if bool(low.any()):
+            wire = torch.where(low, torch.nextafter(wire, torch.full_like(wire, math.inf)), wire)
+            wide = wire.float()
+    if bool((wide.isinf() & step.isfinite()).any()):
+        return None
+    out.copy_(wire)
+    return wide
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,14 +144,21 @@ def _scaled_rows(x: torch.Tensor, factor: torch.Tensor, block: int, out: torch.T
         factor = factor[r_x.shape[0]:]
 
 
-def encode(x: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
-           stochastic: bool = False, mean: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed codes of flat float32 ``x`` (less its channels' ``mean``, if given) under
-    per-block steps ``scale`` (float32, as the receiver will see them: already rounded to the
-    wire's scale dtype)."""
+def encode(x: torch.Tensor, block: int, bits: int, *, scale_dtype: torch.dtype,
+           stochastic: bool = False, mean: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(steps, packed codes)`` of flat float32 ``x`` (less its channels' ``mean``, if
+    given): the per-block steps as sent (``scale_dtype``; NaN or inf for a block holding NaN or
+    inf) and the codes under those steps as the receiver sees them. ``stochastic``: stochastic
+    rounding under covering steps. None when a finite step overflows ``scale_dtype`` (the
+    caller sends float32 steps instead).
+
+    One pass over ``x`` a group: centre, step, scale, round and pack each group while it is
+    in cache (the steps of a group depend only on its own blocks: ``GROUP`` is a multiple of
+    every block size)."""
     n, levels = x.numel(), 1 << bits
     per_byte = 8 // bits
-    inverse = torch.where(scale > 0, scale.reciprocal(), 0.0)
+    steps_sent = torch.empty(-(-n // block), dtype=scale_dtype)
     packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8)
     dither = _dither_table() if stochastic else None
     offset = _dither_offset(x) if stochastic else 0
@@ -153,25 +168,27 @@ def encode(x: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
     # (4 bits) |x / s| <= ~8, with RMS steps |x / s| <= sqrt(block) / CLIP
     add = levels // 2 if dither is None else levels // 2 - 0.5
     clamp_ints = bits == 4 or block <= _INT8_CLAMP_BLOCK
-    clamp_floats = not clamp_ints
     buf = torch.empty(min(n, GROUP))
-    tiled = None if mean is None else _tiled(mean, buf.numel())
     codes = torch.zeros(-(-buf.numel() // per_byte) * per_byte, dtype=torch.int8)
     tmp = torch.empty(codes.numel() // per_byte, dtype=torch.int8)
     for start in range(0, n, GROUP):
         size = min(n, start + GROUP) - start
-        chunk = buf[:size]
-        if tiled is None:
-            _scaled_rows(x[start:start + size], inverse[start // block:], block, chunk)
-        else:
-            _centred(x, start, mean.numel(), tiled, buf)  # type: ignore[union-attr]
-            _scaled_rows(chunk, inverse[start // block:], block, chunk)
+        chunk, source = buf[:size], x[start:start + size]
+        if mean is not None:
+            _by_channel(torch.sub, source, mean, start, chunk)
+            source = chunk
+        step = _steps(source, block, bits, stochastic)
+        first = start // block
+        wide = _to_wire(step, steps_sent[first:first + step.numel()], stochastic)
+        if wide is None:
+            return None
+        _scaled_rows(source, torch.where(wide > 0, wide.reciprocal(), 0.0), block, chunk)
         if dither is not None:
             at = offset % _DITHER
             chunk.add_(dither[at:at + size])
             offset += size + _DITHER_STRIDE
         chunk.add_(add)
-        if clamp_floats:
+        if not clamp_ints:
             chunk.clamp_(0, levels - 1 / 256)
         nbytes = -(-size // per_byte)
         group = codes[:nbytes * per_byte]
@@ -182,7 +199,7 @@ def encode(x: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
             group.clamp_(0, levels - 1)
         _pack(group, bits, tmp[:nbytes],
               packed[start // per_byte:start // per_byte + nbytes].view(torch.int8))
-    return packed
+    return steps_sent, packed
 
 
 def _pack(q: torch.Tensor, bits: int, tmp: torch.Tensor, out: torch.Tensor) -> None:
@@ -207,7 +224,6 @@ def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int
     factor = scale * (1 / field)
     codes = torch.empty(-(-min(n, GROUP) // per_byte) * per_byte, dtype=torch.int8)
     mask = -field  # the top bits, as an int8
-    tiled = None if mean is None else _tiled(mean, min(n, GROUP))
     for start in range(0, n, GROUP):
         size = min(n, start + GROUP) - start
         nbytes = -(-size // per_byte)
@@ -221,12 +237,30 @@ def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int
         codes[:nbytes * per_byte].bitwise_or_(low)
         chunk = out[start:start + size]
         chunk.copy_(codes[:size])
-        if tiled is not None:
-            at = start % mean.numel()  # type: ignore[union-attr]
-            centre = tiled[at:at + size]
-        for r in block_rows(chunk, block):
-            r.mul_(factor[start // block:start // block + r.shape[0], None])
-            start += r.numel()
-        if tiled is not None:
-            chunk.add_(centre)
+        if mean is None or not _scaled_and_centred(chunk, factor[start // block:], block,
+                                                   mean, start):
+            _scaled_rows(chunk, factor[start // block:], block, chunk)
+            if mean is not None:
+                _by_channel(torch.add, chunk, mean, start, chunk)
     return out
+
+
+def _scaled_and_centred(chunk: torch.Tensor, factor: torch.Tensor, block: int,
+                        mean: torch.Tensor, start: int) -> bool:
+    """``chunk = chunk * factor[block] + mean[channel]`` in one pass where the blocks and the
+    rows of channels line up (one divides the other, the chunk holds whole rows); False,
+    untouched, where they do not."""
+    channels, size = mean.numel(), chunk.numel()
+    if start % channels or size % channels or size % block:
+        return False
+    factor = factor[:size // block]
+    if channels % block == 0:  # a row holds whole blocks
+        shape, means = (-1, channels // block, block), mean.view(channels // block, block)
+        steps = factor.view(-1, channels // block, 1)
+    elif block % channels == 0:  # a block holds whole rows
+        shape, means, steps = (-1, block // channels, channels), mean, factor.view(-1, 1, 1)
+    else:
+        return False
+    view = chunk.view(shape)
+    torch.addcmul(means, view, steps, out=view)
+    return True
