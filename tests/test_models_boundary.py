@@ -252,10 +252,14 @@ def test_a_hugging_face_model_takes_the_boundary_too() -> None:
     trainer = seam.build_trainer(seed=0)
     stages = [seam.build_stage(i, 2, seed=0) for i in range(2)]
     h = trainer.embed(tokens())
+    assert seam.stage0_embeds and torch.equal(h, tokens())  # token ids: no boundary 0
     for stage in stages:
-        assert tuple(h.shape) == (2, 16, RANK)
         h = stage(h)
+        assert tuple(h.shape) == (2, 16, RANK)
     loss = trainer.loss(trainer.head(h), tokens())
     loss.backward()
-    assert stages[0].up.proj.weight.grad is not None and trainer.down.proj.weight.grad is not None
+    assert stages[1].up.proj.weight.grad is not None and trainer.up.proj.weight.grad is not None
+    assert isinstance(stages[0].up, torch.nn.Identity) and isinstance(trainer.down,
+                                                                       torch.nn.Identity)
+    assert stages[0].inner.embed_tokens.weight.grad is not None
     assert seam.fingerprint().hash != inner.fingerprint().hash

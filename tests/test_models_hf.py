@@ -84,11 +84,14 @@ def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 
 def split_loss(trainer, stages, x, y, *, handover=lambda t: t):  # type: ignore[no-untyped-def]
     """Trainer embeds, each stage runs on a detached copy of its input (as over the wire), the
-    head computes the loss; backward hop by hop, as the pipeline does."""
+    head computes the loss; backward hop by hop, as the pipeline does. Token ids (stage 0
+    holding the embedding) travel as they are and take no gradient."""
     hidden = trainer.embed(x)
     inputs, outputs, h = [], [], hidden
     for stage in stages:
-        arrived = handover(h.detach()).requires_grad_(True)
+        arrived = handover(h.detach())
+        if arrived.is_floating_point():
+            arrived.requires_grad_(True)
         inputs.append(arrived)
         h = stage(arrived)
         outputs.append(h)
@@ -99,7 +102,10 @@ def split_loss(trainer, stages, x, y, *, handover=lambda t: t):  # type: ignore[
     for stage_in, stage_out in zip(reversed(inputs), reversed(outputs)):
         stage_out.backward(handover(grad))
         grad = stage_in.grad
-    hidden.backward(grad)
+    if hidden.requires_grad:
+        hidden.backward(grad)
+    else:
+        assert grad is None and not hidden.is_floating_point()
     return loss.detach()
 
 
@@ -213,12 +219,34 @@ def test_pretrained_slices_load_only_their_own_tensors(tmp_path, family: str) ->
 
 def test_bfloat16_stages_keep_float32_rotary_frequencies() -> None:
     seam = HFCausalLM(llama_config())
-    stage = seam.build_stage(0, 2, dtype=torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in stage.parameters())
-    assert stage.rotary_emb.inv_freq.dtype == torch.float32
     spec = seam.activation(B, T, torch.bfloat16)
-    out = stage(torch.randn(spec.shape, dtype=spec.dtype))
-    assert out.shape == spec.shape and out.dtype == spec.dtype and torch.isfinite(out).all()
+    for index in (0, 1):  # stage 0 looks token ids up, stage 1 takes activations
+        stage = seam.build_stage(index, 2, dtype=torch.bfloat16)
+        assert all(p.dtype == torch.bfloat16 for p in stage.parameters())
+        assert stage.rotary_emb.inv_freq.dtype == torch.float32
+        out = stage(batch()[0] if index == 0 else torch.randn(spec.shape, dtype=spec.dtype))
+        assert out.shape == spec.shape and out.dtype == spec.dtype and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_stage_0_holds_an_untied_embedding_and_the_trainer_sends_token_ids(family: str) -> None:
+    """Untied rotary models: ``embed_tokens`` is stage 0's (the same initial values the
+    trainer's had), the trainer's ``embed`` hands the ids on; tied models and GPT-2 keep it
+    with the head."""
+    seam = HFCausalLM(CONFIGS[family]())
+    trainer, stages = split(seam, 2)
+    x, _ = batch()
+    names = {n for part in (trainer, *stages) for n in seam.checkpoint_names(part).values()}
+    embedding = [n for n in names if n.endswith("embed_tokens.weight") or n.endswith("wte.weight")]
+    assert len(embedding) == 1
+    if seam.stage0_embeds:
+        assert family != "gpt2" and not seam.tied
+        assert torch.equal(trainer.embed(x), x)
+        assert "model.embed_tokens.weight" in seam.checkpoint_names(stages[0]).values()
+        assert not any("embed" in n for n in seam.checkpoint_names(trainer).values())
+    else:
+        assert family == "gpt2" or seam.tied
+        assert trainer.embed(x).shape == (B, T, seam.width)
 
 
 def test_tokenizer_in_the_model_directory_must_fit_its_vocabulary(tmp_path) -> None:

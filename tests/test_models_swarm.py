@@ -73,6 +73,8 @@ def test_tiny_llama_trains_through_two_daemons_with_swarmd_train(tmp_path: Path)
         for d in daemons:
             counters = d.get("/api/v0/status")["counters"]
             assert counters["stage.backward"] > 0 and counters["stage.optimizer_steps"] > 0
+        # the Llama's embedding is stage 0's (untied): the trainer sent it token ids
+        assert [d.get("/api/v0/stage")["takes"] for d in daemons] == ["token ids", "activations"]
     finally:
         stop_all(daemons)
 

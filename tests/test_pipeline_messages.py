@@ -79,6 +79,27 @@ def test_bad_forwards_are_refused_with_typed_errors(over: dict[str, Any], error:
         parse_forward(_forward(**over), EXPECT)
 
 
+@pytest.mark.parametrize("x, reason", [
+    (torch.randn(2, 4, W), "shape"),
+    (torch.randn(2, 4), "dtype"),
+    (torch.tensor([[1, 2, 100]]), "out_of_range"),
+    (torch.tensor([[-1, 2, 3]]), "out_of_range"),
+    (torch.zeros(4, 32, dtype=torch.int64), "too_large"),
+    (torch.zeros(0, 4, dtype=torch.int64), "shape"),
+])
+def test_a_stage_holding_the_embedding_takes_token_ids_only(x: torch.Tensor, reason: str
+                                                             ) -> None:
+    """Stage 0 of a model whose embedding it holds (``Expect.vocab``): (B, T) integer ids
+    below the vocabulary, nothing else."""
+    stage0 = Expect(stage=0, num_stages=3, model="m:1", width=W, max_tokens=64, vocab=100)
+    ids = torch.randint(100, (2, 4), dtype=torch.int32)
+    fwd = parse_forward(_forward(stage=0, path=[], tensors=(ids,)), stage0)
+    assert torch.equal(fwd.x, ids)
+    with pytest.raises(BadActivation) as err:
+        parse_forward(_forward(stage=0, path=[], tensors=(x,)), stage0)
+    assert err.value.reason == reason
+
+
 def test_a_backward_needs_the_whole_path() -> None:
     meta = {"mb": "t/1", "stage": 1, "step": 0, "path": ["p0", "p1", "p2"], "trainer": "t",
             "model": "m:1"}

@@ -235,3 +235,51 @@ def test_backward_with_current_weights_runs_the_forward_again_after_a_step() -> 
     assert w.recomputed == 1
     with pytest.raises(ValueError):
         StageWorker(blocks(0), width=W, max_tokens=100, backward_with="later")
+
+
+VOCAB = 50
+
+
+def embedding_stage(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, W), nn.Linear(W, W), nn.GELU(), nn.Linear(W, W))
+
+
+def test_a_stage_holding_the_embedding_takes_token_ids_and_sends_back_no_gradient() -> None:
+    """Stage 0 of a model whose embedding it holds: ids (B, T) in, the embedding's gradient
+    is the single-process one, the trainer gets an empty (B, T, 0) that says the chain is
+    done; a batch of two is the same as one by one."""
+    module, ref = embedding_stage(3), embedding_stage(3)
+    w = StageWorker(module, width=W, max_tokens=100, vocab=VOCAB)
+    x = torch.randint(VOCAB, (4, 5))
+    out = w.forward("a", x[:2].to(torch.int32), now=0.0)  # the trainer sends int32
+    out_b = w.forward("b", x[2:], now=0.0)
+    grad = torch.randn(4, 5, W)
+    assert w.backward("a", grad[:2], now=0.0).shape == (2, 5, 0)
+    back = w.backward("b", grad[2:], now=0.0)
+    assert back.shape == (2, 5, 0) and back.dtype == torch.float32
+    ref(x).backward(grad)
+    assert torch.allclose(torch.cat([out, out_b]), ref(x).detach(), atol=1e-6)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(w.infer(x), ref(x).detach())
+    assert w.samples_accumulated == 4 and w.saved == 0
+
+
+@pytest.mark.parametrize("x, reason", [
+    (torch.randn(2, 3), "dtype"),
+    (torch.randn(2, 3, W), "shape"),
+    (torch.zeros(2, 3, 1, dtype=torch.int64), "shape"),
+    (torch.tensor([[0, 1, VOCAB]]), "out_of_range"),
+    (torch.tensor([[0, -1, 2]]), "out_of_range"),
+    (torch.zeros(2, 3, dtype=torch.bool), "dtype"),
+    (torch.zeros(20, 10, dtype=torch.int64), "too_large"),
+])
+def test_bad_token_ids_are_refused_and_nothing_is_kept(x: torch.Tensor, reason: str) -> None:
+    w = StageWorker(embedding_stage(0), width=W, max_tokens=100, vocab=VOCAB)
+    with pytest.raises(BadActivation) as err:
+        w.forward("m", x, now=0.0)
+    assert err.value.reason == reason and w.saved == 0
+    w.forward("ok", torch.zeros(1, 3, dtype=torch.int64), now=0.0)
+    with pytest.raises(BadActivation):  # gradients are still (B, T, width) floats
+        w.backward("ok", torch.zeros(1, 3, dtype=torch.int64), now=0.0)

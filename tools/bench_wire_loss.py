@@ -25,7 +25,9 @@ token through the codec (``none:rank=32``: the boundary alone, float32 on the wi
 ``:frozen`` (with ``:rank=R``: the projections kept at their initial random orthonormal
 basis, not trained: an experiment, no setting does it). The
 ``none`` run, the reference of every ratio, is always the plain model. Hops: trainer -> stage 0 -> ... -> last stage -> trainer, as
-``bench_quality``'s swarm (``STAGES`` stages); validation goes through the forward hops too,
+``bench_quality``'s swarm (``STAGES`` stages); hop 0 carries token ids, not through any codec,
+for a model whose stage 0 holds the embedding (``ModelSeam.stage0_embeds``: the Llama preset
+since 2026-12-06); validation goes through the forward hops too,
 as the swarm's trainer reports it. Same seed, same batches, same weights as ``bench_quality``'s
 reference, so ``ratio`` (variant / ``none`` final validation loss) isolates the codec. Faster
 than a swarm run (no processes, no network), it is how variants were screened; the swarm's own
@@ -197,7 +199,9 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
                                    channels, rotate)
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:
-        h = per_hop[0](model.parts.embed(x))
+        h = model.parts.embed(x)
+        if h.is_floating_point():  # token ids (stage 0 holds the embedding) go as they are
+            h = per_hop[0](h)
         for i, stage in enumerate(model.stages, 1):
             h = per_hop[i](stage(h))
         return None, model.parts.loss(model.parts.head(h), y)

@@ -320,6 +320,9 @@ class StageInfo:
     lateness_steps: float | None = None
     #: seconds this peer's gate stood closed for its steps (what draining cost it)
     gate_closed_s: float = 0.0
+    #: what this stage takes in: "activations", or "token ids" (stage 0 holding the
+    #: embedding: the trainers send ids, not a compressed embedding)
+    takes: str = "activations"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StageInfo:

@@ -59,9 +59,10 @@ class Up(nn.Module):
 
 class BoundaryStage(nn.Module):
     """One stage of the inner model between its boundaries: (B, T, r) -> up -> the inner
-    stage (B, T, d) -> down -> (B, T, r)."""
+    stage (B, T, d) -> down -> (B, T, r). Stage 0 of an inner model whose stage 0 embeds
+    (``stage0_embeds``) takes token ids: ``up`` is the identity there (no boundary 0)."""
 
-    def __init__(self, inner: nn.Module, up: Up, down: Down) -> None:
+    def __init__(self, inner: nn.Module, up: nn.Module, down: Down) -> None:
         super().__init__()
         self.up, self.inner, self.down = up, inner, down
 
@@ -70,10 +71,11 @@ class BoundaryStage(nn.Module):
 
 
 class BoundaryTrainer(TrainerParts):
-    """The inner model's trainer parts: the embedding followed by boundary 0's ``down``, the
-    head preceded by the last boundary's ``up``."""
+    """The inner model's trainer parts: the embedding followed by boundary 0's ``down`` (the
+    identity when stage 0 embeds: token ids go on as they are), the head preceded by the last
+    boundary's ``up``."""
 
-    def __init__(self, inner: TrainerParts, down: Down, up: Up) -> None:
+    def __init__(self, inner: TrainerParts, down: nn.Module, up: Up) -> None:
         super().__init__()
         self.inner, self.down, self.up = inner, down, up
 
@@ -126,6 +128,11 @@ class LowRankBoundary(ModelSeam):
         """What travels between parts: ``rank`` values a token."""
         return self.rank
 
+    @property
+    def stage0_embeds(self) -> bool:
+        """As the inner model's: token ids then need no boundary 0."""
+        return self.inner.stage0_embeds
+
     def settings(self) -> dict[str, Setting]:
         return {**self.inner.settings(), "boundary_rank": self.rank}
 
@@ -156,7 +163,8 @@ class LowRankBoundary(ModelSeam):
                     weights: object | None = None) -> nn.Module:
         inner = self.inner.build_stage(index, num_stages, seed=seed, device=device, dtype=dtype,
                                        weights=weights)
-        _, up = self._pair(index, num_stages, seed)
+        up: nn.Module = nn.Identity() if index == 0 and self.stage0_embeds else self._pair(
+            index, num_stages, seed)[1]
         down, _ = self._pair(index + 1, num_stages, seed)
         return BoundaryStage(inner, up, down).to(device=device or "cpu", dtype=dtype)
 
@@ -164,7 +172,7 @@ class LowRankBoundary(ModelSeam):
                       dtype: torch.dtype = torch.float32,
                       weights: object | None = None) -> TrainerParts:
         inner = self.inner.build_trainer(seed=seed, device=device, dtype=dtype, weights=weights)
-        down, _ = self._pair(0, 1, seed)   # the first boundary
+        down: nn.Module = nn.Identity() if self.stage0_embeds else self._pair(0, 1, seed)[0]
         _, up = self._pair(1, 1, seed)     # the last
         return BoundaryTrainer(inner, down, up).to(device=device or "cpu", dtype=dtype)
 

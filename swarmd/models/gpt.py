@@ -354,5 +354,8 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
 
 
 def wire_tensor(t: torch.Tensor) -> torch.Tensor:
-    """What crosses the network: float32 on the CPU (the codecs quantize from there)."""
+    """What crosses the network: float32 on the CPU (the codecs quantize from there); token
+    ids (integers) on the CPU as they are."""
+    if not t.is_floating_point():
+        return t.cpu()
     return t.to("cpu", torch.float32) if t.device.type != "cpu" or t.dtype != torch.float32 else t

@@ -5,7 +5,9 @@
 
 * rotary decoders: Llama, Mistral, Qwen2 and Qwen3 (rotary positions, RMSNorm, gated MLP,
   grouped-query attention): a stage holds its ``<Family>DecoderLayer`` s and its own rotary
-  embedding; the trainer holds ``embed_tokens``, the final ``norm`` and ``lm_head``;
+  embedding; the trainer holds the final ``norm`` and ``lm_head``. ``embed_tokens`` is stage
+  0's (the trainer sends token ids: ``ModelSeam.stage0_embeds``), or the trainer's when
+  ``tie_word_embeddings`` ties it to ``lm_head``;
 * GPT-2: a stage holds its ``GPT2Block`` s; the trainer holds ``wte``, ``wpe``, ``ln_f`` and
   ``lm_head`` (tied to ``wte`` as in GPT-2).
 
@@ -44,7 +46,7 @@ __all__ = ["HFCausalLM", "SUPPORTED", "load_hf_config"]
 log = logging.getLogger(__name__)
 
 #: bump when the way a stage computes changes, so peers with the old code are refused
-ARCH = "swarmd-hf/1"
+ARCH = "swarmd-hf/2"  # 2: stage 0 holds an untied embedding
 #: config.json keys that change nothing in the computation (left out of the fingerprint)
 _VOLATILE = frozenset({
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
@@ -113,12 +115,14 @@ def _mask(make: Any, config: PreTrainedConfig, x: torch.Tensor,
 
 
 class RotaryStage(nn.Module):
-    """A slice of a rotary decoder: (B, T, W) -> (B, T, W) through layers ``first..``."""
+    """A slice of a rotary decoder: (B, T, W) -> (B, T, W) through layers ``first..``; with
+    ``embed_tokens`` (stage 0 of an untied model), token ids (B, T) -> (B, T, W)."""
 
     def __init__(self, config: PreTrainedConfig, layers: dict[int, nn.Module],
-                 rotary: nn.Module) -> None:
+                 rotary: nn.Module, embed_tokens: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
+        self.embed_tokens = embed_tokens
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.rotary_emb = rotary
         types = getattr(config, "layer_types", None)
@@ -130,6 +134,8 @@ class RotaryStage(nn.Module):
         from transformers.masking_utils import (
             create_causal_mask, create_sliding_window_causal_mask)
 
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)  # (B, T) ids -> (B, T, W)
         position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
         masks = {kind: _mask(create_sliding_window_causal_mask if kind == "sliding_attention"
                              else create_causal_mask, self.config, x, position_ids)
@@ -160,16 +166,20 @@ class GPT2Stage(nn.Module):
 
 
 class RotaryTrainer(TrainerParts):
-    """embed_tokens first; the final norm and lm_head last."""
+    """embed_tokens first (None: stage 0 holds it, the ids go on as they are); the final norm
+    and lm_head last."""
 
-    def __init__(self, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Linear,
+    def __init__(self, embed_tokens: nn.Module | None, norm: nn.Module, lm_head: nn.Linear,
                  tied: bool) -> None:
         super().__init__()
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         if tied:
-            self.lm_head.weight = self.embed_tokens.weight
+            assert embed_tokens is not None, "a tied embedding stays with the head"
+            self.lm_head.weight = embed_tokens.weight
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            return tokens  # (B, T): stage 0 looks them up
         return self.embed_tokens(tokens)  # (B, T, W)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -245,6 +255,11 @@ class HFCausalLM(ModelSeam):
     def tied(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
+    @property
+    def stage0_embeds(self) -> bool:
+        """Rotary decoders whose embedding the head does not share: stage 0 holds it."""
+        return self.family.rotary and not self.tied
+
     def settings(self) -> dict[str, Setting]:
         fields = {k: v for k, v in self.config.to_dict().items()
                   if k not in _VOLATILE and not k.startswith("_")}
@@ -256,7 +271,8 @@ class HFCausalLM(ModelSeam):
         embedding's)."""
         base = self.family.base
         if isinstance(module, (RotaryStage, GPT2Stage)):
-            rules = [("layers.", f"{base}.{self.family.layers}.")]
+            rules = [("layers.", f"{base}.{self.family.layers}."),
+                     ("embed_tokens.", f"{base}.embed_tokens.")]
         elif isinstance(module, RotaryTrainer):
             rules = [("embed_tokens.", f"{base}.embed_tokens."), ("norm.", f"{base}.norm.")]
         else:
@@ -324,13 +340,17 @@ class HFCausalLM(ModelSeam):
         decoder = getattr(self._parts(), self.family.base)
         all_layers = getattr(decoder, self.family.layers)
         layers = {i: self._take(all_layers[i]) for i in ranges[index]}
+        parts = [(f"block{i}", layer) for i, layer in layers.items()]
         if self.family.rotary:
             rotary = type(decoder.rotary_emb)(config=self.config)  # buffers computed on the CPU
-            stage: nn.Module = RotaryStage(self.config, layers, rotary)
+            embed = None
+            if index == 0 and self.stage0_embeds:  # the same generator as the trainer's was
+                embed = self._take(decoder.embed_tokens)
+                parts.insert(0, ("embedding", embed))
+            stage: nn.Module = RotaryStage(self.config, layers, rotary, embed)
         else:
             stage = GPT2Stage(self.config, layers)
-        stage = self._finish(stage, [(f"block{i}", layer) for i, layer in layers.items()],
-                             self.checkpoint_names(stage), seed=seed, device=device, dtype=dtype,
+        stage = self._finish(stage, parts, self.checkpoint_names(stage), seed=seed, device=device, dtype=dtype,
                              weights=weights, what=f"stage {index} of {num_stages}")
         if self.family.rotary:  # rotary frequencies stay float32 whatever the model's dtype
             stage.rotary_emb = type(decoder.rotary_emb)(config=self.config).to(device or "cpu")
@@ -342,9 +362,11 @@ class HFCausalLM(ModelSeam):
         full = self._parts()
         decoder = getattr(full, self.family.base)
         if self.family.rotary:
-            embed, norm = self._take(decoder.embed_tokens), self._take(decoder.norm)
-            lm_head = self._take(full.lm_head)
-            parts = [("embedding", embed), ("head", norm), ("lm_head", lm_head)]
+            norm, lm_head = self._take(decoder.norm), self._take(full.lm_head)
+            parts = [("head", norm), ("lm_head", lm_head)]
+            embed = None if self.stage0_embeds else self._take(decoder.embed_tokens)
+            if embed is not None:
+                parts.insert(0, ("embedding", embed))
             trainer: TrainerParts = RotaryTrainer(embed, norm, lm_head, self.tied)
         else:
             wte, wpe = self._take(decoder.wte), self._take(decoder.wpe)

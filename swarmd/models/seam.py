@@ -13,6 +13,9 @@ blocks, one per pipeline stage. Between two stages travels one activation of
                                         initialised deterministically or loaded from weights
 ``seam.build_trainer(...)``             :class:`TrainerParts`: ``embed``, ``head``, ``loss``
 ``seam.activation(batch, seq_len)``     the shape and dtype between stages
+``seam.stage0_embeds``                  whether stage 0 holds the token embedding: the trainer
+                                        then sends token ids (B, T) to stage 0 (its ``embed``
+                                        returns them as they are) and gets no gradient back
 =====================================  ==========================================================
 
 Initialisation depends only on (fingerprint, part, seed), never on the global RNG, so every peer
@@ -106,7 +109,8 @@ class TrainerParts(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) int64 -> the first stage's input (B, T, W)."""
+        """Token ids (B, T) int64 -> the first stage's input: (B, T, W), or the ids themselves
+        when stage 0 holds the embedding (``ModelSeam.stage0_embeds``)."""
 
     @abc.abstractmethod
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,6 +167,14 @@ class ModelSeam(abc.ABC):
                       dtype: torch.dtype = torch.float32,
                       weights: object | None = None) -> TrainerParts:
         """The trainer's embedding, head and loss."""
+
+    @property
+    def stage0_embeds(self) -> bool:
+        """Whether stage 0 looks the tokens up (its module takes token ids (B, T) int64) and
+        the trainer's ``embed`` hands the ids on unchanged: hop 0 then carries a few bytes a
+        token instead of a compressed activation, and its gradient need not travel back.
+        Only for an embedding the head does not share (tied weights stay with the trainer)."""
+        return False
 
     def own_weights(self) -> object | None:
         """The weights a model directory ships (its ``checkpoint()``), None for a seam that

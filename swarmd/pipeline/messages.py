@@ -53,6 +53,9 @@ class Expect:
     model: str
     width: int
     max_tokens: int
+    #: > 0: this stage takes token ids below it, not activations (stage 0 holding the
+    #: embedding: ``ModelSeam.stage0_embeds``)
+    vocab: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,7 +325,10 @@ def parse_forward(message: Any, expect: Expect) -> Forward:
         raise BadActivation("malformed", f"forward meta 'at' must list {expect.num_stages} "
                                          f"stage steps")
     (x,) = _tensors(message, 1, "forward")
-    activation(x, expect.width, expect.max_tokens, "activations")
+    if expect.vocab:
+        token_ids(x, expect.vocab, expect.max_tokens, "token ids")
+    else:
+        activation(x, expect.width, expect.max_tokens, "activations")
     return Forward(mb=_mb(meta, "forward"), stage=stage,
                    step=_int(meta, "step", 0, MAX_STEP, "forward"), path=path,
                    trainer=_text(meta, "trainer", MAX_PEER_CHARS, "forward"), model=model,
@@ -470,6 +476,22 @@ def hop_seconds(reply: Any, round_trip_s: float) -> float:
         return parse_hop_reply(reply).seconds(round_trip_s)
     except BadActivation:
         return round_trip_s
+
+
+def token_ids(x: Any, vocab: int, max_tokens: int, what: str) -> None:
+    """A (batch, tokens) integer tensor of ids below ``vocab``, at most ``max_tokens`` ids."""
+    if not isinstance(x, torch.Tensor):
+        raise BadActivation("type", f"{what} must be a tensor")
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise BadActivation("shape", f"{what} must be (batch, tokens), got {tuple(x.shape)}")
+    if x.shape[0] * x.shape[1] > max_tokens:
+        raise BadActivation("too_large", f"{what}: {x.shape[0]}x{x.shape[1]} tokens, at most "
+                                         f"{max_tokens} here")
+    if x.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise BadActivation("dtype", f"{what} must be integers, got {x.dtype}")
+    if int(x.min()) < 0 or int(x.max()) >= vocab:
+        raise BadActivation("out_of_range", f"{what} must lie in 0..{vocab - 1}, got "
+                                            f"{int(x.min())}..{int(x.max())}")
 
 
 def activation(x: Any, width: int, max_tokens: int, what: str) -> None:

@@ -20,7 +20,8 @@ __all__ = ["CONTENT_REASONS", "MAX_REMEMBERED", "MAX_REASON_CHARS", "Violations"
 #: reasons of a refused message (``BadPeerMessage.reason``) that are its sender's violation
 #: whatever the timing: its content is wrong (an honest peer of our model never sends these);
 #: authority mismatches an honest race can cause (a path, an expired microbatch) are not here
-CONTENT_REASONS = frozenset({"shape", "dtype", "type", "not_finite", "too_large", "malformed"})
+CONTENT_REASONS = frozenset({"shape", "dtype", "type", "not_finite", "too_large", "malformed",
+                             "out_of_range"})
 #: violators remembered
 MAX_REMEMBERED = 1024
 #: a reason is kept to this many characters (it may come from a remote peer's message)

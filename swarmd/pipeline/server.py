@@ -112,8 +112,10 @@ class StageServer:
         self.peers_of = peers_of
         self.module = module if module is not None else seam.build_stage(
             stage, num_stages, seed=seed, device=device, dtype=dtype)
+        #: > 0: token ids come in (stage 0 holding the embedding)
+        vocab = seam.vocab_size if stage == 0 and seam.stage0_embeds else 0
         self.worker = StageWorker(self.module, width=seam.width, max_tokens=max_tokens,
-                                  device=device, dtype=dtype)
+                                  device=device, dtype=dtype, vocab=vocab)
         self.optimizer = SwarmOptimizer(self.module.parameters(),
                                         optim or OptimSettings(name=optimizer, lr=lr),
                                         dtype=dtype)
@@ -139,7 +141,7 @@ class StageServer:
             router=self.router, addrs_of=addrs_of, counters=self.counters,
             progressed=lambda samples: self.sync.progressed(samples),
             expect=Expect(stage=stage, num_stages=num_stages, model=model_hash,
-                          width=seam.width, max_tokens=max_tokens),
+                          width=seam.width, max_tokens=max_tokens, vocab=vocab),
             optimizer=self.optimizer, reached=self.reached,
             trainers=trainers if trainers is not None else TrainerBook())
         #: set (and replaced) whenever the stage's step changes: ``reached`` waits on it
@@ -213,9 +215,11 @@ class StageServer:
         return await self.gate.retire(timeout_s, hurry=hurry)
 
     def staleness(self) -> dict[str, Any]:
-        """What ``GET /api/v0/stage`` shows of the gradients' lateness and of draining."""
+        """What ``GET /api/v0/stage`` shows of what the stage takes in, of the gradients'
+        lateness and of draining."""
         stepped = self.counters.get("stepped_samples", 0)
-        return {"step_drains": self.gate.drain_steps,
+        return {"takes": "token ids" if self.worker.vocab else "activations",
+                "step_drains": self.gate.drain_steps,
                 "lateness_steps": (round(self.counters.get("late_samples", 0) / stepped, 3)
                                    if stepped else None),
                 "gate_closed_s": self.counters.get("step_gate_closed_ms", 0) / 1000}

@@ -39,6 +39,7 @@ from torch.func import functional_call
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
 from swarmd.models.gpt import to_device, wire_tensor
 from swarmd.pipeline.exact import Source, Sources
+from swarmd.pipeline.messages import token_ids
 
 #: a microbatch whose backward comes more than this many optimizer steps after its forward
 #: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept
@@ -91,7 +92,9 @@ class StageWorker:
                  device: torch.device | str = "cpu",
                  max_staleness: int = MAX_STALENESS,
                  backward_with: str = BACKWARD_WITH,
-                 max_saved_bytes: int | None = None) -> None:
+                 max_saved_bytes: int | None = None, vocab: int = 0) -> None:
+        """``vocab`` > 0: the stage takes token ids below it (stage 0 holding the embedding),
+        not activations, and sends back no gradient of its input (an empty (B, T, 0))."""
         if max_saved < 1 or ttl_s <= 0 or width < 1 or max_tokens < 1 or max_staleness < 0:
             raise ValueError("StageWorker needs max_saved >= 1, ttl_s > 0, width, max_tokens >= 1"
                              ", max_staleness >= 0")
@@ -100,6 +103,7 @@ class StageWorker:
         self.module = module
         self.width = width
         self.max_tokens = max_tokens
+        self.vocab = vocab
         self.max_saved = max_saved
         self.ttl_s = ttl_s
         self.dtype = dtype
@@ -217,7 +221,7 @@ class StageWorker:
             rows[mb_id] = slice(start, start + int(x.shape[0]))
             start += int(x.shape[0])
         joined = items[0][1] if len(items) == 1 else torch.cat([x for _, x in items])
-        inputs = to_device(joined, self.device, self.dtype).detach().requires_grad_(True)
+        inputs = self._inputs(joined)
         weights = self._weights()
         if self.max_saved_bytes is None:
             with torch.enable_grad():
@@ -232,6 +236,13 @@ class StageWorker:
             self._saved[mb_id] = saved
         out = outputs.detach()
         return [wire_tensor(out[r]) for r in rows.values()]
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """What the module runs on: activations as a leaf that requires grad (their gradient
+        goes back), token ids as they are (int64)."""
+        if self.vocab:
+            return x.to(self.device, torch.int64)
+        return to_device(x, self.device, self.dtype).detach().requires_grad_(True)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """The stash of the current weights: made once after each change of the weights (an
@@ -308,7 +319,7 @@ class StageWorker:
         """Forward only (validation): nothing is kept."""
         self._check(x, "activations")
         with torch.no_grad():
-            return wire_tensor(self.module(to_device(x, self.device, self.dtype)))
+            return wire_tensor(self.module(self._inputs(x).detach()))
 
     def backward(self, mb_id: str, grad: torch.Tensor, now: float) -> torch.Tensor:
         """Back-propagate ``grad`` (d loss / d output) and return d loss / d input. For a
@@ -370,8 +381,10 @@ class StageWorker:
         self.forward_steps += saved.step * samples
         for source in saved.sources.values():  # only members that sent a gradient have one
             self.sources.add(*source)
-        assert saved.inputs.grad is not None
         g = saved.inputs.grad
+        if g is None:  # token ids: nothing goes back but that the backward is done
+            assert self.vocab
+            g = saved.inputs.new_zeros((*saved.inputs.shape, 0), dtype=torch.float32)
         return {mb: wire_tensor(g[r]) for mb, r in saved.rows.items() if mb in saved.grads}
 
     def _backward(self, saved: _Saved, grad: torch.Tensor) -> None:
@@ -380,19 +393,21 @@ class StageWorker:
         gradients are added to the live parameters' (what the next step applies)."""
         if self.backward_with == "current" and saved.version != _version(self.module):
             weights = self._weights()
-            inputs = saved.inputs.detach().requires_grad_(True)
+            inputs = self._inputs(saved.inputs.detach())
             with torch.enable_grad():
                 outputs = functional_call(self.module, weights, (inputs,))
             saved.inputs, saved.outputs, saved.weights = inputs, outputs, weights
             self.recomputed += 1
         live = dict(self.module.named_parameters())
         names = [n for n, w in saved.weights.items() if w.requires_grad]
-        found = torch.autograd.grad(saved.outputs, [saved.inputs, *(saved.weights[n]
-                                                                    for n in names)],
+        wrt = [saved.weights[n] for n in names]
+        takes_grad = saved.inputs.requires_grad  # token ids do not
+        found = torch.autograd.grad(saved.outputs, [saved.inputs, *wrt] if takes_grad else wrt,
                                     grad, allow_unused=True)
-        saved.inputs.grad = found[0]
+        if takes_grad:
+            saved.inputs.grad, found = found[0], found[1:]
         with torch.no_grad():
-            for name, g in zip(names, found[1:]):
+            for name, g in zip(names, found):
                 if g is None:
                     continue
                 p = live[name]
@@ -441,6 +456,9 @@ class StageWorker:
         return self.sources.peek(), self.samples_accumulated
 
     def _check(self, x: torch.Tensor, what: str) -> None:
+        if self.vocab and what == "activations":
+            token_ids(x, self.vocab, self.max_tokens, "token ids")
+            return
         if not isinstance(x, torch.Tensor):
             raise BadActivation("type", f"{what} must be a tensor")
         if x.dim() != 3 or x.shape[-1] != self.width or x.shape[0] < 1 or x.shape[1] < 1:

@@ -1,9 +1,11 @@
 """The trainer: embeddings, head and loss, and the microbatches it sends through the swarm.
 
-For each microbatch: embed (B, T) bytes, send the activations to a stage-0 peer chosen by
-``Wiring`` (another one if it fails: ``rerouted``); the chain ends with the last stage's
-``result`` arriving here; compute the loss and its gradient, send it back along the recorded
-path; stage 0's ``grad`` finishes the embedding's backward. A microbatch whose chain breaks in
+For each microbatch: embed (B, T) tokens, send the activations (or the token ids, when stage 0
+holds the embedding: ``ModelSeam.stage0_embeds``) to a stage-0 peer chosen by ``Wiring``
+(another one if it fails: ``rerouted``); the chain ends with the last stage's ``result``
+arriving here; compute the loss and its gradient, send it back along the recorded path; stage
+0's ``grad`` finishes the embedding's backward (empty for token ids: it says the chain is
+done). A microbatch whose chain breaks in
 a way no hop could route around (a peer holding its activations died) is run again from the
 start (``restarted``). Gradients are added to the parameters only once a microbatch has fully
 succeeded, so a restart never counts twice. ``lost`` counts microbatches given up; while some
@@ -707,7 +709,8 @@ class Trainer(TrainerCompute):
             loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
             if overflow:  # float16: this step is skipped here and by the stages of the path
                 self._overflow, g_out = True, torch.zeros_like(g_out)
-            arrival = self._expect("grad", mb, tuple(h.shape), first={path[0]}, path=path).future
+            arrival = self._expect("grad", mb, self._hop0_grad_shape(h), first={path[0]},
+                                   path=path).future
             backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
                                 trainer=self.host.peer_id, model=self.model_hash, grad=g_out,
                                 scale=self.loss_scale, overflow=overflow)
@@ -752,10 +755,11 @@ class Trainer(TrainerCompute):
                        tried: set[str] | None = None) -> tuple[torch.Tensor, tuple[str, ...]]:
         """Send ``h`` into the swarm as microbatch ``mb``; returns the last stage's output and
         the path it took. ``tried`` gets every stage-0 peer it was sent to."""
-        expected = self._expect("result", mb, tuple(h.shape), first=tried)
+        expected = self._expect("result", mb, tuple(h.shape) if h.is_floating_point()
+                                else (*h.shape, self.seam.width), first=tried)
         at = self.board.expected() if self.exact else None
         forward = Forward(mb=mb, stage=0, step=self.step, path=(), trainer=self.host.peer_id,
-                          model=self.model_hash, x=wire_tensor(h.detach()), eval=eval_only,
+                          model=self.model_hash, x=_on_wire(h), eval=eval_only,
                           at=at)
         try:
             out = await self._sent_then_arrived(
@@ -817,6 +821,11 @@ class Trainer(TrainerCompute):
                 said = missing[0]
             await asyncio.sleep(MISSING_POLL_S)
 
+    def _hop0_grad_shape(self, h: torch.Tensor) -> tuple[int, ...]:
+        """What stage 0's ``grad`` holds: the gradient of ``h``, or nothing (B, T, 0) when
+        ``h`` is token ids (stage 0 holds the embedding)."""
+        return tuple(h.shape) if h.is_floating_point() else (*h.shape, 0)
+
     def _expect(self, kind: str, mb: str, shape: tuple[int, ...], *,
                 first: set[str] | None = None, path: tuple[str, ...] = ()) -> _Expected:
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
@@ -826,6 +835,12 @@ class Trainer(TrainerCompute):
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+
+def _on_wire(h: torch.Tensor) -> torch.Tensor:
+    """What goes to stage 0: the activations as ``wire_tensor`` makes them, or the token ids
+    as int32 (4 bytes a token)."""
+    return wire_tensor(h.detach()) if h.is_floating_point() else h.to("cpu", torch.int32)
 
 
 def _stage_unavailable(exc: BaseException) -> bool:

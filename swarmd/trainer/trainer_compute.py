@@ -86,6 +86,8 @@ class TrainerCompute:
         a step changed the weights since ``h`` was made (the pipelined schedule), the forward
         is run again on the current weights: the graph kept may hold weights that changed in
         place (cheap: the embedding is a lookup)."""
+        if not h.is_floating_point():  # token ids: stage 0 holds the embedding
+            return [None] * len(self.params)
         if versions != [p._version for p in self.params]:
             h = self._embed(x, True)
             self.counters["embedding_recomputed"] += 1
