@@ -300,8 +300,11 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     ref = dict(model.named_parameters())
     assert set(weights) == set(ref), set(weights) ^ set(ref)
     for name, w in weights.items():
+        # Adam divides by the gradient's own size, so float32 summation order alone moves an
+        # element with a near-zero gradient: 1.2e-4 was seen once (a zero-initialised bias,
+        # a loaded machine); a wrong clipping coefficient or gradient is off by 1e-2 or more
         err = float((w - ref[name].detach()).norm() / ref[name].detach().norm())
-        assert err <= 1e-4, (name, err)
+        assert err <= 3e-4, (name, err)
 
 
 @pytest.mark.parametrize("appears", ["while_it_waits", "before_its_step"])
