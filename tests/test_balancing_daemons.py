@@ -133,8 +133,15 @@ def test_a_new_peer_with_stage_auto_joins_the_stage_that_lost_its_peers(
         newcomer.wait_started()
         stages = d[0].get("/api/v0/swarm")["stages"]
         assert newcomer.get("/api/v0/status")["stage"] == 2, stages  # where it is needed
-        wait_until(lambda: training.going() and _trained(newcomer) >= 1, 120,
-                   "the newcomer serving stage 2")
+        try:
+            wait_until(lambda: training.going() and _trained(newcomer) >= 1, 120,
+                       "the newcomer serving stage 2")
+        except AssertionError as exc:  # once in CI-like load: say where everyone stood
+            alive = [p for p in started if p is not d[4]]
+            keeper = "\n".join(line for line in newcomer.stderr().splitlines()
+                               if "swarmd.keeper" in line or "swarmd.state" in line)[-2000:]
+            raise AssertionError(f"{exc}; {_where(alive)} (the newcomer last); trainer said: "
+                                 f"{training.tail()}; the newcomer's state: {keeper}") from None
         training.enough.set()
         result = training.finish()
         assert result.lost == 0 and result.final_val_loss < result.initial_val_loss

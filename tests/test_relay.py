@@ -330,7 +330,14 @@ def test_dcutr_upgrades_a_relayed_connection_to_a_direct_one() -> None:
                 return (await b.relay.paths()).get(a.peer_id) == "direct"
 
             await wait_until(direct, "DCUtR to make the connection direct", seconds=30)
-            # either end may have driven it; both saw the direct connection arrive
+
+            async def both_counted() -> bool:  # a's side may count it a moment after b's
+                return (a.counters.get("relay.upgraded_direct") >= 1
+                        and b.counters.get("relay.upgraded_direct") >= 1)
+
+            await wait_until(both_counted, "both ends to count the direct connection",
+                             seconds=10)
+            # either end may have driven it; both saw the direct connection arrive, once
             assert b.counters.get("relay.upgraded_direct") == 1
             assert a.counters.get("relay.upgraded_direct") == 1
             relayed = r.counters.get("relay.bytes_relayed")
