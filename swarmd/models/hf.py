@@ -350,8 +350,9 @@ class HFCausalLM(ModelSeam):
             stage: nn.Module = RotaryStage(self.config, layers, rotary, embed)
         else:
             stage = GPT2Stage(self.config, layers)
-        stage = self._finish(stage, parts, self.checkpoint_names(stage), seed=seed, device=device, dtype=dtype,
-                             weights=weights, what=f"stage {index} of {num_stages}")
+        stage = self._finish(stage, parts, self.checkpoint_names(stage), seed=seed,
+                             device=device, dtype=dtype, weights=weights,
+                             what=f"stage {index} of {num_stages}")
         if self.family.rotary:  # rotary frequencies stay float32 whatever the model's dtype
             stage.rotary_emb = type(decoder.rotary_emb)(config=self.config).to(device or "cpu")
         return stage

@@ -39,7 +39,7 @@ from torch.func import functional_call
 from swarmd.errors import BadActivation, StageBusy, UnknownMicrobatch
 from swarmd.models.gpt import to_device, wire_tensor
 from swarmd.pipeline.exact import Source, Sources
-from swarmd.pipeline.messages import token_ids
+from swarmd.pipeline.messages import activation, token_ids
 
 #: a microbatch whose backward comes more than this many optimizer steps after its forward
 #: is dropped (``StageWorker.stepped``): bounds the staleness and the stashes kept
@@ -456,21 +456,12 @@ class StageWorker:
         return self.sources.peek(), self.samples_accumulated
 
     def _check(self, x: torch.Tensor, what: str) -> None:
+        """Token ids where this stage takes them, else a (batch, tokens, width) finite float
+        tensor (``swarmd.pipeline.messages``: the same checks as a message's)."""
         if self.vocab and what == "activations":
             token_ids(x, self.vocab, self.max_tokens, "token ids")
-            return
-        if not isinstance(x, torch.Tensor):
-            raise BadActivation("type", f"{what} must be a tensor")
-        if x.dim() != 3 or x.shape[-1] != self.width or x.shape[0] < 1 or x.shape[1] < 1:
-            raise BadActivation("shape", f"{what} must be (batch, tokens, {self.width}), got "
-                                         f"{tuple(x.shape)}")
-        if x.shape[0] * x.shape[1] > self.max_tokens:
-            raise BadActivation("too_large", f"{what} of {x.shape[0]}x{x.shape[1]} tokens, at "
-                                             f"most {self.max_tokens} here")
-        if not x.is_floating_point():
-            raise BadActivation("dtype", f"{what} must be floating point, got {x.dtype}")
-        if not bool(torch.isfinite(x).all()):
-            raise BadActivation("not_finite", f"{what} contain NaN or Inf")
+        else:
+            activation(x, self.width, self.max_tokens, what)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
