@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,18 +71,45 @@ def block_rows(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     return rows
 
 
-def _steps(x: torch.Tensor, block: int, bits: int, cover: bool = False) -> torch.Tensor:
+def _steps(rows: list[torch.Tensor], bits: int, cover: bool = False) -> torch.Tensor:
+    """The step of each block: ``rows`` are the (blocks, block) views ``block_rows`` gives."""
     out = []
-    for r in block_rows(x, block):
+    for r in rows:
         if bits == 4 or cover:
             # positive floats order like their bits: an int32 max is faster than a float one
             positive = r.view(torch.int32).amax(1).view(torch.float32)
             top = (1 << (bits - 1)) - 0.5 if cover else 8
-            out.append(torch.maximum(positive, r.amin(1).neg_()).mul_(1 / top))
+            out.append(torch.maximum(positive, r.amin(1).neg_()).mul_(_const(1 / top)))
         else:
             norm = torch.linalg.vector_norm(r, dim=1)
-            out.append(norm.mul_(CLIP[bits] / math.sqrt(r.shape[1])))
+            out.append(norm.mul_(_const(CLIP[bits] / math.sqrt(r.shape[1]))))
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _const(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``value`` as a 0-dim tensor of ``dtype``, made once: given a Python number, an op wraps
+    and converts it on every call, 2 us of the 3 the call costs (a group makes ~20 calls).
+    Only ever read."""
+    return torch.tensor(value, dtype=dtype)
+
+
+class _GroupViews(NamedTuple):
+    """The views of a group's work buffers that every group of ``size`` values uses alike
+    (made once per size: a view costs a microsecond, a group ~20 of them)."""
+
+    chunk: torch.Tensor  # the float32 values, buf[:size]
+    blocks: list[torch.Tensor]  # chunk as block rows (block_rows)
+    codes: torch.Tensor  # the group's codes, padded to whole bytes
+    planes: tuple[torch.Tensor, ...]  # codes (as uint8) cut into 8 // bits planes
+
+
+def _group_views(buf: torch.Tensor, codes: torch.Tensor, size: int, block: int,
+                 per_byte: int) -> _GroupViews:
+    chunk = buf[:size]
+    group = codes[:-(-size // per_byte) * per_byte]
+    return _GroupViews(chunk, block_rows(chunk, block), group,
+                       group.view(torch.uint8).view(per_byte, -1).unbind(0))
 
 
 def _by_channel(op: Any, x: torch.Tensor, mean: torch.Tensor, start: int,
@@ -92,6 +119,9 @@ def _by_channel(op: Any, x: torch.Tensor, mean: torch.Tensor, start: int,
     (faster than a per-value copy of it), the partial rows at either end take a slice."""
     channels, size = mean.numel(), x.numel()
     at, done = start % channels, 0
+    if not at and not size % channels:  # whole rows only (a group, as a rule)
+        op(x.view(-1, channels), mean, out=out.view(-1, channels))
+        return
     if at:
         done = min(channels - at, size)
         op(x[:done], mean[at:at + done], out=out[:done])
@@ -104,23 +134,29 @@ def _by_channel(op: Any, x: torch.Tensor, mean: torch.Tensor, start: int,
         op(x[done:], mean[:size - done], out=out[done:])
 
 
-def _to_wire(step: torch.Tensor, out: torch.Tensor, cover: bool) -> torch.Tensor | None:
+def _to_wire(step: torch.Tensor, out: torch.Tensor, cover: bool) -> torch.Tensor:
     """Write float32 ``step`` into ``out`` (the steps as sent, in the wire's scale dtype) and
     return them as float32: rounded up where ``cover`` (a step rounded down would clip its
-    block's largest value); None when a finite step overflows the scale dtype."""
+    block's largest value). A finite step that overflows the scale dtype becomes inf here;
+    ``_overflowed`` tells, once for the whole tensor."""
+    out.copy_(step)
     if out.dtype == torch.float32:
-        return out.copy_(step)
-    wire = step.to(out.dtype)
-    wide = wire.float()
+        return out
+    wide = out.float()
     if cover:
         low = wide < step
         if bool(low.any()):
-            wire = torch.where(low, torch.nextafter(wire, torch.full_like(wire, math.inf)), wire)
-            wide = wire.float()
-    if bool((wide.isinf() & step.isfinite()).any()):
-        return None
-    out.copy_(wire)
+            out.copy_(torch.where(low, torch.nextafter(out, torch.full_like(out, math.inf)), out))
+            wide = out.float()
     return wide
+
+
+def _overflowed(steps: list[torch.Tensor], sent: torch.Tensor) -> bool:
+    """Whether a finite float32 step became inf in the scale dtype of ``sent``."""
+    if sent.dtype == torch.float32:
+        return False
+    exact = steps[0] if len(steps) == 1 else torch.cat(steps)
+    return bool((sent.float().isinf() & exact.isfinite()).any())
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,6 +175,9 @@ def _dither_offset(x: torch.Tensor) -> int:
 
 def _scaled_rows(x: torch.Tensor, factor: torch.Tensor, block: int, out: torch.Tensor) -> None:
     """``out = x * factor[block of each value]`` for flat ``x`` starting at a block boundary."""
+    if x.numel() % block == 0:  # whole blocks (every packing group but maybe the last)
+        torch.mul(x.view(-1, block), factor[:x.numel() // block, None], out=out.view(-1, block))
+        return
     for r_x, r_out in zip(block_rows(x, block), block_rows(out, block)):
         torch.mul(r_x, factor[:r_x.shape[0], None], out=r_out)
         factor = factor[r_x.shape[0]:]
@@ -170,47 +209,56 @@ def encode(x: torch.Tensor, block: int, bits: int, *, scale_dtype: torch.dtype,
     clamp_ints = bits == 4 or block <= _INT8_CLAMP_BLOCK
     buf = torch.empty(min(n, GROUP))
     codes = torch.zeros(-(-buf.numel() // per_byte) * per_byte, dtype=torch.int8)
-    tmp = torch.empty(codes.numel() // per_byte, dtype=torch.int8)
+    views: dict[int, _GroupViews] = {}
+    exact = []  # each group's float32 steps, for the one overflow check at the end
     for start in range(0, n, GROUP):
         size = min(n, start + GROUP) - start
-        chunk, source = buf[:size], x[start:start + size]
+        v = views.get(size) or views.setdefault(size, _group_views(buf, codes, size, block,
+                                                                    per_byte))
+        chunk, source, rows = v.chunk, x[start:start + size], v.blocks
         if mean is not None:
             _by_channel(torch.sub, source, mean, start, chunk)
             source = chunk
-        step = _steps(source, block, bits, stochastic)
+        step = _steps(rows if source is chunk else block_rows(source, block), bits, stochastic)
+        exact.append(step)
         first = start // block
         wide = _to_wire(step, steps_sent[first:first + step.numel()], stochastic)
-        if wide is None:
-            return None
-        _scaled_rows(source, torch.where(wide > 0, wide.reciprocal(), 0.0), block, chunk)
+        # 1 / s, and 0 for an all-zero block's step (its values then code 0)
+        inverse = wide.reciprocal().nan_to_num_(posinf=0.0, neginf=0.0)
+        if source is chunk and len(rows) == 1:
+            rows[0].mul_(inverse.unsqueeze_(1))
+        else:
+            _scaled_rows(source, inverse, block, chunk)
         if dither is not None:
             at = offset % _DITHER
             chunk.add_(dither[at:at + size])
             offset += size + _DITHER_STRIDE
-        chunk.add_(add)
+        chunk.add_(_const(add))
         if not clamp_ints:
             chunk.clamp_(0, levels - 1 / 256)
-        nbytes = -(-size // per_byte)
-        group = codes[:nbytes * per_byte]
+        group = v.codes
         if size % per_byte:
             group.fill_(levels // 2)  # padding: the code 0
-        group[:size].copy_(chunk)
+            group[:size].copy_(chunk)
+        else:
+            group.copy_(chunk)
         if clamp_ints:
             group.clamp_(0, levels - 1)
-        _pack(group, bits, tmp[:nbytes],
-              packed[start // per_byte:start // per_byte + nbytes].view(torch.int8))
-    return steps_sent, packed
+        _pack(v.planes, bits, packed[start // per_byte:start // per_byte + group.numel() // per_byte])
+    return None if _overflowed(exact, steps_sent) else (steps_sent, packed)
 
 
-def _pack(q: torch.Tensor, bits: int, tmp: torch.Tensor, out: torch.Tensor) -> None:
-    """Unsigned codes ``q`` (0 .. L-1, a multiple of ``8 // bits`` of them) -> one planar
-    group of two's complement fields (``c = q - L/2``: flipping the top bit of the field)."""
-    parts = q.view(8 // bits, -1)
-    torch.bitwise_left_shift(parts[0], 8 - bits, out=out)
-    for i in range(1, 8 // bits):
-        torch.bitwise_left_shift(parts[i], 8 - bits * (i + 1), out=tmp)
-        out.bitwise_or_(tmp)
-    out.bitwise_xor_(sum(1 << (8 - bits * (i + 1) + bits - 1) for i in range(8 // bits)))
+def _pack(planes: tuple[torch.Tensor, ...], bits: int, out: torch.Tensor) -> None:
+    """Unsigned codes (uint8, 0 .. L-1) in ``8 // bits`` equal ``planes`` -> one planar group
+    of two's complement fields in ``out`` (uint8): ``((q0 * L + q1) * L + q2) ...`` (each
+    add-and-scale is one pass; no field overflows into the next), then ``c = q - L/2`` by
+    flipping every field's top bit."""
+    levels = 1 << bits
+    torch.add(planes[1], planes[0], alpha=levels, out=out)
+    for plane in planes[2:]:
+        torch.add(plane, out, alpha=levels, out=out)
+    out.bitwise_xor_(_const(sum(1 << (bits * i + bits - 1) for i in range(8 // bits)),
+                            torch.uint8))
 
 
 def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int,
@@ -220,47 +268,50 @@ def decode_into(packed: torch.Tensor, scale: torch.Tensor, block: int, bits: int
     n = out.numel()
     per_byte = 8 // bits
     field = 1 << (8 - bits)  # a field in the top bits, read as int8, is field * c
-    low = field // 2  # ... and with this bit set, field * (c + 1/2)
+    half = _const(field // 2, torch.int8)  # ... and with this bit set, field * (c + 1/2)
+    mask = _const(-field, torch.int8)  # the top bits, as an int8
+    shifts = [_const(bits * i, torch.int8) for i in range(per_byte)]
     factor = scale * (1 / field)
     codes = torch.empty(-(-min(n, GROUP) // per_byte) * per_byte, dtype=torch.int8)
-    mask = -field  # the top bits, as an int8
+    planes: dict[int, tuple[torch.Tensor, ...]] = {}
+    channels = 0 if mean is None else mean.numel()
+    lined_up = None if mean is None else _lined_up(mean, block)
     for start in range(0, n, GROUP):
         size = min(n, start + GROUP) - start
         nbytes = -(-size // per_byte)
         p = packed[start // per_byte:start // per_byte + nbytes].view(torch.int8)
-        parts = codes[:nbytes * per_byte].view(per_byte, nbytes)
+        parts = planes.get(nbytes) or planes.setdefault(
+            nbytes, codes[:nbytes * per_byte].view(per_byte, nbytes).unbind(0))
         torch.bitwise_and(p, mask, out=parts[0])
         for i in range(1, per_byte):
-            torch.bitwise_left_shift(p, bits * i, out=parts[i])
+            torch.bitwise_left_shift(p, shifts[i], out=parts[i])
             if i < per_byte - 1:
                 parts[i].bitwise_and_(mask)
-        codes[:nbytes * per_byte].bitwise_or_(low)
+        group = codes if nbytes * per_byte == codes.numel() else codes[:nbytes * per_byte]
+        group.bitwise_or_(half)
         chunk = out[start:start + size]
-        chunk.copy_(codes[:size])
-        if mean is None or not _scaled_and_centred(chunk, factor[start // block:], block,
-                                                   mean, start):
-            _scaled_rows(chunk, factor[start // block:], block, chunk)
+        chunk.copy_(group if size == group.numel() else group[:size])
+        steps = factor[start // block:]
+        if lined_up is not None and not (start % channels or size % channels or size % block):
+            shape, means, steps_shape = lined_up
+            view = chunk.view(shape)
+            torch.addcmul(means, view, steps[:size // block].view(steps_shape), out=view)
+        else:
+            _scaled_rows(chunk, steps, block, chunk)
             if mean is not None:
                 _by_channel(torch.add, chunk, mean, start, chunk)
     return out
 
 
-def _scaled_and_centred(chunk: torch.Tensor, factor: torch.Tensor, block: int,
-                        mean: torch.Tensor, start: int) -> bool:
-    """``chunk = chunk * factor[block] + mean[channel]`` in one pass where the blocks and the
-    rows of channels line up (one divides the other, the chunk holds whole rows); False,
-    untouched, where they do not."""
-    channels, size = mean.numel(), chunk.numel()
-    if start % channels or size % channels or size % block:
-        return False
-    factor = factor[:size // block]
+def _lined_up(mean: torch.Tensor, block: int) -> tuple[tuple[int, ...], torch.Tensor,
+                                                      tuple[int, ...]] | None:
+    """Where the blocks and the rows of ``mean.numel()`` channels line up (one divides the
+    other), the shape to view a group's values in, the means and the steps viewed to match,
+    so that ``values * steps + means`` is one ``addcmul``; None where they do not."""
+    channels = mean.numel()
     if channels % block == 0:  # a row holds whole blocks
-        shape, means = (-1, channels // block, block), mean.view(channels // block, block)
-        steps = factor.view(-1, channels // block, 1)
-    elif block % channels == 0:  # a block holds whole rows
-        shape, means, steps = (-1, block // channels, channels), mean, factor.view(-1, 1, 1)
-    else:
-        return False
-    view = chunk.view(shape)
-    torch.addcmul(means, view, steps, out=view)
-    return True
+        return ((-1, channels // block, block), mean.view(channels // block, block),
+                (-1, channels // block, 1))
+    if block % channels == 0:  # a block holds whole rows
+        return (-1, block // channels, channels), mean, (-1, 1, 1)
+    return None
