@@ -57,14 +57,16 @@ def hop_bytes(env: dict[str, str]) -> dict[str, Any]:
     import torch
 
     from swarmd.config import load_config
-    from swarmd.models.registry import model_config_of
+    from swarmd.models.registry import model_seam_of
     from swarmd.node.host_options import codec_spec
     from transport.codecs import encode
 
     config = load_config(None, {**os.environ, **env})
-    mc = model_config_of(config)
-    width = config.model.boundary_rank or mc.width
-    shape = (config.training.batch_size, mc.seq_len, width)
+    # the model's own shape (a Hugging Face model's, not [model]'s built-in defaults), the
+    # sequence cut as the trainer cuts it
+    seam = model_seam_of(config)[0]
+    width = config.model.boundary_rank or seam.width
+    shape = (config.training.batch_size, min(config.model.seq_len, seam.max_seq_len), width)
     g = torch.Generator().manual_seed(0)
     x, spec = torch.randn(shape, generator=g), codec_spec(config)
     # the output forward and the input's gradient back, each as its kind is sent (int2 centres
