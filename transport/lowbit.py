@@ -244,7 +244,8 @@ def encode(x: torch.Tensor, block: int, bits: int, *, scale_dtype: torch.dtype,
             group.copy_(chunk)
         if clamp_ints:
             group.clamp_(0, levels - 1)
-        _pack(v.planes, bits, packed[start // per_byte:start // per_byte + group.numel() // per_byte])
+        first_byte = start // per_byte
+        _pack(v.planes, bits, packed[first_byte:first_byte + group.numel() // per_byte])
     return None if _overflowed(exact, steps_sent) else (steps_sent, packed)
 
 
