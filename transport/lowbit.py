@@ -119,9 +119,6 @@ def _by_channel(op: Any, x: torch.Tensor, mean: torch.Tensor, start: int,
     (faster than a per-value copy of it), the partial rows at either end take a slice."""
     channels, size = mean.numel(), x.numel()
     at, done = start % channels, 0
-    if not at and not size % channels:  # whole rows only (a group, as a rule)
-        op(x.view(-1, channels), mean, out=out.view(-1, channels))
-        return
     if at:
         done = min(channels - at, size)
         op(x[:done], mean[at:at + done], out=out[:done])
@@ -225,10 +222,7 @@ def encode(x: torch.Tensor, block: int, bits: int, *, scale_dtype: torch.dtype,
         wide = _to_wire(step, steps_sent[first:first + step.numel()], stochastic)
         # 1 / s, and 0 for an all-zero block's step (its values then code 0)
         inverse = wide.reciprocal().nan_to_num_(posinf=0.0, neginf=0.0)
-        if source is chunk and len(rows) == 1:
-            rows[0].mul_(inverse.unsqueeze_(1))
-        else:
-            _scaled_rows(source, inverse, block, chunk)
+        _scaled_rows(source, inverse, block, chunk)
         if dither is not None:
             at = offset % _DITHER
             chunk.add_(dither[at:at + size])
