@@ -379,9 +379,15 @@ def test_the_dcutr_exchange_upgrades_when_no_direct_address_is_known() -> None:
 # ---- raw peers that misbehave (trio side of the flooding host) --------------------------------
 
 async def t_forget_direct_addrs(host: Host, peer: str, attempts: int) -> None:
-    """Drop ``peer``'s direct addresses from the peerstore and set DCUtR's attempt count
-    (3: its background loop leaves the peer alone; 0: it may try)."""
+    """Drop ``peer``'s direct addresses from the peerstore, set DCUtR's attempt count (3: its
+    background loop leaves the peer alone; 0: it may try) and turn off its unilateral first
+    step: an identify answer still in flight re-adds the addresses, and a plain dial to them
+    (which bypasses the attempt count) would make the connection direct without the exchange
+    (CI saw it once)."""
     from libp2p.peer.id import ID
+
+    async def no_unilateral_dial(peer_id: Any) -> bool:
+        return False
 
     pid = ID.from_base58(peer)
     store = host._t_host.get_peerstore()
@@ -392,6 +398,7 @@ async def t_forget_direct_addrs(host: Host, peer: str, attempts: int) -> None:
         store.add_addrs(pid, keep, 600)
     assert host.relay is not None and host.relay.dcutr is not None
     host.relay.dcutr._hole_punch_attempts[pid] = attempts
+    host.relay.dcutr._try_unilateral_upgrade = no_unilateral_dial  # type: ignore[method-assign]
 
 
 def _forged_peer() -> bytes:
