@@ -7,10 +7,11 @@ faked (``_fetch``), nothing goes on the network."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import torch
 
@@ -172,5 +173,64 @@ def test_a_wait_for_the_first_view_ends_when_it_shows_nobody_on_the_stage() -> N
         assert await keeper.load() == "initial"  # long before the 600 s wait
         await later
         assert keeper.asked == [] and keeper.counters["waited_for_mates"] == 1
+
+    _run(scenario)
+
+
+class _Replaying:
+    """A replayer whose mates keep the gradients up to ``stage_at`` (None: nobody keeps
+    them): a replay brings the server there."""
+
+    enabled = True
+
+    def __init__(self, server: Any) -> None:
+        self.server, self.stage_at, self.calls = server, None, 0
+
+    async def replay(self, peers: Any) -> int:
+        self.calls += 1
+        if self.stage_at is None or self.stage_at <= self.server.step:
+            return 0
+        done, self.server.step = self.stage_at - self.server.step, self.stage_at
+        return done
+
+    def caught_up(self) -> bool:
+        return self.stage_at is not None and self.server.step >= self.stage_at
+
+
+def test_a_peer_behind_again_within_the_gap_replays_the_new_steps_but_never_downloads() -> None:
+    """A stage that steps faster than ``CATCH_UP_GAP_S`` left a mate that had just caught up
+    a step behind at every round, for good (the gap ignored what each round told it): a
+    replay is cheap and runs at once; only a download waits the gap."""
+    async def scenario() -> None:
+        membership = _Membership()
+        membership.announce(MATE, stage=1, state=PeerState.ONLINE, step=6)
+        membership.has_view.set()
+        keeper = _keeper(membership)
+        assert await keeper.load() == "peers" and keeper.server.step == 6
+        server = keeper.server
+        server.gate = type("Gate", (), {"catching_up": False})()
+
+        @contextlib.asynccontextmanager
+        async def held() -> AsyncIterator[None]:
+            yield
+
+        server.rounds_held = held
+        keeper._replayer = replayer = _Replaying(server)
+        keeper._clock = lambda: 1000.0  # the gap never passes
+
+        async def behind(step: int) -> None:
+            keeper.behind(MATE, step)
+            if keeper._catching_up is not None:
+                await keeper._catching_up
+
+        replayer.stage_at = 8
+        await behind(8)  # the first catch-up: a replay does it, no download
+        replayer.stage_at = 9
+        await behind(9)  # told again at once (the stage stepped on): replayed at once
+        assert server.step == 9 and replayer.calls == 2 and not server.gate.catching_up
+        replayer.stage_at = None
+        await behind(12)  # nobody keeps the gradients: a download, but not within the gap
+        assert keeper.asked == [[MATE]] and server.step == 9 and replayer.calls == 3
+        assert keeper.counters["caught_up_by_replay"] == 2
 
     _run(scenario)

@@ -36,6 +36,8 @@ class Host:
         self.answers = answers
         #: the step a mate says it is at (default: the step it is asked about)
         self.steps = steps or {}
+        #: (mate, kind, step) of every request, in order
+        self.asked: list[tuple[str, str, int]] = []
 
     async def ensure_connected(self, peer: str, *a: Any, **k: Any) -> bool:
         return True
@@ -44,6 +46,7 @@ class Host:
         return 0.001
 
     async def request(self, peer: str, protocol: str, message: Message, **k: Any) -> Message:
+        self.asked.append((peer, message.kind, message.meta.get("step")))
         free = self.answers[peer]
         if free is None:
             raise DeadlineExceeded(f"{peer} did not answer")
@@ -200,8 +203,19 @@ def test_a_leader_that_says_it_is_behind_is_passed_over_and_the_next_mate_leads(
     counters = until(sync, lambda: sync.step == 6)
     assert counters == {"reports_sent": 1, "leader_behind": 1, "left_out.behind": 1,
                         "mates_left_out": 1, "rounds_short": 1, "rounds_led": 1,
-                        "local_steps": 1}
+                        "local_steps": 1, "nudged_behind": 1}
     assert sync.trigger.leader(["a"], time.monotonic()) == "a"  # at step 6: tried again
+
+
+def test_a_mate_left_out_as_behind_is_told_the_step_the_round_took_at_once() -> None:
+    """A mate that caught up (by replay) to the step the leader was stepping from found it
+    one step on by the next round, and was left out as behind again, every round: it never
+    served (a livelock CI saw). The leader tells it the new step right after stepping."""
+    sync = stage_sync("a", {"b": True, "c": True}, steps={"b": 4})
+    counters = until(sync, lambda: ("b", "prepare", 6) in sync.host.asked)
+    assert counters["left_out.behind"] == 1 and counters["nudged_behind"] == 1
+    assert sync.step == 6 and sync.host.asked.count(("b", "prepare", 5)) == 1
+    assert ("c", "prepare", 6) not in sync.host.asked  # it was in the round: nothing to say
 
 
 def test_a_passed_over_leader_that_caught_up_leads_again_at_once() -> None:

@@ -7,7 +7,9 @@ over ``/swarmd/<swarm>/1/round`` (request/reply, small meta only) and runs the r
   backward (coalesced: one report in flight at a time).
 - ``prepare`` {stage, step}: the leader, once the target is reached, asks every mate for its
   step and whether it is free; the mates at the leader's step that are free form the group.
-  A mate at another step is out of this round; whoever is behind catches up (``on_behind``).
+  A mate at another step is out of this round; whoever is behind catches up (``on_behind``);
+  once stepped, the leader tells a mate it left out as behind its new step (``nudged_behind``),
+  so that the mate replays up to it before the next round, not one step short of it.
 - ``start`` {stage, step, round, group}: the leader tells the group; every member (the leader
   too) takes its gradient snapshot and enters ``Averager.all_reduce`` with the same round id and
   group, then applies the same averaged gradient and moves to the next step.
@@ -391,6 +393,7 @@ class StageSync:
             else:
                 left_out["unheard"] += 1
         group, bandwidths = [self.trigger.me], [self.bandwidth]
+        behind: list[str] = []
         for peer, reply in zip(mates, answers):
             their = self._prepared(peer, reply)
             if their is None:
@@ -410,8 +413,11 @@ class StageSync:
             elif their.step > step:
                 self._on_behind(peer, their.step)
                 return  # we are behind: no round until we caught up
+            elif their.step == step:
+                left_out["busy"] += 1
             else:
-                left_out["busy" if their.step == step else "behind"] += 1
+                left_out["behind"] += 1
+                behind.append(peer)
         self._count_group(len(group), left_out)
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
         exact = self._round_exact(group, step)
@@ -425,6 +431,19 @@ class StageSync:
             self.counters["start_refused"] += sum(r is None for r in started)
         self.counters["rounds_led"] += 1
         await self._average(round_id, group, bandwidths, exact=exact)
+        if behind and self.trigger.step > step:
+            self.counters["nudged_behind"] += len(behind)
+            self._spawn(self._nudge({p: mates[p] for p in behind}))
+
+    async def _nudge(self, behind: dict[str, tuple[str, ...]]) -> None:
+        """Tell the mates this round left out as behind the step it took us to (a
+        ``prepare`` at it: a mate that sees a later step catches up, ``on_behind``). Told at
+        the next round's prepare instead, a mate replaying to catch up reached the step we
+        were stepping from just as we stepped on, and was left out of every round (a
+        livelock: it never served again)."""
+        ask = Prepare(stage=self.stage, step=self.trigger.step)
+        await asyncio.gather(*(self._ask(p, addrs, "prepare", ask.to_meta())
+                               for p, addrs in behind.items()))
 
     def _count_group(self, size: int, left_out: Counter[str]) -> None:
         """A round this peer leads, of ``size`` members (itself included): ``group_members``

@@ -51,7 +51,8 @@ log = logging.getLogger("swarmd.keeper")
 #: a whole download at most: each request has its own deadline derived from the link
 #: (swarmd.state.fetch), so a dead or slow source is left long before this
 STAGE_STATE_FETCH_TIMEOUT_S = 3600.0
-#: after a catch-up attempt, the next one waits at least this long
+#: after a catch-up attempt, the next one waits at least this long to download (a replay of
+#: the steps taken since runs at once)
 CATCH_UP_GAP_S = 2.0
 #: after a drift repaired, the next repair waits at least this long: peers whose optimizer
 #: results differ in the last bits (other devices or kernels) would otherwise download on
@@ -285,6 +286,11 @@ class StageKeeper:
         if self._catching_up is not None and not self._catching_up.done():
             return
         if self._clock() - self._last_catch_up < CATCH_UP_GAP_S:
+            # a catch-up just ran: no download again so soon, but a replay of the steps
+            # taken since (a few gradients) keeps a peer whose stage steps faster than the
+            # gap from staying a step behind every round
+            if self._replayer.enabled:
+                self._catching_up = asyncio.create_task(self._catch_up(peer, replay_only=True))
             return
         self._last_catch_up = self._clock()
         self._catching_up = asyncio.create_task(self._catch_up(peer))
@@ -363,15 +369,20 @@ class StageKeeper:
         self._count("idle_diverged")
         self.diverged(peer, step)
 
-    async def _catch_up(self, peer: str, *, at_least: int | None = None) -> None:
+    async def _catch_up(self, peer: str, *, at_least: int | None = None,
+                        replay_only: bool = False) -> None:
         """Download a newer state (the one ahead first) and take it over; with ``at_least``
-        (a drift), ``peer``'s own state at that step or later, even at our step. New
+        (a drift), ``peer``'s own state at that step or later, even at our step; with
+        ``replay_only``, only replay the steps the stage took since ours. New
         forwards are refused with busy meanwhile (``Gate.catching_up``): the stage's peers
         that are at its step take them."""
         gate = self.server.gate
         gate.catching_up = True
         try:
-            await self._catch_up_now(peer, at_least=at_least)
+            if replay_only:
+                await self._replayed(sorted(self.sources(), key=lambda p: p[0] != peer))
+            else:
+                await self._catch_up_now(peer, at_least=at_least)
         finally:
             gate.catching_up = False
 
