@@ -6,9 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-from bench_time_to_loss import reached, time_to_loss, tokens_per_s  # noqa: E402
+from bench_time_to_loss import reached, summarise, time_to_loss, tokens_per_s  # noqa: E402
 
 
 def _run() -> list[dict]:
@@ -54,3 +56,25 @@ def test_bad_records_are_skipped() -> None:
 def test_tokens_per_s_leaves_the_first_step_out() -> None:
     assert tokens_per_s(_run(), 100) == 3 * 100 / (111.0 - 103.0)
     assert tokens_per_s(_run()[:3], 100) is None
+
+
+def _seed(int8: float | None, int2: float | None) -> dict:
+    ratio = None if int8 is None or int2 is None else int2 / int8
+    return {"runs": {"int8": {"time_to_loss_s": int8, "time_vs_int8": 1.0},
+                     "int2": {"time_to_loss_s": int2, "time_vs_int8": ratio}}}
+
+
+def test_the_figure_over_seeds_is_the_ratio_of_the_summed_times() -> None:
+    """A seed whose int8 broke through a plateau early misses alone (0.74 here); the summed
+    times weigh each seed by how long it took, as a ratio of means does."""
+    s = summarise([_seed(92.8, 30.2), _seed(123.2, 33.9), _seed(77.1, 57.1)],
+                  ["int8", "int2"])["int2"]
+    assert s["seeds_within_target"] == 2
+    assert s["time_vs_int8_of_totals"] == pytest.approx((30.2 + 33.9 + 57.1)
+                                                        / (92.8 + 123.2 + 77.1))
+    assert [round(x, 3) for x in s["time_vs_int8_per_seed"]] == [0.325, 0.275, 0.741]
+    # a run that never reached the loss leaves the figure unknown, not flattered
+    missed = summarise([_seed(92.8, 30.2), _seed(123.2, None)], ["int8", "int2"])["int2"]
+    assert missed["time_vs_int8_of_totals"] is None and missed["seeds_within_target"] == 1
+    assert summarise([_seed(None, 30.2)], ["int8", "int2"])["int2"][
+        "time_vs_int8_of_totals"] is None
