@@ -380,15 +380,19 @@ class StageKeeper:
         gate.catching_up = True
         try:
             if replay_only:
-                await self._replayed(sorted(self.sources(), key=lambda p: p[0] != peer))
+                await self._replayed(self._ahead_first(peer))
             else:
                 await self._catch_up_now(peer, at_least=at_least)
         finally:
             gate.catching_up = False
 
+    def _ahead_first(self, peer: str) -> list[tuple[str, tuple[str, ...]]]:
+        """The stage's sources, ``peer`` (the one ahead) first."""
+        return sorted(self.sources(), key=lambda p: p[0] != peer)
+
     async def _catch_up_now(self, peer: str, *, at_least: int | None) -> None:
         if at_least is None:
-            peers = sorted(self.sources(), key=lambda p: p[0] != peer)  # the one ahead first
+            peers = self._ahead_first(peer)
             if await self._replayed(peers):
                 return
             newer_than = self.server.step
