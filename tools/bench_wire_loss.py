@@ -12,7 +12,9 @@ followed by ``:stochastic`` (stochastic rounding both ways) or ``:grad-stochasti
 ``:center-activations`` (centring for the activations only, as the swarm's int2 default),
 ``:fwd0-stochastic`` (the trainer's embeddings, hop 0's forward, rounded stochastically),
 ``:block=N`` (the codec's block size), ``:forward-only`` or ``:backward-only`` (the codec on
-one direction, float32 on the other), and by ``:channels`` (each channel divided by its
+one direction, float32 on the other), ``:ef`` (error feedback: what the codec lost of a hop's
+tensor is added to the same hop's next tensor in that direction, in training), and by
+``:channels`` (each channel divided by its
 RMS over the tokens before the codec, and multiplied back after: an experiment, no codec
 sends such scales), by ``:rotate`` (each token's channels multiplied by random signs and a
 normalised Hadamard matrix before the codec, and rotated back after: an orthogonal map that
@@ -81,8 +83,11 @@ def hadamard_rotation(width: int, seed: int = 0) -> Any:
 
 
 def wire_function(forward_spec: Any, backward_spec: Any, channels: bool,
-                  rotate: bool = False) -> Any:
-    """An autograd function: the forward tensor and its gradient each through a codec."""
+                  rotate: bool = False, feedback: bool = False) -> Any:
+    """An autograd function: the forward tensor and its gradient each through a codec. With
+    ``feedback`` (one hop's function: it keeps state), error feedback in training: what the
+    codec lost of a hop's tensor (each direction's) is added to that hop's next tensor before
+    it is encoded; evaluations go through the codec alone."""
     import torch
 
     from transport.codecs import decode, encode
@@ -109,16 +114,30 @@ def wire_function(forward_spec: Any, backward_spec: Any, channels: bool,
         y = decode(encoded.meta(), memoryview(bytearray(b"".join(encoded.parts))), limits)
         return y * scale if scale is not None else y
 
+    #: per direction, what the codec lost of the last tensor sent (``feedback``)
+    lost: dict[str, torch.Tensor] = {}
+
+    def fed_back(x: torch.Tensor, spec: Any, direction: str, training: bool) -> torch.Tensor:
+        if not (feedback and training and spec is not None):
+            return through(x, spec)
+        carried = lost.get(direction)
+        if carried is not None and carried.shape == x.shape:
+            x = x + carried
+        y = through(x, spec)
+        lost[direction] = x - y
+        return y
+
     class Wire(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return through(x.detach(), forward_spec)
+        def forward(ctx: Any, x: torch.Tensor, training: bool) -> torch.Tensor:
+            ctx.training = training
+            return fed_back(x.detach(), forward_spec, "forward", training)
 
         @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            return through(grad.contiguous(), backward_spec)
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return fed_back(grad.contiguous(), backward_spec, "backward", ctx.training), None
 
-    return Wire.apply
+    return lambda x: Wire.apply(x, torch.is_grad_enabled())
 
 
 def variant_specs(variant: str) -> tuple[Any, Any, bool]:
@@ -129,7 +148,7 @@ def variant_specs(variant: str) -> tuple[Any, Any, bool]:
     blocks = [o for o in options if o.startswith("block=")]
     unknown = (set(options) - {"stochastic", "grad-stochastic", "channels", "center",
                                 "center-activations", "forward-only", "backward-only",
-                                "rotate", "fwd0-stochastic"} - set(blocks))
+                                "rotate", "fwd0-stochastic", "ef"} - set(blocks))
     if unknown:
         raise SystemExit(f"unknown variant options {sorted(unknown)} in {variant!r}")
     if name == "none":
@@ -186,17 +205,19 @@ def _run_in(root: Path, preset_name: str, variant: str, steps: int | None, seed:
     t = config.training
     forward_spec, backward_spec, channels = variant_specs(variant)
     rotate = "rotate" in variant.split(":")[1:]
-    hop = (wire_function(forward_spec, backward_spec, channels, rotate)
-           if forward_spec or backward_spec or channels else (lambda h: h))
+    ef = "ef" in variant.split(":")[1:]
+
+    def hop(forward: Any) -> Any:  # one per hop: error feedback keeps a hop's own state
+        if not (forward or backward_spec or channels):
+            return lambda h: h
+        return wire_function(forward, backward_spec, channels, rotate, ef)
 
     forward_hops = variant_forward_hops(variant)
-    gradient_only = (wire_function(None, backward_spec, channels, rotate) if backward_spec
-                     else (lambda h: h))
-    per_hop = [hop if forward_hops is None or i in forward_hops else gradient_only
+    per_hop = [hop(forward_spec if forward_hops is None or i in forward_hops else None)
                for i in range(len(model.stages) + 1)]
-    if "fwd0-stochastic" in variant.split(":")[1:] and forward_spec and per_hop[0] is hop:
-        per_hop[0] = wire_function(replace(forward_spec, rounding="stochastic"), backward_spec,
-                                   channels, rotate)
+    if "fwd0-stochastic" in variant.split(":")[1:] and forward_spec and (
+            forward_hops is None or 0 in forward_hops):
+        per_hop[0] = hop(replace(forward_spec, rounding="stochastic"))
 
     def forward(x: Any, y: Any) -> tuple[None, Any]:
         h = model.parts.embed(x)
