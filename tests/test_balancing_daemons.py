@@ -89,13 +89,14 @@ def _trained(d: DaemonProcess) -> int:
 
 
 def _where(daemons: list[DaemonProcess]) -> str:
-    """Each peer's stage, step and state, for a failure's message."""
+    """Each peer's stage, step and state, and its rounds', catch-ups' and stage's counters,
+    for a failure's message."""
     rows = []
     for i, d in enumerate(daemons):
         try:
             info = d.get("/api/v0/stage")
             sync = {k: v for k, v in d.get("/api/v0/status")["counters"].items()
-                    if k.startswith(("sync.", "allreduce.")) and v}
+                    if k.startswith(("sync.", "allreduce.", "state.", "stage.")) and v}
             rows.append(f"peer{i}: stage {info['stage']} step {info['step']} {info['state']} "
                         f"{sync}")
         except Exception as exc:  # (a failure's message must not fail)
