@@ -332,15 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("the WAN lab needs root (network namespaces): run it with sudo")
     t0 = time.monotonic()
+    seeds = list(range(args.seed, args.seed + args.repeats))
     by_seed = []
-    for seed in range(args.seed, args.seed + args.repeats):
+    for seed in seeds:
         say(f"seed {seed}")
         by_seed.append(measure(preset_name=args.preset, codecs=codecs, seed=seed,
                                microbatches=args.microbatches, uplink_mbit=args.uplink_mbit,
                                max_steps_factor=args.max_steps_factor))
     summary = summarise(by_seed, codecs)
     result = {
-        "preset": args.preset, "seeds": list(range(args.seed, args.seed + args.repeats)),
+        "preset": args.preset, "seeds": seeds,
         "codecs": codecs, "summary": summary,
         "targets": {f"{codec}_time_le_{TARGET_TIME_RATIO}x_int8":
                     s["time_vs_int8_of_totals"] is not None
