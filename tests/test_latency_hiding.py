@@ -60,5 +60,6 @@ def test_stages_step_while_microbatches_are_in_flight_and_nothing_is_lost() -> N
         assert s.counters["optimizer_steps"] >= 1
         assert s.counters["dropped_stale"] == 0 and s.counters["dropped_for_step"] == 0
         assert s.worker.saved == 0
-    # stage 0's backwards came after steps their forwards preceded: weight stashing was used
-    assert servers[0].worker.lag > 0
+    # Whether a backward came after a step its forward preceded depends on the scheduling (it
+    # failed once in five full runs): weight stashing is tested without timing in
+    # test_stage_worker.py (test_a_step_between_forward_and_backward_...).
