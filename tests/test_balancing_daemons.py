@@ -89,16 +89,18 @@ def _trained(d: DaemonProcess) -> int:
 
 
 def _where(daemons: list[DaemonProcess]) -> str:
-    """Each peer's stage, step and state, and its rounds', catch-ups' and stage's counters,
-    for a failure's message."""
+    """Each peer's stage, step and state, its rounds', catch-ups' and stage's counters, and
+    the last lines its rounds and its keeper logged, for a failure's message."""
     rows = []
     for i, d in enumerate(daemons):
         try:
             info = d.get("/api/v0/stage")
             sync = {k: v for k, v in d.get("/api/v0/status")["counters"].items()
                     if k.startswith(("sync.", "allreduce.", "state.", "stage.")) and v}
+            said = [line for line in d.stderr().splitlines()
+                    if " swarmd.averaging" in line or " swarmd.keeper" in line][-5:]
             rows.append(f"peer{i}: stage {info['stage']} step {info['step']} {info['state']} "
-                        f"{sync}")
+                        f"{sync} said {said}")
         except Exception as exc:  # (a failure's message must not fail)
             rows.append(f"peer{i}: {exc!r}")
     return ", ".join(rows)
