@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from typing import Any, AsyncIterator
 
@@ -486,3 +487,30 @@ def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_
     assert ended is leaves and coefficient is None
     assert trainer.counters["reports_left"] == int(leaves)
     assert trainer.counters["reports_missed"] == int(leaves)
+
+
+def test_a_trainer_waiting_long_for_a_steps_reports_says_which_stages_it_waits_for(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from swarmd.trainer import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "REPORTS_SAY_S", 0.2)
+    trainer = _trainer({0: {"a": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}})
+    trainer._route(("a", "c"))
+
+    async def step() -> None:
+        waiting = asyncio.create_task(trainer._reported(0, 4, 1.0))
+        await asyncio.sleep(0.05)
+        trainer.board.post(0, 1, 1.0, 0, 4)  # stage 1 reports; stage 0 does not
+        trainer._report_came.set()
+        for _ in range(100):
+            if trainer.counters["reports_slow"]:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(4 * trainer_module.REPORTS_POLL_S)  # said once a step
+        waiting.cancel()
+
+    with caplog.at_level(logging.INFO, logger="swarmd.trainer.trainer"):
+        asyncio.run(step())
+    assert trainer.counters["reports_slow"] == 1
+    said = [r.getMessage() for r in caplog.records if "step reports of" in r.getMessage()]
+    assert len(said) == 1 and "stage(s) [0]" in said[0] and "{0: ['a']}" in said[0], said

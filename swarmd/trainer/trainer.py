@@ -101,6 +101,9 @@ REPORTS_POLL_S = 0.5
 #: lose a live peer for a moment (an announcement late), and ending the wait then would take
 #: the step part by part for nothing
 LEFT_GRACE_S = 2.0
+#: after this long waiting for a step's reports, the trainer says (once a step, at info)
+#: which stages it waits for and which of their peers served the step
+REPORTS_SAY_S = 10.0
 
 
 @dataclass(slots=True, eq=False)
@@ -443,7 +446,7 @@ class Trainer(TrainerCompute):
             wait_s = min(REPORTS_MAX_S, max(REPORTS_AFTER_MISS_S,
                                             REPORTS_LAG_FACTOR * self._report_lag_s))
         t0 = self._clock()
-        others = False
+        others = said = False
         try:
             async with asyncio.timeout(wait_s):
                 while not self.board.complete(step) and not self.board.answered(step):
@@ -452,6 +455,9 @@ class Trainer(TrainerCompute):
                         break
                     if self._left_its_stage(step):
                         break
+                    if not said and self._clock() - t0 >= REPORTS_SAY_S:
+                        said = True
+                        self._say_waiting(step, self._clock() - t0, wait_s)
                     try:
                         async with asyncio.timeout(REPORTS_POLL_S):
                             await self._report_came.wait()
@@ -542,6 +548,15 @@ class Trainer(TrainerCompute):
             answer = self._answers.pop(waiting)
             if not answer.done():
                 answer.set_result(None)
+
+    def _say_waiting(self, step: int, waited_s: float, wait_s: float) -> None:
+        """Say which stages' reports of ``step`` are still awaited, and who served it there
+        (counted ``reports_slow``)."""
+        self.counters["reports_slow"] += 1
+        missing = self.board.missing(step)
+        log.info("step %d: waited %.0f s (of %.0f) for the step reports of stage(s) %s; "
+                 "served there by %s", step, waited_s, wait_s, missing,
+                 {s: sorted(p[:12] for p in self._step_peers.get(s, ())) for s in missing})
 
     def _left_its_stage(self, step: int) -> bool:
         """Whether a peer that served ``step``'s microbatches at a stage that has not reported
