@@ -556,7 +556,7 @@ class Trainer(TrainerCompute):
         missing = self.board.missing(step)
         log.info("step %d: waited %.0f s (of %.0f) for the step reports of stage(s) %s; "
                  "served there by %s", step, waited_s, wait_s, missing,
-                 {s: sorted(p[:12] for p in self._step_peers.get(s, ())) for s in missing})
+                 {s: sorted(self._step_peers.get(s, ())) for s in missing})
 
     def _left_its_stage(self, step: int) -> bool:
         """Whether a peer that served ``step``'s microbatches at a stage that has not reported
