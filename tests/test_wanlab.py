@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tools.wanlab import netns, probe  # noqa: E402
-from tools.wanlab.delayer import DelayLine  # noqa: E402
+from tools.wanlab.delayer import DelayLine, acked, gso_config_message, segments  # noqa: E402
 from tools.wanlab.spec import (LAB_NET, HostSpec, LabError, Link, LinkState,  # noqa: E402
                                decode_control, encode_control, gateway_inside_addr, host_addr,
                                namespace_names, parse_namespace, private_addr, router_addr,
@@ -127,6 +128,33 @@ def test_loss_drops_about_the_configured_share():
     line = _line(a=LinkState(host="198.18.1.2", loss=0.25))
     verdicts = [line.offer(0.0, A, B, i) for i in range(4000)]
     assert 0.2 < verdicts.count("drop") / 4000 < 0.3
+
+
+def test_a_gso_packet_is_lost_when_any_of_its_segments_would_be():
+    line = _line(a=LinkState(host="198.18.1.2", loss=0.25))
+    verdicts = [line.offer(0.0, A, B, i, segments=4) for i in range(4000)]
+    assert 0.63 < verdicts.count("drop") / 4000 < 0.74  # 1 - 0.75 ** 4 = 0.68
+
+
+@pytest.mark.parametrize("total,expected", [(60, 1), (1500, 1), (9000, 1), (9001, 2),
+                                            (30_000, 4), (65_535, 8), (0, 1)])
+def test_a_packet_stands_for_the_segments_its_total_length_needs(total, expected):
+    head = bytes([0x45, 0]) + total.to_bytes(2, "big") + bytes(16)
+    assert segments(head) == expected
+    assert segments(b"") == 1
+
+
+def test_the_gso_request_is_one_config_message_for_the_queue_and_only_a_zero_error_acks_it():
+    msg = gso_config_message(7, seq=3)
+    length, kind, flags, seq, _ = struct.unpack_from("=IHHII", msg)
+    assert length == len(msg) == 36 and kind == 0x302 and flags == 5 and seq == 3
+    assert int.from_bytes(msg[18:20], "big") == 7  # the queue, in network order
+
+    def error(code: int, seq: int = 1) -> bytes:
+        return (struct.pack("=IHHIIi", 36, 2, 0, seq, 0, code) + msg[:16])
+
+    assert acked(error(0)) and not acked(error(-95)) and not acked(error(0, seq=2))
+    assert not acked(b"") and not acked(msg)
 
 
 def test_a_full_line_drops_instead_of_growing():

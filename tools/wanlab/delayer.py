@@ -7,7 +7,10 @@ Runs as one process per lab inside the router namespace, started by :class:`WanL
     ip netns exec <router ns> python -m tools.wanlab.delayer --queue 0
 
 It binds NFQUEUE ``--queue`` (the router's FORWARD chain sends packets of hosts that need it
-there), prints ``{"ready": true}`` on stdout once bound, then reads control lines
+there) and asks the kernel for GSO packets whole (``NFQA_CFG_F_GSO``: a TCP sender's
+segments that travel as one buffer are held and released as one, about a third fewer
+packets for this process than one per segment; the loss of such a packet is that of any
+of its segments), prints ``{"ready": true, "whole_gso": ...}`` on stdout once bound, then reads control lines
 (:func:`tools.wanlab.spec.encode_control`) on stdin and answers each with ``{"ack": seq, ...}``
 (counters when asked). It exits when stdin closes: with the lab, or when the lab's process died.
 
@@ -18,14 +21,17 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import random
 import select
+import socket
+import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
-from tools.wanlab.spec import LabError, LinkState, decode_control
+from tools.wanlab.spec import LAB_MTU, LabError, LinkState, decode_control
 
 P = TypeVar("P")
 
@@ -33,6 +39,8 @@ P = TypeVar("P")
 MAX_HELD = 60_000
 #: the kernel queue's length: packets waiting for a verdict, held ones included
 KERNEL_QUEUE_LEN = 65_536
+#: a TCP segment's payload at the lab's MTU (IPv4 and TCP headers without options)
+SEGMENT_BYTES = LAB_MTU - 40
 
 
 @dataclass(slots=True)
@@ -70,7 +78,9 @@ class DelayLine(Generic[P]):
         if state.stall_s > 0:
             h.stalled_until = now + state.stall_s
 
-    def offer(self, now: float, src: bytes, dst: bytes, packet: P) -> str:
+    def offer(self, now: float, src: bytes, dst: bytes, packet: P, segments: int = 1) -> str:
+        """``segments``: how many packets of the wire ``packet`` stands for (a GSO buffer):
+        it is lost when any of them would be."""
         a, b = self.hosts.get(src), self.hosts.get(dst)
         delay = 0.0
         for h in (a, b):
@@ -79,7 +89,7 @@ class DelayLine(Generic[P]):
             if h.blocked or now < h.stalled_until:
                 self.counters["blocked"] += 1
                 return "drop"
-            if h.loss > 0 and self.rng.random() < h.loss:
+            if h.loss > 0 and self.rng.random() < 1.0 - (1.0 - h.loss) ** segments:
                 self.counters["lost"] += 1
                 return "drop"
             delay += h.delay_s
@@ -128,7 +138,7 @@ def _serve(queue_num: int, seed: int) -> None:  # pragma: no cover - runs in the
 
     def on_packet(pkt: Any) -> None:
         head = pkt.get_payload()  # the first 20 bytes: the IPv4 header
-        verdict = line.offer(clock(), head[12:16], head[16:20], pkt)
+        verdict = line.offer(clock(), head[12:16], head[16:20], pkt, segments(head))
         if verdict == "pass":
             pkt.accept()
         elif verdict == "drop":
@@ -137,10 +147,12 @@ def _serve(queue_num: int, seed: int) -> None:  # pragma: no cover - runs in the
     nfq = NetfilterQueue()
     nfq.bind(queue_num, on_packet, max_len=KERNEL_QUEUE_LEN, mode=COPY_PACKET, range=20)
     nfq_fd = nfq.get_fd()
+    # (no packet is queued yet: the lab sends packets here only once this process is ready)
+    whole_gso = _ask_whole_gso(nfq_fd, queue_num)
     stdin = sys.stdin.buffer.fileno()
     os.set_blocking(stdin, False)
     buf = b""
-    _say({"ready": True, "pid": os.getpid()})
+    _say({"ready": True, "pid": os.getpid(), "whole_gso": whole_gso})
     try:
         while True:
             nxt = line.next_due()
@@ -160,6 +172,54 @@ def _serve(queue_num: int, seed: int) -> None:  # pragma: no cover - runs in the
                     _control(line, raw, clock())
     finally:
         nfq.unbind()
+
+
+def segments(head: bytes) -> int:
+    """How many wire packets an IPv4 packet with this header stands for: more than one for a
+    GSO buffer longer than the MTU (its total length is the whole buffer's)."""
+    if len(head) < 4:
+        return 1
+    total = int.from_bytes(head[2:4], "big")
+    return max(1, math.ceil((total - 40) / SEGMENT_BYTES))
+
+
+#: nfnetlink: the queue subsystem's config message, its attributes and the GSO flag
+_NFNL_SUBSYS_QUEUE, _NFQNL_MSG_CONFIG = 3, 2
+_NFQA_CFG_MASK, _NFQA_CFG_FLAGS, _NFQA_CFG_F_GSO = 4, 5, 1 << 2
+_NLM_F_REQUEST, _NLM_F_ACK, _NLMSG_ERROR = 1, 4, 2
+
+
+def gso_config_message(queue_num: int, seq: int = 1) -> bytes:
+    """The netlink message that asks for queue ``queue_num``'s GSO packets whole."""
+    def attr(kind: int, value: int) -> bytes:
+        return struct.pack("=HH", 8, kind) + struct.pack(">I", value)
+
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue_num))
+    body += attr(_NFQA_CFG_MASK, _NFQA_CFG_F_GSO) + attr(_NFQA_CFG_FLAGS, _NFQA_CFG_F_GSO)
+    return struct.pack("=IHHII", 16 + len(body), (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_CONFIG,
+                       _NLM_F_REQUEST | _NLM_F_ACK, seq, 0) + body
+
+
+def acked(reply: bytes, seq: int = 1) -> bool:
+    """Whether ``reply`` is the kernel's success answer (an error message with 0) to ``seq``."""
+    if len(reply) < 20:
+        return False
+    _, kind, _, got, _ = struct.unpack_from("=IHHII", reply)
+    return kind == _NLMSG_ERROR and got == seq and struct.unpack_from("=i", reply, 16)[0] == 0
+
+
+def _ask_whole_gso(fd: int, queue_num: int) -> bool:  # pragma: no cover - the router netns
+    """Ask on the queue's own netlink socket (the kernel takes a queue's config only from its
+    owner); False where the kernel refuses (then one packet per segment, as before)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.settimeout(5.0)
+        sock.send(gso_config_message(queue_num))
+        return acked(sock.recv(4096))
+    except OSError:
+        return False
+    finally:
+        sock.close()  # the duplicate: the queue's socket stays open
 
 
 def _control(line: DelayLine[Any], raw: bytes, now: float) -> None:

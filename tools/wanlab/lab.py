@@ -85,6 +85,8 @@ class WanLab:
         self._gateway_lock = threading.Lock()
         self._accounted: set[tuple[str, str]] = set()
         self._delayer: subprocess.Popen[bytes] | None = None
+        #: whether the delayer holds GSO packets whole (``tools.wanlab.delayer``)
+        self.whole_gso = False
         self._delayer_lock = threading.Lock()
         self._control_seq = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -394,6 +396,7 @@ class WanLab:
         reply = self._read_delayer(DELAYER_START_S)
         if not reply.get("ready"):
             raise LabError(f"the delayer did not start: {reply}")
+        self.whole_gso = bool(reply.get("whole_gso"))
 
     def _read_delayer(self, seconds: float) -> dict[str, Any]:
         proc = self._delayer
