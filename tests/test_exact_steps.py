@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from swarmd.averaging.messages import Progress, Start, parse_round
 from swarmd.averaging.trigger import exact_step
 from swarmd.errors import BadActivation, BadRoundMessage
-from swarmd.pipeline.exact import MAX_SOURCES, Posted, Sources, StepBoard, clip_coefficient
+from swarmd.pipeline.exact import (MAX_SOURCES, Posted, Sources, StepBoard, clip_coefficient,
+                                  stages_behind)
 from swarmd.pipeline.messages import (Expect, Forward, StepAnswer, StepReport, parse_forward,
                                       parse_step_answer, parse_step_report)
 from transport.frames import Message
@@ -157,6 +158,26 @@ def test_the_board_remembers_a_bounded_number_of_steps() -> None:
 
 
 # ---- messages -------------------------------------------------------------------------------
+
+def test_a_stage_is_behind_when_every_peer_of_it_announces_less_than_the_named_step() -> None:
+    assert stages_behind((6, 6, 6), [{"a": 6}, {"b": 5}, {"c": 6, "d": 5}]) == [1]
+    assert stages_behind((6, 6), [{"a": 7}, {"b": 5, "c": 6}]) == []
+    # a stage without a peer in view is missing (waited for), not behind
+    assert stages_behind((6, 6), [{"a": 2}, {}]) == [0]
+    assert stages_behind((6, 6), [{"a": 6}]) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.lists(st.integers(0, 20), max_size=3)),
+                min_size=1, max_size=4))
+def test_behind_means_no_peer_of_the_stage_could_run_its_forwards(
+        stages: list[tuple[int, list[int]]]) -> None:
+    expected = tuple(want for want, _ in stages)
+    announced = [{f"p{i}": step for i, step in enumerate(steps)} for _, steps in stages]
+    behind = stages_behind(expected, announced)
+    for stage, (want, steps) in enumerate(stages):
+        assert (stage in behind) == (bool(steps) and all(step < want for step in steps))
+
 
 def _report(**meta: object) -> Message:
     base = {"step": 3, "stage": 1, "stage_step": 9, "sqnorm": 2.5, "samples": 32}
@@ -514,3 +535,37 @@ def test_a_trainer_waiting_long_for_a_steps_reports_says_which_stages_it_waits_f
     assert trainer.counters["reports_slow"] == 1
     said = [r.getMessage() for r in caplog.records if "step reports of" in r.getMessage()]
     assert len(said) == 1 and "stage(s) [0]" in said[0] and "{0: ['a']}" in said[0], said
+
+
+def test_a_stage_step_no_peer_of_the_stage_announces_is_taken_for_gone_after_a_grace() -> None:
+    """The reports named stage step 6 for stage 1 (its peer took it there), then that peer
+    left and the mate left behind announces 5: microbatches failing for ``STEP_GONE_S`` with
+    that stage behind make the forwards name no stage step (``steps_gone``); a stage that
+    catches up meanwhile starts the grace over."""
+    from swarmd.trainer.trainer import STEP_GONE_S
+
+    now = [100.0]
+    announced = {0: {"a": 6}, 1: {"d": 5}}
+    trainer = _trainer({0: {"a": (1.0, 0, ())}, 1: {"d": (1.0, 0, ())}},
+                       clock=lambda: now[0])
+    trainer.steps_of = lambda stage: announced[stage]
+    trainer.board.open(4, 4)
+    trainer.board.own(4, 1.0)
+    trainer.board.post(4, 0, 1.0, 5, 4)
+    trainer.board.post(4, 1, 1.0, 5, 4)
+    assert trainer.board.answer(4) == 1.0 and trainer.board.expected() == (6, 6)
+    trainer._forget_gone_step()  # first seen behind at 100
+    now[0] += STEP_GONE_S - 0.02
+    trainer._forget_gone_step()
+    assert trainer.board.expected() == (6, 6)
+    announced[1] = {"d": 6}  # it was only late to announce: the grace starts over
+    trainer._forget_gone_step()
+    announced[1] = {"d": 5}
+    now[0] += 1.0
+    trainer._forget_gone_step()
+    now[0] += STEP_GONE_S - 0.02
+    trainer._forget_gone_step()
+    assert trainer.board.expected() == (6, 6) and not trainer.counters["steps_gone"]
+    now[0] += 0.02
+    trainer._forget_gone_step()
+    assert trainer.board.expected() is None and trainer.counters["steps_gone"] == 1

@@ -25,6 +25,12 @@ trainers there are. Two things keep that exactly what one process would do
   (a forward that overtook the step's answer, or a round still averaging). Without them a
   forward could run on the weights before the step and its gradient count one step late.
 
+A stage step the reports named can vanish: the peer that took it left the stage (a move to
+the bottleneck, a crash) before a mate that joined a step earlier caught up. No peer of the
+stage can ever run a forward that names it (each refuses with busy), so a trainer whose
+forwards keep failing while every peer of a stage announces a lower step
+(:func:`stages_behind`) stops naming stage steps until the stages report again.
+
 After the coefficient scales a part's gradient, its own clipping (``SwarmOptimizer``,
 ``training.grad_clip``) is a no-op: a part's norm is at most the whole model's.
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarmd.averaging.trigger import exact_step
@@ -103,6 +109,16 @@ def clip_coefficient(sqnorms: Iterable[float], clip: float) -> float:
     if not clip or not math.isfinite(total):
         return 1.0
     return min(1.0, clip / (total + EPS))
+
+
+def stages_behind(expected: Sequence[int],
+                  announced: Sequence[Mapping[str, int]]) -> list[int]:
+    """The stages whose every peer announces a step below the one ``expected`` names for
+    it (``announced[stage]``: peer -> its announced step). A stage with no peer in view is
+    not among them: that is a missing stage, waited for."""
+    return [stage for stage, want in enumerate(expected)
+            if stage < len(announced) and announced[stage]
+            and max(announced[stage].values()) < want]
 
 
 class Posted:

@@ -246,6 +246,7 @@ async def _joined(config: Any, seam: Any, home: Path | None, bootstrap: Sequence
                               peers_of=m.peers_of, device=device, dtype=dtype,
                               clip_whole_model=config.training.grad_clip_scope == "model")
             trainer.other_trainers = lambda: list(m.trainers())
+            trainer.steps_of = m.steps_of
 
             def steps_done() -> None:
                 """The other trainers stop splitting their steps with this one now, not

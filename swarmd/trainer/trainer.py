@@ -33,7 +33,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -41,7 +41,7 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdError
-from swarmd.pipeline.exact import Posted, StepBoard
+from swarmd.pipeline.exact import Posted, StepBoard, stages_behind
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
 from swarmd.pipeline.messages import (Abandon, Backward, Flush, Forward, StepAnswer,
@@ -104,6 +104,10 @@ LEFT_GRACE_S = 2.0
 #: after this long waiting for a step's reports, the trainer says (once a step, at info)
 #: which stages it waits for and which of their peers served the step
 REPORTS_SAY_S = 10.0
+#: how long microbatches may keep failing while every peer of a stage announces a step
+#: below the one the forwards name, before the trainer takes that step for gone
+#: (``_forget_gone_step``): announcements of a step just taken come up to a period late
+STEP_GONE_S = 15.0
 
 
 @dataclass(slots=True, eq=False)
@@ -196,6 +200,10 @@ class Trainer(TrainerCompute):
         #: microbatches with them (``swarmd.trainer.shares``) and average the parts'
         #: gradients with them (``average_gradient``) before stepping
         self.other_trainers: Callable[[], Iterable[str]] = lambda: ()
+        #: the step each routable peer of a stage announces (``MembershipService.steps_of``)
+        self.steps_of: Callable[[int], Mapping[str, int]] = lambda stage: {}
+        #: since when failing microbatches found a stage behind the step forwards name
+        self._behind_since: float | None = None
         #: ``await average_gradient(samples)`` replaces the parts' mean gradient of a step
         #: with the average over every trainer's share of it; the step's samples in all, or
         #: None when that failed (``swarmd.trainer.trainer_sync``)
@@ -693,6 +701,7 @@ class Trainer(TrainerCompute):
             except InternalError:
                 raise
             except RESTARTABLE as exc:
+                self._forget_gone_step()
                 if _stage_unavailable(exc) and self._clock() < patience:
                     # a stage has no peer that takes work right now: wait, do not give up
                     log.warning("a stage is unavailable (%s): waiting, then restarting", exc)
@@ -704,6 +713,32 @@ class Trainer(TrainerCompute):
                 self.stats.rerouted = self.counters["rerouted"]
         self.stats.lost += 1
         raise StageUnavailable(f"a microbatch failed {MAX_RESTARTS} times in a row")
+
+    def _forget_gone_step(self) -> None:
+        """After a microbatch failed: when every peer of a stage has announced a step below
+        the one the forwards name (``stages_behind``) for ``STEP_GONE_S``, that stage step
+        left with the peer that took it, and no peer can ever run them: forwards name no
+        stage step until the stages report again (``steps_gone``)."""
+        expected = self.board.expected() if self.exact else None
+        behind = [] if expected is None else stages_behind(
+            expected, [self.steps_of(stage) for stage in range(self.num_stages)])
+        now = self._clock()
+        if not behind:
+            self._behind_since = None
+            return
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since < STEP_GONE_S:
+            return
+        assert expected is not None
+        self._behind_since = None
+        self.counters["steps_gone"] += 1
+        self.board.reset()
+        for stage in behind:
+            log.warning("stage %d: its forwards name stage step %d, but its peers announce "
+                        "at most %d (the peer that took that step left the stage): forwards "
+                        "name no stage step until the stages report again", stage,
+                        expected[stage], max(self.steps_of(stage).values()))
 
     def _route(self, path: tuple[str, ...]) -> None:
         while len(self.stats.routes) < len(path):
