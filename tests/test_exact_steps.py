@@ -340,11 +340,11 @@ def test_a_trainer_answers_the_stages_at_once_when_another_trainer_appears(
     steps would hang), and both stages step once per trainer step: the later steps are split
     with the other trainer (``swarmd.trainer.shares``), whose share never comes, and the
     trainer's flushes have the stages step on what they hold."""
-    from swarmd.trainer import trainer as trainer_module
+    from swarmd.trainer import step_reports
     from swarmd.models.gpt import ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
 
-    monkeypatch.setattr(trainer_module, "REPORTS_MAX_S", 3600.0)
+    monkeypatch.setattr(step_reports, "REPORTS_MAX_S", 3600.0)
     config = ModelConfig(width=32, heads=2, layers=2, seq_len=16)
     optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=1.0)
 
@@ -420,7 +420,7 @@ def _trainer(table: dict[int, dict[str, tuple[float, int, tuple[str, ...]]]],
 def test_a_peer_has_left_its_stage_after_the_grace_on_the_trainer_s_clock() -> None:
     """The grace a peer missing from its stage gets (``LEFT_GRACE_S``) runs on the clock
     the trainer was given: no real time passes here."""
-    from swarmd.trainer.trainer import LEFT_GRACE_S
+    from swarmd.trainer.step_reports import LEFT_GRACE_S
 
     now = [100.0]
     table = {0: {"a": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
@@ -475,14 +475,14 @@ def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_
     # samples), so the trainer must not wait REPORTS_MAX_S (60 s) for it, stalling the swarm;
     # a peer missing from the view for less than LEFT_GRACE_S (an announcement late on a
     # loaded machine) has not left
-    from swarmd.trainer import trainer as trainer_module
+    from swarmd.trainer import step_reports
 
     table = {0: {"a": (1.0, 0, ()), "b": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
     trainer = _trainer(table)
     trainer._route(("a", "c"))
     trainer._route(("b", "c"))
     leaves = case == "a_server_leaves"
-    poll = trainer_module.REPORTS_POLL_S
+    poll = step_reports.REPORTS_POLL_S
 
     async def step() -> tuple[float | None, bool]:
         waiting = asyncio.create_task(trainer._reported(0, 4, 1.0))
@@ -498,7 +498,7 @@ def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_
         # machine); otherwise it must still wait after the grace and several polls
         # (REPORTS_MAX_S is 60 s)
         done, _ = await asyncio.wait({waiting}, timeout=30.0 if leaves else
-                                     trainer_module.LEFT_GRACE_S + 4 * poll)
+                                     step_reports.LEFT_GRACE_S + 4 * poll)
         if not done:  # still waiting, as it should when nobody left
             waiting.cancel()
             return None, False
@@ -512,9 +512,9 @@ def test_the_wait_for_a_step_s_reports_ends_when_a_peer_that_served_it_left_its_
 
 def test_a_trainer_waiting_long_for_a_steps_reports_says_which_stages_it_waits_for(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from swarmd.trainer import trainer as trainer_module
+    from swarmd.trainer import step_reports
 
-    monkeypatch.setattr(trainer_module, "REPORTS_SAY_S", 0.2)
+    monkeypatch.setattr(step_reports, "REPORTS_SAY_S", 0.2)
     trainer = _trainer({0: {"a": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}})
     trainer._route(("a", "c"))
 
@@ -527,10 +527,10 @@ def test_a_trainer_waiting_long_for_a_steps_reports_says_which_stages_it_waits_f
             if trainer.counters["reports_slow"]:
                 break
             await asyncio.sleep(0.05)
-        await asyncio.sleep(4 * trainer_module.REPORTS_POLL_S)  # said once a step
+        await asyncio.sleep(4 * step_reports.REPORTS_POLL_S)  # said once a step
         waiting.cancel()
 
-    with caplog.at_level(logging.INFO, logger="swarmd.trainer.trainer"):
+    with caplog.at_level(logging.INFO, logger="swarmd.trainer.step_reports"):
         asyncio.run(step())
     assert trainer.counters["reports_slow"] == 1
     said = [r.getMessage() for r in caplog.records if "step reports of" in r.getMessage()]
@@ -542,7 +542,7 @@ def test_a_stage_step_no_peer_of_the_stage_announces_is_taken_for_gone_after_a_g
     left and the mate left behind announces 5: microbatches failing for ``STEP_GONE_S`` with
     that stage behind make the forwards name no stage step (``steps_gone``); a stage that
     catches up meanwhile starts the grace over."""
-    from swarmd.trainer.trainer import STEP_GONE_S
+    from swarmd.trainer.step_reports import STEP_GONE_S
 
     now = [100.0]
     announced = {0: {"a": 6}, 1: {"d": 5}}
