@@ -52,6 +52,10 @@ class _Training:
         listener, trainer_log = _Said(self.said), logging.getLogger("swarmd.trainer")
 
         def run() -> None:
+            # (INFO too: the logger's level is the root's, WARNING, unless set; the trainer
+            # says at INFO which stages' step reports it waits for)
+            level = trainer_log.level
+            trainer_log.setLevel(logging.INFO)
             trainer_log.addHandler(listener)
             try:
                 self.result = uvloop.run(asyncio.wait_for(train(
@@ -61,6 +65,7 @@ class _Training:
                 self.error = exc
             finally:
                 trainer_log.removeHandler(listener)
+                trainer_log.setLevel(level)
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
@@ -98,7 +103,8 @@ def _where(daemons: list[DaemonProcess]) -> str:
             sync = {k: v for k, v in d.get("/api/v0/status")["counters"].items()
                     if k.startswith(("sync.", "allreduce.", "state.", "stage.")) and v}
             said = [line for line in d.stderr().splitlines()
-                    if " swarmd.averaging" in line or " swarmd.keeper" in line][-5:]
+                    if " swarmd.averaging" in line or " swarmd.keeper" in line
+                    or " swarmd.stage" in line or " swarmd.sync" in line][-6:]
             rows.append(f"peer{i}: stage {info['stage']} step {info['step']} {info['state']} "
                         f"{sync} said {said}")
         except Exception as exc:  # (a failure's message must not fail)
