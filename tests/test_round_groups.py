@@ -327,3 +327,60 @@ def test_a_leader_that_refuses_every_report_for_refusing_s_leads_nobody() -> Non
     asyncio.run(scenario())
     assert sync.counters["mates_refusing"] == 1 and sync.counters["rounds_led"] == 1
     assert "a" in sync.trigger.suspects
+
+
+def _short_round(answers: dict[str, bool | None]) -> tuple[StageSync, list[Any], list[Any]]:
+    """Leader "a" (target 4) holds 2 samples of trainer t's step 7 and its mates reported 2
+    more at its step; they answer the prepare as ``answers`` says. What ``failed`` was told
+    and what was applied, once it stepped."""
+    told: list[Any] = []
+    applied: list[Any] = []
+
+    async def snapshot() -> tuple[torch.Tensor, int]:
+        return torch.zeros(4), 2
+
+    async def apply(vector: torch.Tensor, exact: Any) -> None:
+        applied.append(exact)
+
+    async def failed(exact: Any) -> None:
+        told.append(exact)
+
+    async def nothing(*a: Any) -> None:
+        pass
+
+    sync = StageSync(Host("a", answers), swarm="t", stage=1,
+                     trigger=RoundTrigger(me="a", target=4, heard=set(answers)),
+                     averager=None, mates=lambda: {p: () for p in answers},
+                     snapshot=snapshot, apply=apply, give_back=nothing,
+                     on_behind=lambda p, s: None, samples_now=lambda: 0,
+                     sources=lambda: [("t", 7)], failed=failed)
+    for mate in answers:
+        sync.trigger.report(mate, 0, 2 // len(answers))
+        sync._mate_sources[mate] = (0, (("t", 7),))
+
+    async def scenario() -> None:
+        sync.progressed(2)
+        async with asyncio.timeout(10):
+            while sync.step == 0 or not applied:
+                await asyncio.sleep(0.01)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await sync.close()
+
+    asyncio.run(scenario())
+    return sync, told, applied
+
+
+def test_a_round_short_of_the_target_tells_its_trainers_at_once_that_no_report_comes() -> None:
+    """Mate b, holding half the step's samples, is busy: the round steps on 2 of 4 samples,
+    not exact, so no report of it goes to trainer t, which is told now instead of waiting
+    its patience (60 s) for one (``short_told``)."""
+    sync, told, applied = _short_round({"b": False})
+    assert applied == [()] and told == [(("t", 7),)]
+    assert sync.counters["short_told"] == 1 and sync.counters["rounds_short"] == 1
+
+
+def test_a_whole_round_tells_nobody() -> None:
+    sync, told, applied = _short_round({"b": True})
+    assert applied == [(("t", 7),)]  # exact: reported as it is applied
+    assert told == [] and not sync.counters["short_told"]

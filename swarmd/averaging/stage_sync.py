@@ -56,7 +56,7 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import torch
 
@@ -366,6 +366,18 @@ class StageSync:
         vector, samples = await self._snapshot()
         await self._apply(vector, exact_step(pairs, samples, self.trigger.target) or ())
 
+    def _tell_short(self, pairs: Iterable[tuple[str, int]]) -> None:
+        """A round about to step on fewer samples than the target (it left out a mate that
+        holds some: behind, busy, silent) is not exact, so no report of it will come: the
+        trainers of its samples' steps are told now that this stage takes no exact step for
+        them (``failed``, as after a failed round; counted ``short_told``). Else each waited
+        for this stage's report until its patience ran out (60 s): the whole swarm stood
+        still after every round that left a mate with samples out."""
+        named = tuple(sorted({(t, s) for t, s in pairs if t and s >= 0}))
+        if named and self._failed is not None:
+            self.counters["short_told"] += 1
+            self._spawn(self._failed(named))
+
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
         step = self.trigger.step
         now = self._clock()  # a mate that just failed us is not waited for again
@@ -420,7 +432,10 @@ class StageSync:
                 behind.append(peer)
         self._count_group(len(group), left_out)
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
-        exact = self._round_exact(group, step)
+        pairs, samples = self._round_sources(group, step), self.trigger.total(group[1:])
+        exact = exact_step(pairs, samples, self.trigger.target) or ()
+        if samples < self.trigger.target:
+            self._tell_short(pairs)
         if len(group) > 1:
             # everyone told must run the very group it was told: a member that refuses now is
             # missing from the round, whose parts are repaired around it (swarmd.averaging.allreduce)
@@ -460,16 +475,16 @@ class StageSync:
         self.counters["mates_left_out"] += total
         self.counters["rounds_short"] += total > 0
 
-    def _round_exact(self, group: list[str], step: int) -> Exact:
-        """The trainer steps the round's samples are exactly made of (ours and those the
-        members reported at this step, one step per trainer, the target's samples in all),
-        empty when not exact."""
+    def _round_sources(self, group: list[str], step: int) -> list[tuple[str, int]]:
+        """The trainer steps the round's samples come from: ours and those the members
+        reported at this step. The round is exact (``exact_step``) when they are one step per
+        trainer and the target's samples in all."""
         pairs = list(self._sources())
         for peer in group[1:]:
             reported = self._mate_sources.get(peer)
             if reported is not None and reported[0] == step:
                 pairs += reported[1]
-        return exact_step(pairs, self.trigger.total(group[1:]), self.trigger.target) or ()
+        return pairs
 
     async def _our_digest(self) -> str | None:
         """The digest of our weights now, None when unknown (none given, or it failed)."""
