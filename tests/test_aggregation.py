@@ -3,6 +3,7 @@ the table of rounds (no event loop, no network)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -237,6 +238,31 @@ def test_messages_for_unknown_rounds_are_buffered_within_bounds() -> None:
     assert other.value.code == "plan_mismatch"
     table.expire(now=1e6)  # nobody joined them: gone
     assert table.lookup("c", "d1", "contribute", 10, now=1e6).plan is None
+
+
+def test_a_declined_round_refuses_its_messages_at_once_and_wakes_what_it_buffered() -> None:
+    """The local peer refused the round's start: a member's contribution waiting in the
+    buffer is refused now, and later ones at once (their units are repaired, not waited
+    for until a deadline); a round declined before any message came is refused too."""
+    table = _table()
+    pending = table.lookup("r", "d", "contribute", 10, now=0.0)
+
+    async def scenario() -> str:
+        waiting = asyncio.ensure_future(table.wait_joined(pending, 30.0))
+        await asyncio.sleep(0)
+        table.decline("r")
+        try:
+            await asyncio.wait_for(waiting, 5.0)
+        except Refusal as exc:
+            return exc.code
+        return "joined"
+
+    assert asyncio.run(scenario()) == "not_joined"
+    table.decline("s")
+    for r in ("r", "s"):
+        with pytest.raises(Refusal) as later:
+            table.lookup(r, "d", "probe", 0, now=1.0)
+        assert later.value.code == "not_joined"
 
 
 def test_joining_takes_over_what_was_buffered_and_round_ids_are_never_reused() -> None:

@@ -329,7 +329,28 @@ def test_a_leader_that_refuses_every_report_for_refusing_s_leads_nobody() -> Non
     assert "a" in sync.trigger.suspects
 
 
-def _short_round(answers: dict[str, bool | None]) -> tuple[StageSync, list[Any], list[Any]]:
+class _Missing:
+    """An averager whose rounds end without the contribution of ``missing``."""
+
+    def __init__(self, missing: tuple[str, ...]) -> None:
+        self.missing = missing
+
+    def decline(self, round_id: str) -> None:
+        pass
+
+    async def all_reduce(self, round_id: str, group: Any, vector: torch.Tensor, *a: Any,
+                         **k: Any) -> Any:
+        from swarmd.averaging.rounds import AllReduceResult
+        return AllReduceResult(vector=vector.clone(), weight=1.0,
+                               contributors=tuple(p for p in group if p not in self.missing),
+                               missing=self.missing, part_weights=(1.0,),
+                               repaired_parts=(0,) if self.missing else (), seconds=0.0,
+                               bytes_sent=0, bytes_received=0)
+
+
+def _short_round(answers: dict[str, bool | None],
+                 missing: tuple[str, ...] | None = None
+                 ) -> tuple[StageSync, list[Any], list[Any]]:
     """Leader "a" (target 4) holds 2 samples of trainer t's step 7 and its mates reported 2
     more at its step; they answer the prepare as ``answers`` says. What ``failed`` was told
     and what was applied, once it stepped."""
@@ -354,6 +375,8 @@ def _short_round(answers: dict[str, bool | None]) -> tuple[StageSync, list[Any],
                      snapshot=snapshot, apply=apply, give_back=nothing,
                      on_behind=lambda p, s: None, samples_now=lambda: 0,
                      sources=lambda: [("t", 7)], failed=failed)
+    if missing is not None:
+        sync.averager = _Missing(missing)  # type: ignore[assignment]
     for mate in answers:
         sync.trigger.report(mate, 0, 2 // len(answers))
         sync._mate_sources[mate] = (0, (("t", 7),))
@@ -374,13 +397,23 @@ def _short_round(answers: dict[str, bool | None]) -> tuple[StageSync, list[Any],
 def test_a_round_short_of_the_target_tells_its_trainers_at_once_that_no_report_comes() -> None:
     """Mate b, holding half the step's samples, is busy: the round steps on 2 of 4 samples,
     not exact, so no report of it goes to trainer t, which is told now instead of waiting
-    its patience (60 s) for one (``short_told``)."""
+    its patience (60 s) for one (``not_exact_told``)."""
     sync, told, applied = _short_round({"b": False})
     assert applied == [()] and told == [(("t", 7),)]
-    assert sync.counters["short_told"] == 1 and sync.counters["rounds_short"] == 1
+    assert sync.counters["not_exact_told"] == 1 and sync.counters["rounds_short"] == 1
 
 
 def test_a_whole_round_tells_nobody() -> None:
     sync, told, applied = _short_round({"b": True})
     assert applied == [(("t", 7),)]  # exact: reported as it is applied
-    assert told == [] and not sync.counters["short_told"]
+    assert told == [] and not sync.counters["not_exact_told"]
+
+
+def test_a_round_whose_all_reduce_lacks_a_member_is_not_exact_and_its_trainers_are_told() -> None:
+    """b took part but its contribution is missing from the round (it refused the start,
+    or died in it): the step holds half the samples, so it is not reported as exact but
+    told (``failed``), as a round short from the start is."""
+    sync, told, applied = _short_round({"b": True}, missing=("b",))
+    assert applied == [()] and told == [(("t", 7),)]
+    whole, told, applied = _short_round({"b": True}, missing=())
+    assert applied == [(("t", 7),)] and told == []

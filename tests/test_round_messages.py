@@ -250,6 +250,45 @@ def test_a_start_is_taken_only_from_the_leader_with_a_group_of_mates(
     assert refused == (0 if expected == "ok" else 1)
 
 
+class _Declines:
+    """An averager that records the rounds declined and fails every round it is given."""
+
+    def __init__(self) -> None:
+        self.declined: list[str] = []
+
+    def decline(self, round_id: str) -> None:
+        self.declined.append(round_id)
+
+    async def all_reduce(self, *a: Any, **k: Any) -> Any:
+        from swarmd.averaging.allreduce import AllReduceFailed
+        raise AllReduceFailed("not here")
+
+
+@pytest.mark.parametrize("peer,group,expected", [
+    ("b", ["a", "b", "m"], "not_leader"),
+    ("a", ["a", "m", "zz"], "group_not_mates"),
+    ("outsider", ["a", "m", "outsider"], "not_a_mate"),
+    ("a", ["a", "m"], "ok"),
+])
+def test_a_refused_start_declines_its_round_and_a_taken_one_does_not(
+        peer: str, group: list[str], expected: str) -> None:
+    """A start this peer refuses is a round it never joins: its averager refuses the round's
+    messages at once (``RoundTable.decline``), so the members repair its part now."""
+    sync, _ = make_sync({"a": (), "b": ()})
+    averager = sync.averager = _Declines()  # type: ignore[assignment]
+
+    async def scenario() -> str:
+        got = await _serve(sync, "start", start_meta(group), peer)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await sync.close()
+        return got
+
+    assert asyncio.run(scenario()) == expected
+    assert averager.declined == ([] if expected == "ok" else ["1:0:x"])
+    assert sync.counters["starts_declined"] == (0 if expected == "ok" else 1)
+
+
 def test_a_start_from_a_stranger_is_refused_whatever_its_id_and_its_group_is_heard_from() -> None:
     """A mate that never answered this peer does not lead it, however its id sorts (a liar
     that takes round messages and never answers would start rounds with a silent group);

@@ -148,6 +148,11 @@ class Averager:
         self._rounds.clear()
 
     # ---- the caller's side ---------------------------------------------------------------
+    def decline(self, round_id: str) -> None:
+        """This peer will not join ``round_id`` (it refused its start): its members' requests
+        for it are refused at once (``RoundTable.decline``)."""
+        self._rounds.decline(round_id)
+
     async def all_reduce(self, round_id: str, group: Sequence[str], vector: torch.Tensor,
                          weight: float, *, codec: CodecSpec | str = "fp16",
                          aggregator: Aggregator | AggregateFn | str = "mean",

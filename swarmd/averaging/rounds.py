@@ -138,6 +138,8 @@ class RoundState:
     pending_bytes: int = 0
     joined: asyncio.Event = field(default_factory=asyncio.Event)
     mismatch: bool = False
+    #: the local peer refused the round's start: it never joins (``RoundTable.decline``)
+    declined: bool = False
     finished: bool = False
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -159,6 +161,8 @@ class RoundTable:
         #: ids of rounds forgotten lately: a late message for one is refused at once instead
         #: of being buffered as if for a round still to come
         self._gone: deque[str] = deque(maxlen=256)
+        #: ids of rounds whose start the local peer refused: it never joins them
+        self._declined: deque[str] = deque(maxlen=256)
 
     def clear(self) -> None:
         self._rounds.clear()
@@ -228,12 +232,26 @@ class RoundTable:
         if rnd.plan is not None:
             self._gone.append(rnd.round_id)
 
+    def decline(self, r: str) -> None:
+        """The local peer refused round ``r``'s start and never joins it: what its members
+        send for it is refused at once (``not_joined``), what was buffered for it too, so
+        that they repair its units now instead of waiting for them until ``reply_fraction``
+        of their deadline (a round whose leader this peer's view did not take for the
+        leader waited out the averaging timeout, and its trainer with it)."""
+        self._declined.append(r)
+        rnd = self._rounds.get(r)
+        if rnd is not None and rnd.plan is None:
+            rnd.declined = True
+            rnd.joined.set()
+
     def lookup(self, r: str, d: str, kind: str, nbytes: int, now: float) -> RoundState:
         """The round a message is for; a round not joined yet is created to buffer it."""
         self.expire(now)
         rnd = self._rounds.get(r)
         if rnd is None and r in self._gone:
             raise Refusal("round_finished", f"round {r} is over here and forgotten")
+        if (rnd is None or rnd.plan is None) and r in self._declined:
+            raise Refusal("not_joined", f"round {r}'s start was refused here: it never joins")
         if rnd is None or rnd.plan is None:
             if kind == "repair":
                 raise Refusal("not_joined", f"round {r} has not started here")
@@ -258,6 +276,8 @@ class RoundTable:
                 await rnd.joined.wait()
         except TimeoutError:
             raise Refusal("not_joined", f"round {rnd.round_id} did not start here in time")
+        if rnd.declined:
+            raise Refusal("not_joined", f"round {rnd.round_id}'s start was refused here")
         if rnd.mismatch or rnd.plan is None:
             raise Refusal("plan_mismatch", f"round {rnd.round_id} has another plan here")
         return rnd.plan

@@ -366,16 +366,16 @@ class StageSync:
         vector, samples = await self._snapshot()
         await self._apply(vector, exact_step(pairs, samples, self.trigger.target) or ())
 
-    def _tell_short(self, pairs: Iterable[tuple[str, int]]) -> None:
-        """A round about to step on fewer samples than the target (it left out a mate that
-        holds some: behind, busy, silent) is not exact, so no report of it will come: the
-        trainers of its samples' steps are told now that this stage takes no exact step for
-        them (``failed``, as after a failed round; counted ``short_told``). Else each waited
-        for this stage's report until its patience ran out (60 s): the whole swarm stood
-        still after every round that left a mate with samples out."""
+    def _tell_not_exact(self, pairs: Iterable[tuple[str, int]]) -> None:
+        """A round about to step without some of its samples (it left out a mate that holds
+        some: busy, silent, a stranger; or a member's contribution is missing from its
+        all-reduce) is not exact, so no report of it will come: the trainers of its samples'
+        steps are told now that this stage takes no exact step for them (``failed``, as
+        after a failed round; counted ``not_exact_told``). Else each waited for this stage's
+        report until its patience ran out (60 s): the whole swarm stood still."""
         named = tuple(sorted({(t, s) for t, s in pairs if t and s >= 0}))
         if named and self._failed is not None:
-            self.counters["short_told"] += 1
+            self.counters["not_exact_told"] += 1
             self._spawn(self._failed(named))
 
     async def _lead(self, mates: dict[str, tuple[str, ...]]) -> None:
@@ -435,7 +435,7 @@ class StageSync:
         pairs, samples = self._round_sources(group, step), self.trigger.total(group[1:])
         exact = exact_step(pairs, samples, self.trigger.target) or ()
         if samples < self.trigger.target:
-            self._tell_short(pairs)
+            self._tell_not_exact(pairs)
         if len(group) > 1:
             # everyone told must run the very group it was told: a member that refuses now is
             # missing from the round, whose parts are repaired around it (swarmd.averaging.allreduce)
@@ -566,6 +566,9 @@ class StageSync:
             if exact and self._failed is not None:
                 await self._failed(exact)  # its trainers need not wait for this step
             return
+        if exact and result.missing:  # a member's samples are not in it: not exact
+            self._tell_not_exact(exact)
+            exact = ()
         if pending is not None:  # the weights before the step, digested beside the round
             await asyncio.wait({pending})
         await self._apply(result.vector, exact)
@@ -703,12 +706,19 @@ class StageSync:
             return None
 
     async def _serve(self, message: Message, peer: str) -> Message:
+        request: Progress | Prepare | Start | None = None
         try:
-            return await self._answer(parse_round(message.kind, message.meta, message.tensors),
-                                      peer)
-        except BadPeerMessage as exc:
-            self.counters[f"bad_requests.{exc.reason}"] += 1
-            log.info("stage %d: refused a round message from %s: %s", self.stage, peer, exc)
+            request = parse_round(message.kind, message.meta, message.tensors)
+            return await self._answer(request, peer)
+        except BaseException as exc:
+            if isinstance(exc, BadPeerMessage):
+                self.counters[f"bad_requests.{exc.reason}"] += 1
+                log.info("stage %d: refused a round message from %s: %s", self.stage, peer,
+                         exc)
+            if isinstance(request, Start) and self.averager is not None:
+                # never joined here: its members repair our part at once, not at a deadline
+                self.counters["starts_declined"] += 1
+                self.averager.decline(request.round_id)
             raise
 
     async def _answer(self, request: Progress | Prepare | Start, peer: str) -> Message:
