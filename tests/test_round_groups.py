@@ -332,8 +332,8 @@ def test_a_leader_that_refuses_every_report_for_refusing_s_leads_nobody() -> Non
 class _Missing:
     """An averager whose rounds end without the contribution of ``missing``."""
 
-    def __init__(self, missing: tuple[str, ...]) -> None:
-        self.missing = missing
+    def __init__(self, missing: tuple[str, ...], weight: float) -> None:
+        self.missing, self.weight = missing, weight
 
     def decline(self, round_id: str) -> None:
         pass
@@ -341,7 +341,7 @@ class _Missing:
     async def all_reduce(self, round_id: str, group: Any, vector: torch.Tensor, *a: Any,
                          **k: Any) -> Any:
         from swarmd.averaging.rounds import AllReduceResult
-        return AllReduceResult(vector=vector.clone(), weight=1.0,
+        return AllReduceResult(vector=vector.clone(), weight=self.weight,
                                contributors=tuple(p for p in group if p not in self.missing),
                                missing=self.missing, part_weights=(1.0,),
                                repaired_parts=(0,) if self.missing else (), seconds=0.0,
@@ -349,7 +349,7 @@ class _Missing:
 
 
 def _short_round(answers: dict[str, bool | None],
-                 missing: tuple[str, ...] | None = None
+                 missing: tuple[str, ...] | None = None, weight: float = 4.0
                  ) -> tuple[StageSync, list[Any], list[Any]]:
     """Leader "a" (target 4) holds 2 samples of trainer t's step 7 and its mates reported 2
     more at its step; they answer the prepare as ``answers`` says. What ``failed`` was told
@@ -376,7 +376,7 @@ def _short_round(answers: dict[str, bool | None],
                      on_behind=lambda p, s: None, samples_now=lambda: 0,
                      sources=lambda: [("t", 7)], failed=failed)
     if missing is not None:
-        sync.averager = _Missing(missing)  # type: ignore[assignment]
+        sync.averager = _Missing(missing, weight)  # type: ignore[assignment]
     for mate in answers:
         sync.trigger.report(mate, 0, 2 // len(answers))
         sync._mate_sources[mate] = (0, (("t", 7),))
@@ -413,7 +413,8 @@ def test_a_round_whose_all_reduce_lacks_a_member_is_not_exact_and_its_trainers_a
     """b took part but its contribution is missing from the round (it refused the start,
     or died in it): the step holds half the samples, so it is not reported as exact but
     told (``failed``), as a round short from the start is."""
-    sync, told, applied = _short_round({"b": True}, missing=("b",))
+    sync, told, applied = _short_round({"b": True}, missing=("b",), weight=2.0)
     assert applied == [()] and told == [(("t", 7),)]
-    whole, told, applied = _short_round({"b": True}, missing=())
-    assert applied == [(("t", 7),)] and told == []
+    for missing, weight in (((), 4.0), (("b",), 4.0)):  # all there; b missing, without samples
+        whole, told, applied = _short_round({"b": True}, missing=missing, weight=weight)
+        assert applied == [(("t", 7),)] and told == []

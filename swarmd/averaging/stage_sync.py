@@ -566,7 +566,8 @@ class StageSync:
             if exact and self._failed is not None:
                 await self._failed(exact)  # its trainers need not wait for this step
             return
-        if exact and result.missing:  # a member's samples are not in it: not exact
+        if exact and result.missing and result.weight < self.trigger.target - 0.5:
+            # a member's samples are not in it (a member without samples missing is no loss)
             self._tell_not_exact(exact)
             exact = ()
         if pending is not None:  # the weights before the step, digested beside the round
