@@ -336,7 +336,7 @@ class _Missing:
         self.missing, self.weight = missing, weight
 
     def decline(self, round_id: str) -> None:
-        pass
+        raise AssertionError(f"no start is refused in these rounds ({round_id})")
 
     async def all_reduce(self, round_id: str, group: Any, vector: torch.Tensor, *a: Any,
                          **k: Any) -> Any:
@@ -367,7 +367,7 @@ def _short_round(answers: dict[str, bool | None],
         told.append(exact)
 
     async def nothing(*a: Any) -> None:
-        pass
+        return None
 
     sync = StageSync(Host("a", answers), swarm="t", stage=1,
                      trigger=RoundTrigger(me="a", target=4, heard=set(answers)),
