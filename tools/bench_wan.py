@@ -473,7 +473,7 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
             pipeline_again(lab, profiles, results, root=root, stages=[s0, s1],
                            bootstrap=s0.addr, env=env, steps=steps,
                            tokens_per_step=tokens_per_step, rounds=repeats - 1)
-            counters = {**lab.counters(), "whole_gso": lab.whole_gso}
+            counters, whole_gso = lab.counters(), lab.whole_gso
         finally:
             if server_proc is not None and server_proc.stdin:
                 server_proc.stdin.close()
@@ -487,7 +487,7 @@ def measure(quick: bool, profiles: list[str], membership: bool = True,
                   "step_drains": config.serving.step_drains, "repeats": repeats},
         "profiles": results,
         "delayer_counters": counters.get("counters"),
-        "delayer_whole_gso": counters.get("whole_gso"),
+        "delayer_whole_gso": whole_gso,
         "not_measured": NOT_MEASURED + ([] if membership else [
             "membership_convergence_6_daemons_s (--no-membership)"]),
         "targets": _targets(results),

@@ -373,11 +373,7 @@ class StageSync:
         no exact step for them (``failed``, as after a failed round; counted
         ``not_exact_told``). Else each waited for this stage's report until its patience ran
         out (60 s): the whole swarm stood still. (A member whose contribution goes missing
-        during the all-reduce, a peer that died or refused the start, does not make the step
-        inexact: the step is the mean over the samples that arrived, reported as planned, so
-        that every part still steps once per target batch and the trainers stay one model;
-        telling the trainers instead cost a 12-daemon swarm with one kill 3-4 of 30 exact
-        steps and stage 0 an extra step from the flush that follows.)"""
+        during the all-reduce leaves the step as planned: docs/pipeline.md, "Exact steps".)"""
         named = tuple(sorted({(t, s) for t, s in pairs if t and s >= 0}))
         if named and self._failed is not None:
             self.counters["not_exact_told"] += 1

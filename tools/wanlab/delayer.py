@@ -10,7 +10,8 @@ It binds NFQUEUE ``--queue`` (the router's FORWARD chain sends packets of hosts 
 there) and asks the kernel for GSO packets whole (``NFQA_CFG_F_GSO``: a TCP sender's
 segments that travel as one buffer are held and released as one, about a third fewer
 packets for this process than one per segment; the loss of such a packet is that of any
-of its segments), prints ``{"ready": true, "whole_gso": ...}`` on stdout once bound, then reads control lines
+of its segments), prints ``{"ready": true, "whole_gso": ...}`` on stdout once bound, then
+reads control lines
 (:func:`tools.wanlab.spec.encode_control`) on stdin and answers each with ``{"ack": seq, ...}``
 (counters when asked). It exits when stdin closes: with the lab, or when the lab's process died.
 
