@@ -29,7 +29,7 @@ from transport.errors import RemoteError, TransportError
 from transport.frames import Message
 from transport.host import Host, HostOptions
 from swarmd.local.zygote import swarmd_popen
-from swarmd.models.registry import model_config_of, model_hash_of
+from swarmd.models.registry import model_hash_of
 
 
 def test_requests_beyond_the_budget_are_refused_and_counted() -> None:
@@ -123,12 +123,17 @@ FULL_GAP_S = 0.08
 PIPE = Protocols(ENV["SWARMD_SWARM_NAME"]).pipeline()
 
 
+def _ids(batch: int, tokens: int) -> torch.Tensor:
+    """A forward's input at stage 0, which holds the built-in model's embedding: token ids."""
+    return torch.randint(0, 256, (batch, tokens), dtype=torch.int32)
+
+
 def _trainer_row(daemon: Any) -> dict[str, Any] | None:
     rows = daemon.get("/api/v0/swarm").get("excluded", ())
     return next((r for r in rows if r.get("reason") == "no_stage" and r["addrs"]), None)
 
 
-async def _flood(d0: Any, model: str, width: int, trainer: subprocess.Popen[str]
+async def _flood(d0: Any, model: str, trainer: subprocess.Popen[str]
                  ) -> Counter[str]:
     """Forwards naming the hostile peer as their trainer, whose results it never answers (the
     daemon holds each until its hop deadline): they pile up to the budget, then are refused
@@ -151,7 +156,7 @@ async def _flood(d0: Any, model: str, width: int, trainer: subprocess.Popen[str]
                     "trainer": hostile.peer_id, "model": model}
             try:
                 await hostile.request(d0.peer_id, PIPE["forward"], Message(
-                    kind="forward", meta=meta, tensors=(torch.randn(2, 16, width),)),
+                    kind="forward", meta=meta, tensors=(_ids(2, 16),)),
                     timeout=120)
                 seen["ok"] += 1
             except RemoteError as exc:
@@ -201,7 +206,7 @@ def test_a_flooding_peer_gets_busy_and_an_honest_trainer_beside_it_loses_nothing
     try:
         wait_until(lambda: _trainer_row(d0), 120, "the trainer in d0's view")
         seen = uvloop.run(asyncio.wait_for(
-            _flood(d0, model_hash_of(config), model_config_of(config).width, trainer), 600))
+            _flood(d0, model_hash_of(config), trainer), 600))
         out, _ = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, (tmp_path / "trainer.stderr").read_text()[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
@@ -234,7 +239,7 @@ def test_a_trainer_that_never_sends_backwards_keeps_at_most_its_saved_budget(
     another trainer's forwards (the worker's other slots are free)."""
     (d0,) = daemons(0)
     config = load_config(None, {**os.environ, **ENV})
-    model, width = model_hash_of(config), model_config_of(config).width
+    model = model_hash_of(config)
     limit = BudgetConfig().max_saved
 
     async def scenario() -> dict[str, list[str]]:
@@ -250,7 +255,7 @@ def test_a_trainer_that_never_sends_backwards_keeps_at_most_its_saved_budget(
                         "trainer": h.peer_id, "model": model}
                 try:
                     await h.request(d0.peer_id, PIPE["forward"], Message(
-                        kind="forward", meta=meta, tensors=(torch.randn(1, 8, width),)),
+                        kind="forward", meta=meta, tensors=(_ids(1, 8),)),
                         timeout=60)
                 except RemoteError as exc:
                     budget = exc.code == "busy" and "budget" in exc.remote_message

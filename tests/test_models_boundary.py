@@ -15,6 +15,8 @@ from swarmd.models.gpt import ModelConfig
 
 CONFIG = ModelConfig(vocab=64, width=32, heads=4, layers=4, seq_len=16)
 RANK = 8
+#: the built-in GPT with its embedding at the trainer: a boundary at hop 0 too
+TRAINER_EMBEDS = BuiltinGPT(CONFIG, stage0_embeds=False)
 
 
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
@@ -22,7 +24,7 @@ def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
 
 
 def test_every_part_sends_and_receives_rank_values_a_token() -> None:
-    seam = LowRankBoundary(BuiltinGPT(CONFIG), RANK)
+    seam = LowRankBoundary(TRAINER_EMBEDS, RANK)
     trainer = seam.build_trainer(seed=1)
     stages = [seam.build_stage(i, 2, seed=1) for i in range(2)]
     h = trainer.embed(tokens())
@@ -52,7 +54,7 @@ def test_a_cut_model_computes_what_one_process_computes() -> None:
     """The trainer and two stages built apart (as three peers build them), run hop by hop as
     the pipeline runs them (each hop's tensor detached, gradients sent back one hop at a
     time) give the loss and every parameter's gradient one process gives."""
-    seam = LowRankBoundary(BuiltinGPT(CONFIG), RANK)
+    seam = LowRankBoundary(TRAINER_EMBEDS, RANK)
     x, y = tokens(), tokens()
 
     trainer, stages = _parts(seam, 3)           # one process
@@ -175,7 +177,7 @@ def test_a_manifest_holding_the_rank_at_its_default_is_malformed() -> None:
 def test_a_received_tensor_of_the_models_width_is_refused_by_a_low_rank_stage() -> None:
     from swarmd.pipeline.messages import activation
 
-    seam = LowRankBoundary(BuiltinGPT(CONFIG), RANK)
+    seam = LowRankBoundary(TRAINER_EMBEDS, RANK)
     activation(torch.zeros(1, 4, RANK), seam.width, 64, "activations")
     with pytest.raises(BadActivation) as caught:
         activation(torch.zeros(1, 4, 32), seam.width, 64, "activations")
@@ -186,7 +188,7 @@ def test_export_refuses_a_low_rank_boundary_naming_the_setting() -> None:
     from swarmd.export.parts import export_kind
 
     with pytest.raises(ModelError, match="model.boundary_rank = 8"):
-        export_kind(LowRankBoundary(BuiltinGPT(CONFIG), RANK))
+        export_kind(LowRankBoundary(TRAINER_EMBEDS, RANK))
     assert export_kind(BuiltinGPT(CONFIG)) == "builtin"
 
 
@@ -203,7 +205,7 @@ def test_one_step_through_a_low_rank_swarm_equals_one_process() -> None:
 
     from inprocess_swarm import two_stage_swarm
 
-    seam = LowRankBoundary(BuiltinGPT(CONFIG), RANK)
+    seam = LowRankBoundary(TRAINER_EMBEDS, RANK)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (2, 16), generator=g),
                 torch.randint(0, 64, (2, 16), generator=g)) for _ in range(2)]

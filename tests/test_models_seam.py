@@ -26,19 +26,31 @@ from swarmd.models.gpt import FullModel, ModelConfig
 CONFIG = ModelConfig(vocab=64, width=32, heads=4, layers=4, seq_len=16)
 
 
-def test_builtin_seam_computes_what_the_full_model_computes() -> None:
-    seam = BuiltinGPT(CONFIG)
+@pytest.mark.parametrize("stage0_embeds", [True, False])
+def test_builtin_seam_computes_what_the_full_model_computes(stage0_embeds: bool) -> None:
+    """Stage 0 holds the embedding (the trainer sends it the ids) or the trainer does: the
+    same initial weights either way, so the same logits as one process; the two cuts are
+    two models to a peer (their fingerprints differ)."""
+    seam = BuiltinGPT(CONFIG, stage0_embeds=stage0_embeds)
     trainer = seam.build_trainer(seed=2)
     stages = [seam.build_stage(i, 2, seed=2) for i in range(2)]
     full = FullModel(CONFIG, num_stages=2, seed=2)
     x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
     h = trainer.embed(x)
+    assert seam.stage0_embeds == stage0_embeds == torch.equal(h, x)
+    assert any(n.startswith("embedding.") for n, _ in trainer.named_parameters()) \
+        != stage0_embeds
     for stage in stages:
         h = stage(h)
     assert seam.activation(2, 16) .shape == tuple(h.shape) == (2, 16, 32)
     logits, _ = full(x)
     assert torch.equal(trainer.head(h), logits)
     assert seam.fingerprint().fields["arch"] == "swarmd-gpt/1"
+    assert seam.fingerprint().fields["embedding"] == ("stage 0" if stage0_embeds else "trainer")
+    assert seam.fingerprint() != BuiltinGPT(CONFIG, stage0_embeds=not stage0_embeds).fingerprint()
+    # the checkpoint's names do not say who holds what
+    names = {*checkpoint_names(trainer).values(), *checkpoint_names(stages[0]).values()}
+    assert {"embedding.wte.weight", "embedding.wpe.weight", "head.lm_head.weight"} <= names
 
 
 def test_builtin_stages_cut_between_shared_groups() -> None:

@@ -305,7 +305,8 @@ def test_a_daemon_bans_a_peer_that_sends_a_wrong_shaped_backward_and_shows_why(
                         "trainer": trainer.peer_id, "model": model}
                 outcomes["forwards"].append(await _code(trainer.request(
                     d0.peer_id, pipe["forward"], Message(kind="forward", meta=meta, tensors=(
-                        torch.randn(2, 8, width),)), timeout=60)))
+                        torch.randint(0, 256, (2, 8), dtype=torch.int32),)),  # token ids
+                    timeout=60)))
                 if got.is_set():
                     await asyncio.wait_for(took.wait(), 30)
             await asyncio.gather(*sent)
@@ -371,7 +372,9 @@ def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None
             codes: list[str] = []
 
             async def on_forward(message: Message, peer: str) -> Message:
-                mb, x = message.meta["mb"], message.tensors[0]
+                # the only stage holds the embedding: token ids in, activations out
+                mb, ids = message.meta["mb"], message.tensors[0]
+                x = torch.randn(*ids.shape, cfg.width)
                 for y in (x[:, :-1], x):
                     codes.append(await _code(h.request(t.peer_id, proto["result"], Message(
                         kind="result", meta={"mb": mb, "path": [h.peer_id]}, tensors=(y,)),
@@ -379,8 +382,9 @@ def test_the_trainer_bans_a_stage_peer_that_answers_with_a_wrong_shape() -> None
                 return Message(kind="ok")
 
             async def on_backward(message: Message, peer: str) -> Message:
+                empty = torch.zeros(*message.tensors[0].shape[:2], 0)  # no gradient to ids
                 await h.request(t.peer_id, proto["grad"], Message(
-                    kind="grad", meta={"mb": message.meta["mb"]}, tensors=message.tensors),
+                    kind="grad", meta={"mb": message.meta["mb"]}, tensors=(empty,)),
                     timeout=30)
                 return Message(kind="ok")
 

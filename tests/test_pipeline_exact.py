@@ -30,14 +30,13 @@ async def _swarm_grads(batches, codec: CodecSpec):
         losses = await trainer.accumulate(batches)
         samples = sum(int(x.shape[0]) for x, _ in batches)
         grads = {}  # gradients are sums over samples: the mean is what a step applies
-        for name, p in trainer.embedding.named_parameters():
-            grads[f"embedding.{name}"] = p.grad / samples
         for name, p in trainer.head.named_parameters():
             grads[f"head.{name}"] = p.grad / samples
         for s in servers:
             assert s.worker.samples_accumulated == samples
-            for name, p in s.module.named_parameters():
-                grads[f"stages.{s.stage}.{name}"] = p.grad / samples
+            for name, p in s.module.named_parameters():  # stage 0 holds the embedding
+                grads[name if name.startswith("embedding.")
+                      else f"stages.{s.stage}.{name}"] = p.grad / samples
         return losses, grads, trainer.stats
 
 
@@ -73,9 +72,9 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
     async def scenario() -> None:
         async with Host(identity.generate(), HostOptions(pubsub=None)) as host:
             server = stage_server.StageServer(
-                host, swarm=SWARM, stage=0, num_stages=2, model_config=CONFIG,
+                host, swarm=SWARM, stage=1, num_stages=2, model_config=CONFIG,
                 model_hash=CONFIG.model_hash(), codec=CodecSpec(name="none"), lr=1e-3, seed=0,
-                peers_of=lambda s: {}, max_tokens=4096)
+                peers_of=lambda s: {}, max_tokens=4096)  # (stage 0 would take token ids)
             server.compute.queued = stage_server.MAX_QUEUE  # as if MAX_QUEUE requests waited
             with pytest.raises(StageBusy):
                 await server.compute.run(server.worker.infer, torch.randn(1, 4, CONFIG.width),

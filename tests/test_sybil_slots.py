@@ -163,7 +163,7 @@ def test_hostile_identities_filling_every_saved_slot_do_not_lock_an_honest_train
                     return exc.code
                 return "ok"
 
-            x = torch.randn(1, 8, width)
+            x = torch.randint(0, 256, (1, 8), dtype=torch.int32)  # stage 0 takes token ids
             for h in (h1, h2, honest):
                 h.set_request_handler(PIPE["result"], on_result)
                 h.set_request_handler(PIPE["grad"], on_result)

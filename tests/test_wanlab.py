@@ -111,7 +111,11 @@ def test_delay_is_the_sum_of_both_links():
                                                                           delay_ms=15))
     assert line.offer(1.0, A, B, 1) == "held"
     assert line.due(1.0249) == [] and line.next_due() == pytest.approx(1.025)
-    assert line.due(1.025) == [1]
+    assert line.due(1.025) == [1] and line.counters["late_over_1ms"] == 0
+    # released 3 ms after its time (the delayer was not scheduled): counted late
+    assert line.offer(2.0, A, B, 2) == "held" and line.due(2.028) == [2]
+    assert line.counters["late_over_1ms"] == 1
+    assert line.counters["late_max_us"] == pytest.approx(3000, abs=2)
 
 
 def test_undelayed_packets_pass_and_blocked_or_stalled_ones_drop():

@@ -5,8 +5,8 @@ The prompt is encoded with the tokenizer the swarm trained with (the export's ma
 
 * a Hugging Face export: ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``generate``
   (sampling at ``temperature``; 0: greedy);
-* the built-in GPT: its own modules (``swarmd.models.builtin``: the trainer's embedding and
-  head around all blocks as one stage) loaded from the directory's safetensors, and a plain
+* the built-in GPT: its own modules (``swarmd.models.builtin``: all blocks as one stage,
+  the embedding first, and the trainer's head) loaded from the directory's safetensors, and a plain
   loop: the last ``seq_len`` tokens in, the next token drawn from the softmax of the last
   logits over ``temperature``.
 

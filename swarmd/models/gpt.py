@@ -1,6 +1,7 @@
 """A GPT-style byte-level language model, cut into pipeline stages as in SWARM.
 
-The trainer holds the :class:`Embedding` (tokens and positions in) and the :class:`Head` (final
+Stage 0 holds the :class:`Embedding` (tokens and positions in; ``build_stage(..., embeds=True)``,
+as the swarm cuts it: ``swarmd.models.builtin``), the trainer the :class:`Head` (final
 LayerNorm, logits, loss); each :class:`Stage` is a contiguous slice of the block list, served by
 the peers of that stage. :class:`FullModel` chains the very same parts in one process: the
 reference every pipeline result is compared with.
@@ -139,7 +140,7 @@ class Block(nn.Module):
 # ------------------------------------------------------------------ the parts of the pipeline
 
 class Embedding(nn.Module):
-    """Trainer side, first: byte ids (B, T) -> token + position embeddings (B, T, width)."""
+    """Stage 0's, first: byte ids (B, T) -> token + position embeddings (B, T, width)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -196,9 +197,11 @@ def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
 
 
 class Stage(nn.Module):
-    """Stage ``index`` of ``num_stages``: its distinct blocks, each applied share_layers times."""
+    """Stage ``index`` of ``num_stages``: its distinct blocks, each applied share_layers times;
+    with ``embeds`` (stage 0 only), the :class:`Embedding` first: byte ids (B, T) in."""
 
-    def __init__(self, config: ModelConfig, index: int, num_stages: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, num_stages: int, *,
+                 embeds: bool = False) -> None:
         super().__init__()
         all_layers = stage_layers(config, num_stages)
         if not 0 <= index < num_stages:
@@ -208,8 +211,13 @@ class Stage(nn.Module):
         #: global indices of this stage's distinct blocks
         self.groups = range(self.layers.start // self.share, self.layers.stop // self.share)
         self.blocks = nn.ModuleList(Block(config) for _ in self.groups)
+        if embeds and index != 0:
+            raise ValueError(f"only stage 0 can hold the embedding, not stage {index}")
+        self.embedding = Embedding(config) if embeds else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)       # (B, T) ids -> (B, T, width)
         for block in self.blocks:       # (B, T, width) all the way
             for _ in range(self.share):
                 x = block(x)
@@ -268,11 +276,15 @@ def build_head(config: ModelConfig, seed: int = 0, *, device: torch.device | str
 
 def build_stage(config: ModelConfig, index: int, num_stages: int, seed: int = 0, *,
                 device: torch.device | str | None = None,
-                dtype: torch.dtype = torch.float32) -> Stage:
+                dtype: torch.dtype = torch.float32, embeds: bool = False) -> Stage:
     """Stage ``index`` of ``num_stages``. Block g is initialised from (model hash, "block<g>",
-    seed): a block's weights do not depend on how the model is cut."""
-    return _materialise(lambda: Stage(config, index, num_stages),
-                        lambda s: [(f"block{g}", b) for g, b in zip(s.groups, s.blocks)],
+    seed): a block's weights do not depend on how the model is cut. ``embeds`` (stage 0):
+    the embedding too, initialised as :func:`build_embedding` does."""
+    def parts(s: Stage) -> list[tuple[str, nn.Module]]:
+        own = [(f"block{g}", b) for g, b in zip(s.groups, s.blocks)]
+        return own if s.embedding is None else [("embedding", s.embedding), *own]
+
+    return _materialise(lambda: Stage(config, index, num_stages, embeds=embeds), parts,
                         config, seed, device, dtype)
 
 

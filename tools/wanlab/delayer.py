@@ -42,6 +42,9 @@ MAX_HELD = 60_000
 KERNEL_QUEUE_LEN = 65_536
 #: a TCP segment's payload at the lab's MTU (IPv4 and TCP headers without options)
 SEGMENT_BYTES = LAB_MTU - 40
+#: a packet released this much after its due time is counted late (``late_over_1ms``): the
+#: delayer did not get the CPU in time, and the path's delay was longer than its profile's
+LATE_S = 1e-3
 
 
 @dataclass(slots=True)
@@ -57,7 +60,8 @@ class DelayLine(Generic[P]):
     """Per-host delay and loss for packets keyed by (source, destination) address.
 
     ``offer(now, src, dst, packet)`` says ``"drop"``, ``"pass"`` (nothing to wait for) or
-    ``"held"``; ``due(now)`` hands back the held packets whose time has come, in due order;
+    ``"held"``; ``due(now)`` hands back the held packets whose time has come, in due order
+    (and counts how late: ``late_us``, their total, ``late_max_us``, ``late_over_1ms``);
     ``next_due()`` says when the next one is due. Packets of one path leave in the order they
     came, also when its delay shrinks while some are held (a packet that could pass waits
     while an earlier one of its path is held)."""
@@ -69,7 +73,8 @@ class DelayLine(Generic[P]):
     last_due: dict[tuple[bytes, bytes], float] = field(default_factory=dict)
     held_per_path: dict[tuple[bytes, bytes], int] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: {
-        "passed": 0, "held": 0, "released": 0, "lost": 0, "blocked": 0, "overflow": 0})
+        "passed": 0, "held": 0, "released": 0, "lost": 0, "blocked": 0, "overflow": 0,
+        "late_us": 0, "late_max_us": 0, "late_over_1ms": 0})
     _seq: int = 0
 
     def configure(self, now: float, state: LinkState) -> None:
@@ -112,8 +117,15 @@ class DelayLine(Generic[P]):
 
     def due(self, now: float) -> list[P]:
         out = []
+        c = self.counters
         while self.held and self.held[0][0] <= now:
-            _, _, path, packet = heapq.heappop(self.held)
+            due, _, path, packet = heapq.heappop(self.held)
+            late_us = int((now - due) * 1e6)
+            c["late_us"] += late_us
+            if late_us > c["late_max_us"]:
+                c["late_max_us"] = late_us
+            if now - due > LATE_S:
+                c["late_over_1ms"] += 1
             left = self.held_per_path[path] - 1
             if left:
                 self.held_per_path[path] = left

@@ -325,7 +325,8 @@ class WanLab:
         return total
 
     def counters(self) -> dict[str, Any]:
-        """The delayer's counters: passed, held, released, lost, blocked, overflow."""
+        """The delayer's counters: passed, held, released, lost, blocked, overflow, and how
+        late held packets left (``late_us`` in all, ``late_max_us``, ``late_over_1ms``)."""
         return self._control([], stats=True)
 
     @property
