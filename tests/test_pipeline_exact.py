@@ -81,8 +81,10 @@ def test_a_full_stage_refuses_new_forwards_with_busy() -> None:
                                          admit=True)
             assert server.counters["busy"] == 1
             # backward-side work still runs
+            assert server.counters["compute_busy_ms"] == 0  # nothing computed yet
             out = await server.compute.run(server.worker.infer, torch.randn(1, 4, CONFIG.width))
             assert out.shape == (1, 4, CONFIG.width)
+            assert server.counters["compute_busy_ms"] > 0  # the compute thread's busy time
             await server.close()
 
     uvloop.run(asyncio.wait_for(scenario(), 60))

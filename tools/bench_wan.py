@@ -190,7 +190,7 @@ def membership_convergence(lab: WanLab, root: Path, env: dict[str, str], tag: st
 
 #: stage counters a pipeline run reports (their change over the run), per stage daemon
 STAGE_COUNTERS = ("stage.optimizer_steps", "stage.step_gate_closed_ms", "stage.busy",
-                  "stage.late_samples", "stage.stepped_samples")
+                  "stage.late_samples", "stage.stepped_samples", "stage.compute_busy_ms")
 
 
 def stage_counters(stages: list[daemons.LabDaemon]) -> list[dict[str, int]]:
@@ -222,6 +222,8 @@ def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, boot
             f"run: its rate is not comparable with a quiet run's")
     t["stages"] = [{k: a[k] - b[k] for k in STAGE_COUNTERS}
                    for a, b in zip(stage_counters(stages), before)]
+    for s in t["stages"]:  # how much of the run each stage's compute thread computed
+        s["compute_busy_share"] = s["stage.compute_busy_ms"] / max(1.0, t["cpu"]["seconds"] * 1e3)
     # the rate over the second half of the steps (the whole run's when too short for one)
     t["rate"] = t.get("steady_tokens_per_s", t["tokens_per_s"])
     return t

@@ -32,13 +32,16 @@ THROUGHPUT_EMA = 0.05
 class Compute:
     """The compute thread. ``run(fn, *args, admit=True)`` (new forwards) refuses with
     ``StageBusy`` when ``MAX_QUEUE`` calls wait; backward and optimizer steps always get
-    through, since they free memory and cannot be routed elsewhere."""
+    through, since they free memory and cannot be routed elsewhere. The thread's busy time
+    is counted (``compute_busy_ms``): how much of a run the stage computed, and how much it
+    waited for work."""
 
     def __init__(self, name: str, counters: Counter[str]) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
         self.counters = counters
         #: calls waiting for or in the compute thread
         self.queued = 0
+        self._busy_s = 0.0
 
     def refuse_if_full(self, waiting: int = 0) -> None:
         if self.queued + waiting >= MAX_QUEUE:
@@ -50,9 +53,19 @@ class Compute:
             self.refuse_if_full()
         self.queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed,
+                                                                    fn, args)
         finally:
             self.queued -= 1
+
+    def _timed(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """In the compute thread (its only writer of ``compute_busy_ms``)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._busy_s += time.perf_counter() - t0  # (whole ms in the counter, none lost)
+            self.counters["compute_busy_ms"] = int(self._busy_s * 1e3)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
