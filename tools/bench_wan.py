@@ -222,8 +222,9 @@ def train_counted(lab: WanLab, stages: list[daemons.LabDaemon], home: Path, boot
             f"run: its rate is not comparable with a quiet run's")
     t["stages"] = [{k: a[k] - b[k] for k in STAGE_COUNTERS}
                    for a, b in zip(stage_counters(stages), before)]
+    run_ms = max(1.0, t["cpu"]["seconds"] * 1e3)
     for s in t["stages"]:  # how much of the run each stage's compute thread computed
-        s["compute_busy_share"] = s["stage.compute_busy_ms"] / max(1.0, t["cpu"]["seconds"] * 1e3)
+        s["compute_busy_share"] = s["stage.compute_busy_ms"] / run_ms
     # the rate over the second half of the steps (the whole run's when too short for one)
     t["rate"] = t.get("steady_tokens_per_s", t["tokens_per_s"])
     return t
