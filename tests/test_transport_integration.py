@@ -429,6 +429,28 @@ def test_publish_subscribe_between_processes(peer: PeerProcess) -> None:
     run(scenario)
 
 
+def test_a_burst_of_requests_reuses_its_streams_the_next_time(peer: PeerProcess) -> None:
+    # a trainer's step opens with a burst of microbatches to one peer: every stream of the
+    # first burst is kept, so the next burst negotiates none (each open is a round trip)
+    burst = 24
+
+    async def scenario(host: Host) -> None:
+        await host.dial(peer.addr)
+
+        async def one(i: int) -> None:  # slow enough that the burst's requests overlap
+            reply = await host.request(peer.peer_id, "/test/slow/1",
+                                       Message(kind="x", meta={"s": 0.3, "i": i}))
+            assert reply.meta["i"] == i
+
+        await asyncio.gather(*(one(i) for i in range(burst)))
+        opened = host.counters.get("request_streams_opened")
+        assert opened == burst  # (they overlapped: none was free to reuse)
+        await asyncio.gather(*(one(i) for i in range(burst)))
+        assert host.counters.get("request_streams_opened") == opened
+
+    run(scenario)
+
+
 def test_idle_request_streams_are_closed_and_the_pool_recovers() -> None:
     quick = PeerProcess("serve", "--idle", "1")
     try:

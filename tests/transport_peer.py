@@ -55,6 +55,10 @@ async def serve(max_message_mib: int, key: str | None, port: int, idle: float) -
     async def echo(message: Message, peer: str) -> Message:
         return message
 
+    async def slow(message: Message, peer: str) -> Message:  # echoes after meta["s"] seconds
+        await asyncio.sleep(min(5.0, float(message.meta.get("s", 0.0))))
+        return message
+
     async def fail(message: Message, peer: str) -> Message:
         raise RuntimeError("this handler always fails")
 
@@ -78,6 +82,7 @@ async def serve(max_message_mib: int, key: str | None, port: int, idle: float) -
             await stream.send(Message(kind="pong"))
 
     host.set_request_handler("/test/echo/1", echo)
+    host.set_request_handler("/test/slow/1", slow)
     host.set_request_handler("/test/fail/1", fail)
     host.set_request_handler("/test/refuse/1", refuse)
     host.set_request_handler("/test/stats/1", stats)

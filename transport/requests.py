@@ -21,8 +21,12 @@ MAX_QUEUED_S = 600.0
 
 
 class RequestReply:
-    #: idle request streams kept per (peer, protocol)
-    IDLE_STREAMS_PER_KEY = 8
+    #: idle request streams kept per (peer, protocol): more than a trainer keeps in flight
+    #: (32) through one pair of stage peers. A request that finds none opens a stream, which
+    #: costs a round trip of protocol negotiation before its message goes: with 8 kept, on a
+    #: 100 ms path every microbatch beyond the 8th of a step's opening burst, and each hop
+    #: beyond 8 at once, waited that round trip (``request_streams_opened`` counts them)
+    IDLE_STREAMS_PER_KEY = 64
 
     options: Any
     counters: Any
@@ -66,6 +70,7 @@ class RequestReply:
                     except PeerUnavailable:
                         self.counters.add("pooled_stream_stale")
                 stream = await self.open_stream(peer_id, protocol, timeout=timeout)
+                self.counters.add("request_streams_opened")
                 return await self._exchange(key, stream, message, codec, queued)
         except TimeoutError:
             self.counters.add("deadlines_missed")
