@@ -262,6 +262,46 @@ async def _train(trainer: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor
                         window=InFlight(floor=2, ceiling=3), on_step=stepped, barrier=True)
 
 
+def test_a_step_sends_its_opening_burst_before_anything_comes_back() -> None:
+    """The window's target is 1 (its floor: nothing measured yet) and its ceiling 3: every
+    step launches its 3 microbatches at once, not one at a time, each step on the weights
+    after the one before it (the barrier holds)."""
+    from swarmd.models.gpt import ModelConfig
+    from swarmd.pipeline.inflight import InFlight
+    from swarmd.training.swarm_optim import OptimSettings
+
+    config = ModelConfig(width=16, heads=2, layers=2, seq_len=16)
+    optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+    drawn = iter([b for batches in _batches(2) for b in batches])
+    peaks: list[int] = []
+
+    async def scenario() -> None:
+        async with _swarm(config, optim) as (servers, trainer):
+            inner, running = trainer._microbatch, 0
+
+            async def counted(*args: Any) -> Any:
+                nonlocal running
+                running += 1
+                peaks.append(running)
+                try:
+                    return await inner(*args)
+                finally:
+                    running -= 1
+
+            trainer._microbatch = counted
+
+            async def stepped(step: int, loss: float) -> bool:
+                peaks.append(0)  # a step's end
+                return False
+
+            await trainer.train(lambda: next(drawn), steps=2, microbatches=3,
+                                window=InFlight(floor=1, ceiling=3), on_step=stepped,
+                                barrier=True)
+
+    uvloop.run(asyncio.wait_for(scenario(), 120))
+    assert peaks == [1, 2, 3, 0, 1, 2, 3, 0]
+
+
 def _batches(n: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     g = torch.Generator().manual_seed(seed)
     return [[(torch.randint(0, 256, (2, 16), generator=g),

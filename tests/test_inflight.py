@@ -134,3 +134,16 @@ def test_busy_lowers_the_target_below_a_steps_microbatches() -> None:
     assert window.target == 1  # never none
     window.busy(0)
     assert window.target == 1
+
+
+@given(st.integers(1, 64), st.integers(1, 64), st.booleans(), st.integers(0, 80))
+def test_a_step_opens_with_the_ceiling_under_any_busy_cap(floor: int, ceiling: int,
+                                                          fixed: bool, busy_at: int) -> None:
+    # before its first microbatch comes back a synchronous step has nothing to pace on and
+    # stage 0 only forwards: it opens with as many as it may have out, never past a busy cap
+    window = InFlight(floor=min(floor, ceiling), ceiling=ceiling, fixed=fixed)
+    window.rate, window.round_trip_s = 30.0, 0.4
+    assert window.opening == ceiling >= window.target
+    window.busy(busy_at)
+    assert window.opening >= window.target if fixed else (
+        window.opening == min(window.cap or ceiling, ceiling) >= window.target)

@@ -18,8 +18,10 @@ import torch
 from swarmd.errors import StageBusy
 from swarmd.pipeline.worker import StageWorker
 
-#: requests waiting for or in compute; more are refused with ``busy`` (the sender reroutes)
-MAX_QUEUE = 16
+#: requests waiting for or in compute; more are refused with ``busy`` (the sender reroutes).
+#: It holds a trainer's opening burst of a synchronous step (``InFlight.opening``: 32 at most,
+#: sent at once) with the backwards that follow it (at 16, half the burst would be refused)
+MAX_QUEUE = 48
 #: most microbatches forwarded as one batch
 MAX_BATCH = 8
 #: how long a batched microbatch's backward waits for the rest of its batch

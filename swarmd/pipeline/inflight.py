@@ -20,7 +20,7 @@ more in flight than needed, never less throughput). It never goes above ``ceilin
 (``training.in_flight``, or what memory and the stages' staleness bound allow), and below
 ``floor`` (a step's microbatches: the synchronous schedule's number) only while stage peers
 answer ``busy``: a peer refuses what its queue and its per-trainer budgets do not hold, however
-many microbatches a step has (64 a step against one stage-0 peer, which queues 16 for compute
+many microbatches a step has (64 a step against one stage-0 peer, which queued 16 for compute
 and keeps 32 per trainer, drew 800 refusals in 10 steps and cost a quarter of the throughput
 while the floor kept the target at 64).
 """
@@ -120,6 +120,13 @@ class InFlight:
         increase, as TCP does), below a step's microbatches too."""
         self.cap = max(1, min(self.ceiling, int(0.75 * in_flight)))
         self._since_busy = 0
+
+    @property
+    def opening(self) -> int:
+        """How many a synchronous step launches before its first microbatch came back: the
+        ceiling (under a ``busy`` cap). Until then nothing comes back to pace on, and stage
+        0 only forwards, several times faster than its forward and backward together."""
+        return self.ceiling if self.cap is None or self.fixed else min(self.cap, self.ceiling)
 
     @property
     def target(self) -> int:

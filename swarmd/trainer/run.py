@@ -38,8 +38,9 @@ VIEW_TIMEOUT_S = 120.0
 #: activations on every stage peer it passed, and its weights' stash: bounded by memory and
 #: by the stages' staleness limit, ``swarmd.pipeline.worker.MAX_STALENESS`` steps)
 MAX_IN_FLIGHT = 32
-#: the synchronous schedule's microbatches in flight when ``training.in_flight`` is 0: a stage
-#: peer queues 16 for compute and refuses more with busy, so a step's 64 sent at once drew 120
+#: the synchronous schedule's floor of microbatches in flight when ``training.in_flight`` is 0
+#: (a step's opening burst goes up to the ceiling: ``InFlight.opening``). A stage peer then
+#: queued 16 for compute and refused more with busy, so a step's 64 sent at once drew 120
 #: refusals a step, each pausing the peer, and ran a step a minute on loopback
 SYNC_IN_FLIGHT = 8
 SCHEDULES = ("sync", "pipelined")

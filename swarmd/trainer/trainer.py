@@ -302,7 +302,8 @@ class Trainer(TrainerCompute, StepReports):
                     busy = self.counters["hop_busy"]
                     window.busy(len(running))
                 while not stop and (sent < size if barrier else launched < total) and \
-                        len(running) < window.target:
+                        len(running) < (window.opening if barrier and done == 0
+                                        else window.target):
                     x, y = next_batch()
                     running.add(asyncio.create_task(self._microbatch(x, y, float(x.shape[0]))))
                     launched += 1
