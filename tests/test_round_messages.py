@@ -319,6 +319,30 @@ def test_a_start_from_the_next_mate_is_taken_once_the_smaller_ones_do_not_answer
     assert "a" in sync.trigger.suspects and sync.counters["mates_unreachable"] == 1
 
 
+@pytest.mark.parametrize("listed_elsewhere,expected", [(True, "ok"), (False, "not_leader")])
+def test_a_leader_that_moved_to_another_stage_is_no_mate_here(listed_elsewhere: bool,
+                                                               expected: str) -> None:
+    """"a" led (the smallest id) and moved to another stage; "b" now starts the rounds. A
+    mate the view lists elsewhere is forgotten at once, and "b"'s start is taken; one that
+    only dropped out of the view stays a mate for the grace (a lagging view), alive, so
+    "b" does not lead yet. Before, a mover with the smallest id was still its old stage's
+    leader for a minute, and that stage's rounds were refused meanwhile."""
+    mates = {"a": (), "b": ()}
+    sync, _ = make_sync(mates)
+    sync.known_mates()  # "a" listed once
+    del mates["a"]
+    sync.moved = lambda: {"a"} if listed_elsewhere else set()
+
+    async def scenario() -> str:
+        got = await _serve(sync, "start", start_meta(["b", "m"]), "b")
+        await sync.close()
+        return got
+
+    assert asyncio.run(scenario()) == expected
+    assert ("a" in sync.known_mates()) is not listed_elsewhere
+    assert sync.counters["mates_moved_away"] == int(listed_elsewhere)
+
+
 def test_a_suspected_leader_still_may_start_and_a_follower_becomes_one() -> None:
     t = RoundTrigger(me="m", target=4, heard={"a", "b", "c"})
     t.suspect("a", 0.0)

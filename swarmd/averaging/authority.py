@@ -95,6 +95,10 @@ class RecentMates:
         return {**{p: known[p] for p, t in self._heard.items()
                    if p in known and now - t <= self.heard_s}, **live}
 
+    def remembered(self) -> list[str]:
+        """The peers held as mates now, listed live or within the grace."""
+        return list(self._seen)
+
     def forget(self, peer: str) -> None:
         """``peer`` is no mate any more (it left the stage for good)."""
         self._seen.pop(peer, None)

@@ -140,6 +140,7 @@ class StageSync:
                  sources: Callable[[], list[Source]] = lambda: [],
                  failed: Callable[[Exact], Awaitable[None]] | None = None,
                  histograms: Histograms | None = None,
+                 moved: Callable[[], Iterable[str]] = lambda: (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         #: every time here is read from this clock (seconds, monotonic)
         self._clock = clock
@@ -153,6 +154,9 @@ class StageSync:
         self.trigger = trigger
         self.averager = averager
         self.mates = mates
+        #: the peers the view lists at another stage now: a mate that moved there is no
+        #: mate, grace or not (kept one, a leader that moved away went on leading here)
+        self.moved = moved
         self._snapshot, self._apply, self._give_back = snapshot, apply, give_back
         self._on_behind = on_behind
         self._samples_now = samples_now
@@ -238,7 +242,7 @@ class StageSync:
         if self.busy or self._closed:
             return False
         now = self._clock()
-        mates = self._recent.alive(self.mates(), now)
+        mates = self._recent.alive(self._listed(), now)
         self._probe(mates, now)
         if (self.trigger.leader(mates, now) if mates else None) == self._leader:
             return False
@@ -266,7 +270,7 @@ class StageSync:
         if self.busy or self._closed:
             return
         now = self._clock()
-        live = self.mates()
+        live = self._listed()
         # the live mates and those a lagging view dropped but that spoke to us just now
         mates = self._recent.alive(live, now)
         # what is held of mates within the grace is kept: their suspicions still count
@@ -337,7 +341,7 @@ class StageSync:
         if self.busy or self._closed or not self._holds_older(trainer, before):
             return self.step
         now = self._clock()
-        mates = self._recent.alive(self.mates(), now)
+        mates = self._recent.alive(self._listed(), now)
         if not mates:
             if self.trigger.samples > 0:
                 self._round = self._spawn(self._local_step())
@@ -590,7 +594,20 @@ class StageSync:
     def known_mates(self) -> dict[str, tuple[str, ...]]:
         """The peers taken as mates in rounds: the live mates now and those listed live within
         ``settings.mate_grace_s`` (``RecentMates``)."""
-        return self._recent.known(self.mates(), self._clock())
+        return self._recent.known(self._listed(), self._clock())
+
+    def _listed(self) -> dict[str, tuple[str, ...]]:
+        """The live mates by the view now; a remembered mate the view lists at another stage
+        is forgotten (``RecentMates``' grace is for a lagging view, not a peer that moved)."""
+        live = self.mates()
+        gone = [p for p in self._recent.remembered() if p not in live]
+        if gone:
+            elsewhere = set(self.moved())
+            for peer in gone:
+                if peer in elsewhere:
+                    self._recent.forget(peer)
+                    self.counters["mates_moved_away"] += 1
+        return live
 
     # ---- messages ----------------------------------------------------------------------------
     async def _report(self, leader: str, addrs: tuple[str, ...]) -> None:

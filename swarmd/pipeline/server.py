@@ -156,7 +156,7 @@ class StageServer:
             samples_now=port.samples_now, on_stepped=port.stepped, step_alone=port.step_alone,
             digest=port.digest, on_diverged=on_diverged or (lambda peer, step: None),
             round_over=self.gate.round_over, sources=self.worker.sources.peek,
-            failed=self.step_failed, histograms=self.histograms)
+            failed=self.step_failed, histograms=self.histograms, moved=port.moved)
 
     def start(self) -> None:
         self.host.set_request_handler(self.proto["forward"],
@@ -358,6 +358,11 @@ class _SyncPort:
     def mates(self) -> dict[str, tuple[str, ...]]:
         s = self._s
         return {p: v[2] for p, v in s.peers_of(s.stage).items() if p != s.host.peer_id}
+
+    def moved(self) -> set[str]:
+        """The peers the view lists at the other stages."""
+        s = self._s
+        return {p for stage in range(s.num_stages) if stage != s.stage for p in s.peers_of(stage)}
 
     async def snapshot(self) -> tuple[torch.Tensor, int]:
         if self._s.gate.drain_steps:  # closed and drained until the round's step (Gate)
