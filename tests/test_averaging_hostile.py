@@ -73,9 +73,10 @@ async def refused(host: Host, peer: str, protocol: str, message: Message) -> str
 
 def identities_around(peer_id: str) -> tuple[Any, Any]:
     """One identity whose peer id sorts before ``peer_id`` (it leads a stage of the two) and
-    one that sorts after it."""
+    one that sorts after it. (1,000 tries missed about one run in 500: a daemon whose id
+    sorts within 1/1,000 of either end; 20,000 miss about one in 10,000, 1.5 ms a try.)"""
     low = high = None
-    for _ in range(1000):
+    for _ in range(20_000):
         ident = identity.generate()
         if ident.peer_id < peer_id and low is None:
             low = ident
