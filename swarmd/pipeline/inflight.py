@@ -126,7 +126,7 @@ class InFlight:
         """How many a synchronous step launches before its first microbatch came back: the
         ceiling (under a ``busy`` cap). Until then nothing comes back to pace on, and stage
         0 only forwards, several times faster than its forward and backward together."""
-        return self.ceiling if self.cap is None or self.fixed else min(self.cap, self.ceiling)
+        return self.ceiling if self.cap is None or self.fixed else self.cap  # (cap <= ceiling)
 
     @property
     def target(self) -> int:
