@@ -238,6 +238,24 @@ def test_moves_one_at_a_time_never_cycle(stages: list[list[float]], rnd: random.
     pytest.fail("still moving after 200 moves")
 
 
+def test_nobody_moves_while_a_stage_with_peers_has_not_measured_its_throughput() -> None:
+    # training has just begun: stage 0 has measured, stages 1 and 2 not yet (the balancing
+    # daemons test once saw [126, 0, 0] and sent a peer to stage 1, then back)
+    early = load_of([[60.0, 40.0, 26.0], [0.0], [0.0, 0.0]])
+    assert swarm_gain(early) == 0.0
+    assert {decide(early, p.peer_id, BalancingConfig()).reason for p in early.peers()} \
+        == {"unmeasured"}
+    measured = load_of([[60.0, 40.0, 26.0], [30.0], [0.0, 20.0]])  # one peer each is enough
+    assert swarm_gain(measured) > 1.0 and movers(measured) == {"s0-000": 2}  # the lowest
+    # a stage still on its way there (a joiner announces no throughput) waits the same way
+    joining = SwarmLoad.from_peers(2, [online("a", 0, 50.0), online("b", 0, 40.0),
+                                       PeerLoad(peer_id="c", stage=1, throughput=0.0,
+                                                state="joining")])
+    assert decide(joining, "a", BalancingConfig()).reason == "unmeasured"
+    # nothing measured anywhere is balanced, as before
+    assert decide(load_of([[0.0, 0.0], [0.0]]), "s0-000", BalancingConfig()).reason == "balanced"
+
+
 def test_decisions_do_not_depend_on_the_order_peers_were_seen() -> None:
     rng = random.Random(3)
     peers = [online(f"p{i:03d}", rng.randrange(4), rng.choice((1.0, 2.0, 3.0))) for i in range(80)]

@@ -59,6 +59,13 @@ Policy:
   seen one after the other never undo each other (the sorted list of stage totals grows
   lexicographically with every move), which rules out flapping in a steady swarm. The
   bottleneck is never a source (its total is below the level).
+* **Unmeasured stages.** A stage whose peers have announced no measured throughput yet
+  (training has just started, or only a joining peer is there) while another stage has, is
+  not a bottleneck of 0: nobody moves (``"unmeasured"``, gain 0) until every stage with peers
+  has a measurement. A pipeline that trains routes through every stage, so each is measured
+  within its first microbatches; before, the first check after training began saw
+  ``[126, 0, 0]`` and sent a stage-0 peer to stage 1, and the next, measured, totals sent it
+  back (the balancing test's flapping).
 * **Hysteresis and timing.** :class:`Balancer` moves only after ``confirmations`` consecutive
   checks (3) said "move"; a single "stay" resets the count. The target may differ between
   those checks (deficits shift while others move); the move goes to the latest one. Checks are
@@ -157,7 +164,7 @@ class Decision:
     #: how much a full rebalancing would raise the minimum stage total, relative (inf: a stage
     #: has nothing planned, or has no peer while another stage could spare one)
     gain: float
-    #: why: "move", "fill" (a move to an empty stage), "balanced", "not_online",
+    #: why: "move", "fill" (a move to an empty stage), "balanced", "unmeasured", "not_online",
     #: "no_throughput", "not_donor", "not_chosen", "last_peer", "overshoot", "does_not_fit"
     reason: str
 
@@ -281,19 +288,29 @@ def _gain(level: float, low: float) -> float:
 
 def swarm_gain(load: SwarmLoad) -> float:
     """How much a full rebalancing would raise the lowest planned stage total, relative;
-    ``inf`` while an empty stage is to be filled (:func:`fill_plan`), whatever the totals.
+    ``inf`` while an empty stage is to be filled (:func:`fill_plan`), whatever the totals; 0
+    while a stage with peers has no measured throughput and another has (nobody moves then).
 
     :func:`decide` says "stay" to every peer while this is at most the threshold, so a caller
     that checks many peers (the simulator) may skip their checks until it rises above it.
     """
     if _has_empty_stage(load) and fill_plan(load):
         return math.inf
+    if _has_unmeasured_stage(load):
+        return 0.0
     planned = load.planned_totals()
     return _gain(sum(planned) / len(planned), min(planned))
 
 
 def _has_empty_stage(load: SwarmLoad) -> bool:
     return any(a + b == 0 for a, b in zip(load._online, load._arrivals))
+
+
+def _has_unmeasured_stage(load: SwarmLoad) -> bool:
+    """Some stage has peers but no measured throughput among them, while another stage has:
+    its total of 0 says nothing yet (module docstring, "Unmeasured stages")."""
+    counts, planned = load.planned_counts(), load.planned_totals()
+    return any(planned) and any(n > 0 and t <= 0 for n, t in zip(counts, planned))
 
 
 def fill_plan(load: SwarmLoad) -> dict[str, int]:
@@ -333,6 +350,8 @@ def decide(load: SwarmLoad, peer_id: str, config: BalancingConfig,
         fill = fill_plan(load)
         if fill:
             return _fill_decision(load, peer_id, fill, fits)
+    if _has_unmeasured_stage(load):
+        return Decision(move_to=None, gain=0.0, reason="unmeasured")
     planned = load.planned_totals()
     level = sum(planned) / len(planned)
     gain = _gain(level, min(planned))
