@@ -24,12 +24,14 @@ pytestmark = pytest.mark.integration
 ENV = {**DEMO_ENV, "SWARMD_MODEL_WIDTH": "64", "SWARMD_MODEL_SEQ_LEN": "32",
        "SWARMD_DATA_MAX_BYTES": "2000000", "SWARMD_SWARM_NAME": "replay-test",
        "SWARMD_AVERAGING_TIMEOUT_S": "8", "SWARMD_BALANCING_ENABLED": "false",
-       # the capped download takes ~6 s; this tiny stage steps up to ~7 times a second, so the
+       # the capped download takes ~2 s; this tiny stage steps up to ~7 times a second, so the
        # default 8 kept steps were often too few (the joiner then downloaded again instead of
        # replaying: the test failed under parallel load); ~300 kB a step, 256 steps ~77 MB
        "SWARMD_STATE_REPLAY_STEPS": "256"}
-#: the joiner's download cap: its state takes seconds to arrive, a step far less
-SLOW = {"SWARMD_LIMITS_DOWNLOAD_BYTES_S": os.environ.get("SWARMD_TEST_REPLAY_CAP", "200000")}
+#: the joiner's download cap: its state (1.2 MB) takes 2 s to arrive, a step far less. At
+#: 200 kB/s the test took 2 minutes, most of it replaying 36 steps' gradients (300 kB each)
+#: through the cap; at 600 kB/s 10-20 steps, 45 s (65 s beside two busy cores)
+SLOW = {"SWARMD_LIMITS_DOWNLOAD_BYTES_S": os.environ.get("SWARMD_TEST_REPLAY_CAP", "600000")}
 
 
 def _counters(d: DaemonProcess) -> dict[str, Any]:
