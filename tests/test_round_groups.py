@@ -409,6 +409,56 @@ def test_a_whole_round_tells_nobody() -> None:
     assert told == [] and not sync.counters["not_exact_told"]
 
 
+def _lone_step(sources: list[tuple[str, int]], held: int) -> tuple[StageSync, list[Any],
+                                                                  list[Any]]:
+    """A peer alone at its stage (target 4) holding ``held`` samples of ``sources`` steps
+    alone once they reach the target: what ``failed`` was told and what was applied."""
+    told: list[Any] = []
+    applied: list[Any] = []
+
+    async def snapshot() -> tuple[torch.Tensor, int]:
+        return torch.zeros(4), held
+
+    async def apply(vector: torch.Tensor, exact: Any) -> None:
+        applied.append(exact)
+
+    async def failed(exact: Any) -> None:
+        told.append(exact)
+
+    async def nothing(*a: Any) -> None:
+        return None
+
+    sync = StageSync(Host("a", {}), swarm="t", stage=0,
+                     trigger=RoundTrigger(me="a", target=4), averager=None, mates=lambda: {},
+                     snapshot=snapshot, apply=apply, give_back=nothing,
+                     on_behind=lambda p, s: None, samples_now=lambda: 0,
+                     sources=lambda: list(sources), failed=failed)
+
+    async def scenario() -> None:
+        sync.progressed(held)
+        async with asyncio.timeout(10):
+            while sync.step == 0:
+                await asyncio.sleep(0.01)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await sync.close()
+
+    asyncio.run(scenario())
+    return sync, told, applied
+
+
+def test_a_step_alone_on_two_steps_samples_tells_their_trainer_at_once() -> None:
+    """A lone peer whose step took samples of two of trainer t's steps (a flush that ran
+    after the first backwards of t's next step came in) is not exact and never reported:
+    t is told now for both, where it waited out its patience (60 s) for step 8's report
+    (the stall after a trainer was killed: ``tools/bench_trainer_crash.py``)."""
+    sync, told, applied = _lone_step([("t", 7), ("t", 8)], 4)
+    assert applied == [()] and told == [(("t", 7), ("t", 8))]
+    assert sync.counters["not_exact_told"] == 1 and sync.counters["local_steps"] == 1
+    sync, told, applied = _lone_step([("t", 7)], 4)  # exact: reported as it is applied
+    assert applied == [(("t", 7),)] and told == [] and not sync.counters["not_exact_told"]
+
+
 def test_a_member_missing_from_the_all_reduce_leaves_the_step_as_planned() -> None:
     """b was in the group but its contribution is missing from the round (it refused the
     start, or died in it): the step is the mean over the samples that arrived, reported as

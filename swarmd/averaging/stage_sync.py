@@ -132,7 +132,7 @@ class StageSync:
                  give_back: Callable[[torch.Tensor, int], Awaitable[None]],
                  on_behind: Callable[[str, int], None], samples_now: Callable[[], int],
                  on_stepped: Callable[[], None] = lambda: None,
-                 step_alone: Callable[[], Awaitable[None]] | None = None,
+                 step_alone: Callable[[], Awaitable[Iterable[Source]]] | None = None,
                  settings: SyncSettings = SyncSettings(),
                  digest: Callable[[], Awaitable[str]] | None = None,
                  on_diverged: Callable[[str, int], None] = lambda peer, step: None,
@@ -361,23 +361,30 @@ class StageSync:
 
     # ---- rounds ---------------------------------------------------------------------------
     async def _local_step(self) -> None:
-        await self._step_alone()
+        not_exact = tuple(await self._step_alone())
+        if not_exact:
+            self._tell_not_exact(not_exact)
         self.counters["local_steps"] += 1
         self._stepped()
 
-    async def _snapshot_and_apply(self) -> None:
+    async def _snapshot_and_apply(self) -> tuple[Source, ...]:
+        """Step alone on what is held; the sources of a step that was not exact (else ())."""
         pairs = self._sources()
         vector, samples = await self._snapshot()
-        await self._apply(vector, exact_step(pairs, samples, self.trigger.target) or ())
+        exact = exact_step(pairs, samples, self.trigger.target) or ()
+        await self._apply(vector, exact)
+        return () if exact else tuple(pairs)
 
     def _tell_not_exact(self, pairs: Iterable[tuple[str, int]]) -> None:
-        """A round about to step on fewer samples than the target from the start (it left
-        out a mate that holds some: busy, silent, a stranger) is not exact, so no report of
-        it will come: the trainers of its samples' steps are told now that this stage takes
-        no exact step for them (``failed``, as after a failed round; counted
-        ``not_exact_told``). Else each waited for this stage's report until its patience ran
-        out (60 s): the whole swarm stood still. (A member whose contribution goes missing
-        during the all-reduce leaves the step as planned: docs/pipeline.md, "Exact steps".)"""
+        """A step that is not exact is never reported, so the trainers of its samples' steps
+        are told now that this stage takes no exact step for them (``failed``, as after a
+        failed round; counted ``not_exact_told``): a round that left out a mate holding some
+        of the samples (busy, silent, a stranger), and a step alone or a round on samples of
+        two steps (a flush that took the first backwards of a trainer's next step with it:
+        that step can never be exact here). Else each waited for this stage's report until
+        its patience ran out (60 s): the whole swarm stood still. (A member whose
+        contribution goes missing during the all-reduce leaves the step as planned:
+        docs/pipeline.md, "Exact steps".)"""
         named = tuple(sorted({(t, s) for t, s in pairs if t and s >= 0}))
         if named and self._failed is not None:
             self.counters["not_exact_told"] += 1
@@ -439,7 +446,7 @@ class StageSync:
         round_id = f"{self.stage}:{step}:{secrets.token_hex(4)}"
         pairs, samples = self._round_sources(group, step), self.trigger.total(group[1:])
         exact = exact_step(pairs, samples, self.trigger.target) or ()
-        if samples < self.trigger.target:
+        if not exact:
             self._tell_not_exact(pairs)
         if len(group) > 1:
             # everyone told must run the very group it was told: a member that refuses now is

@@ -33,7 +33,7 @@ import torch
 
 from swarmd.api.histogram import Histograms
 from swarmd.averaging.allreduce import Averager
-from swarmd.averaging.messages import Exact
+from swarmd.averaging.messages import Exact, Source
 from swarmd.averaging.stage_sync import StageSync, SyncSettings
 from swarmd.averaging.trigger import RoundTrigger, exact_step
 from swarmd.pipeline.exact import AGREE
@@ -404,7 +404,9 @@ class _SyncPort:
         """The weights' round digest (sampled), in the compute thread (between two steps)."""
         return await self._s.compute.run(self._s.stepper.round_digest)
 
-    async def step_alone(self) -> None:
+    async def step_alone(self) -> tuple[Source, ...]:
+        """Step alone on what is held, reported when exact; the sources of a step that was
+        not (their trainers are told: ``StageSync._tell_not_exact``), else ()."""
         s = self._s
         pairs, samples = await s.compute.run(s.worker.accumulated)  # one instant
         exact = exact_step(pairs, samples, s.sync.trigger.target) or ()
@@ -413,6 +415,7 @@ class _SyncPort:
             sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
             coefficient = await s.report_step(exact, sqnorm, samples)
         await s.gate.between(s.stepper.step_alone, coefficient)
+        return () if exact else tuple(pairs)
 
     def stepped(self) -> None:
         self._s._step_moved()
