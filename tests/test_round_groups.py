@@ -348,17 +348,14 @@ class _Missing:
                                bytes_sent=0, bytes_received=0)
 
 
-def _short_round(answers: dict[str, bool | None],
-                 missing: tuple[str, ...] | None = None, weight: float = 4.0
-                 ) -> tuple[StageSync, list[Any], list[Any]]:
-    """Leader "a" (target 4) holds 2 samples of trainer t's step 7 and its mates reported 2
-    more at its step; they answer the prepare as ``answers`` says. What ``failed`` was told
-    and what was applied, once it stepped."""
+def _recording(held: int) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """A StageSync's snapshot (``held`` samples), apply, give_back and failed ports that
+    record what was applied and what ``failed`` was told."""
     told: list[Any] = []
     applied: list[Any] = []
 
     async def snapshot() -> tuple[torch.Tensor, int]:
-        return torch.zeros(4), 2
+        return torch.zeros(4), held
 
     async def apply(vector: torch.Tensor, exact: Any) -> None:
         applied.append(exact)
@@ -369,12 +366,22 @@ def _short_round(answers: dict[str, bool | None],
     async def nothing(*a: Any) -> None:
         return None
 
+    return told, applied, dict(snapshot=snapshot, apply=apply, give_back=nothing,
+                               failed=failed)
+
+
+def _short_round(answers: dict[str, bool | None],
+                 missing: tuple[str, ...] | None = None, weight: float = 4.0
+                 ) -> tuple[StageSync, list[Any], list[Any]]:
+    """Leader "a" (target 4) holds 2 samples of trainer t's step 7 and its mates reported 2
+    more at its step; they answer the prepare as ``answers`` says. What ``failed`` was told
+    and what was applied, once it stepped."""
+    told, applied, ports = _recording(held=2)
     sync = StageSync(Host("a", answers), swarm="t", stage=1,
                      trigger=RoundTrigger(me="a", target=4, heard=set(answers)),
                      averager=None, mates=lambda: {p: () for p in answers},
-                     snapshot=snapshot, apply=apply, give_back=nothing,
                      on_behind=lambda p, s: None, samples_now=lambda: 0,
-                     sources=lambda: [("t", 7)], failed=failed)
+                     sources=lambda: [("t", 7)], **ports)
     if missing is not None:
         sync.averager = _Missing(missing, weight)  # type: ignore[assignment]
     for mate in answers:
@@ -413,26 +420,11 @@ def _lone_step(sources: list[tuple[str, int]], held: int) -> tuple[StageSync, li
                                                                   list[Any]]:
     """A peer alone at its stage (target 4) holding ``held`` samples of ``sources`` steps
     alone once they reach the target: what ``failed`` was told and what was applied."""
-    told: list[Any] = []
-    applied: list[Any] = []
-
-    async def snapshot() -> tuple[torch.Tensor, int]:
-        return torch.zeros(4), held
-
-    async def apply(vector: torch.Tensor, exact: Any) -> None:
-        applied.append(exact)
-
-    async def failed(exact: Any) -> None:
-        told.append(exact)
-
-    async def nothing(*a: Any) -> None:
-        return None
-
+    told, applied, ports = _recording(held)
     sync = StageSync(Host("a", {}), swarm="t", stage=0,
                      trigger=RoundTrigger(me="a", target=4), averager=None, mates=lambda: {},
-                     snapshot=snapshot, apply=apply, give_back=nothing,
                      on_behind=lambda p, s: None, samples_now=lambda: 0,
-                     sources=lambda: list(sources), failed=failed)
+                     sources=lambda: list(sources), **ports)
 
     async def scenario() -> None:
         sync.progressed(held)
