@@ -370,6 +370,20 @@ def _recording(held: int) -> tuple[list[Any], list[Any], dict[str, Any]]:
                                failed=failed)
 
 
+def _step_once(sync: StageSync, held: int, applied: list[Any]) -> None:
+    """Tell ``sync`` it holds ``held`` samples, wait until it stepped and applied, close it."""
+    async def scenario() -> None:
+        sync.progressed(held)
+        async with asyncio.timeout(10):
+            while sync.step == 0 or not applied:
+                await asyncio.sleep(0.01)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await sync.close()
+
+    asyncio.run(scenario())
+
+
 def _short_round(answers: dict[str, bool | None],
                  missing: tuple[str, ...] | None = None, weight: float = 4.0
                  ) -> tuple[StageSync, list[Any], list[Any]]:
@@ -388,16 +402,7 @@ def _short_round(answers: dict[str, bool | None],
         sync.trigger.report(mate, 0, 2 // len(answers))
         sync._mate_sources[mate] = (0, (("t", 7),))
 
-    async def scenario() -> None:
-        sync.progressed(2)
-        async with asyncio.timeout(10):
-            while sync.step == 0 or not applied:
-                await asyncio.sleep(0.01)
-        for _ in range(20):
-            await asyncio.sleep(0)
-        await sync.close()
-
-    asyncio.run(scenario())
+    _step_once(sync, 2, applied)
     return sync, told, applied
 
 
@@ -426,16 +431,7 @@ def _lone_step(sources: list[tuple[str, int]], held: int) -> tuple[StageSync, li
                      on_behind=lambda p, s: None, samples_now=lambda: 0,
                      sources=lambda: list(sources), **ports)
 
-    async def scenario() -> None:
-        sync.progressed(held)
-        async with asyncio.timeout(10):
-            while sync.step == 0:
-                await asyncio.sleep(0.01)
-        for _ in range(20):
-            await asyncio.sleep(0)
-        await sync.close()
-
-    asyncio.run(scenario())
+    _step_once(sync, held, applied)
     return sync, told, applied
 
 
