@@ -232,8 +232,15 @@ def test_the_prefetcher_returns_the_producers_batches_in_order_off_the_callers_t
         got = [int(p.next()[0][0, 0]) for _ in range(10)]
         assert got == list(range(5, 15)) and p.cursor == 15
         assert threads == {"swarmd-data"}
+        # where a trainer that drew 3 batches of a step it has not taken resumes from
+        assert p.cursor_back(0) == 15 and p.cursor_back(3) == 12 and p.cursor_back(10) == 5
+        with pytest.raises(ValueError):
+            p.cursor_back(11)
         p.seek(100)
         assert int(p.next()[0][0, 0]) == 100 and p.cursor == 101
+        assert p.cursor_back(1) == 100
+        with pytest.raises(ValueError):
+            p.cursor_back(2)  # nothing before the seek
     rate = measure_rate(produce, 0, 20)
     assert rate.batches == 20 and rate.tokens == 40 and rate.batches_per_s > 0
 

@@ -172,10 +172,13 @@ class TrainData:
         does not move)."""
         return measure_rate(self._producer(self.shard), self.prefetch.cursor, n)
 
-    def state(self) -> dict[str, Any]:
-        """The position of the next batch ``next()`` returns, for the trainer's state."""
+    def state(self, back: int = 0) -> dict[str, Any]:
+        """The position of the next batch ``next()`` returns, for the trainer's state; with
+        ``back``, of the one ``back`` draws ago (a trainer's batches drawn for a step it has
+        not taken: ``Trainer.drawn_ahead``)."""
         return {"kind": self.kind, "corpus": self.corpus, "order": self._order_id(),
-                "shard": str(self.shard), **self._cursor_json(self.prefetch.cursor)}
+                "shard": str(self.shard),
+                **self._cursor_json(self.prefetch.cursor_back(back))}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Go on from a saved :meth:`state`: exactly where it stopped when the corpus, the

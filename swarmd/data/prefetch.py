@@ -5,7 +5,9 @@ thread and keeps up to ``depth`` batches ready in a bounded queue. ``next()`` (c
 asyncio loop by the trainer) only takes a batch from the queue; it waits only when the thread
 has fallen behind, which is counted (``waits``, ``waited_s``). :attr:`Prefetcher.cursor` is
 the position of the next batch ``next()`` returns, not how far the thread got: that is what a
-trainer saves, so a restarted one continues with exactly the next batch. An error of the
+trainer saves, so a restarted one continues with exactly the next batch (``cursor_back(n)``:
+the position ``n`` batches ago, for a trainer that drew the next step's first batches before
+it saved the step before). An error of the
 thread (a file that vanished) is raised by the ``next()`` that would have returned its batch.
 
 :func:`measure_rate` times the producer alone, in this process: how fast the pipeline can
@@ -17,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -26,6 +29,8 @@ __all__ = ["Prefetcher", "Rate", "measure_rate", "DEPTH"]
 C = TypeVar("C")
 #: batches kept ready
 DEPTH = 8
+#: positions before the last draws that ``cursor_back`` can give
+HISTORY = 256
 _POLL_S = 0.1
 
 
@@ -35,6 +40,8 @@ class Prefetcher(Generic[C]):
     def __init__(self, produce: Callable[[C], tuple[Any, C]], cursor: C, *,
                  depth: int = DEPTH, name: str = "swarmd-data") -> None:
         self._produce, self.cursor, self.depth, self.name = produce, cursor, depth, name
+        #: the cursor before each of the last ``HISTORY`` draws (newest last)
+        self._before: deque[C] = deque(maxlen=HISTORY)
         self._queue: queue.Queue[tuple[Any, C] | BaseException] = queue.Queue(depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,14 +86,25 @@ class Prefetcher(Generic[C]):
         if isinstance(item, BaseException):
             self.close()
             raise item
+        self._before.append(self.cursor)
         batch, self.cursor = item
         self.made += 1
         return batch
+
+    def cursor_back(self, n: int) -> C:
+        """The position ``n`` draws ago (``cursor`` for 0); ``ValueError`` past what is kept
+        (``HISTORY``, and nothing before a ``seek``)."""
+        if n == 0:
+            return self.cursor
+        if not 0 < n <= len(self._before):
+            raise ValueError(f"the data position {n} batches ago is not kept")
+        return self._before[-n]
 
     def seek(self, cursor: C) -> None:
         """Go on from ``cursor`` instead (batches made ahead are dropped)."""
         self.close()
         self.cursor = cursor
+        self._before.clear()
 
     def close(self) -> None:
         """Stop the thread and drop what it made ahead; ``next()`` starts it again."""
