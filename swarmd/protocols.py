@@ -52,6 +52,12 @@ class Protocols:
         return self._id("step")
 
     @property
+    def norm_note(self) -> str:
+        """A part's squared norm of a trainer's step, to the stage peers stepping with it
+        (``swarmd.pipeline.exact``, "Norm notes")."""
+        return self._id("norm")
+
+    @property
     def flush(self) -> str:
         """A trainer's request that a stage step now on what it holds of that trainer's
         earlier steps (``swarmd.pipeline.exact``)."""
@@ -108,4 +114,4 @@ class Protocols:
         """The pipeline's ids keyed by message kind."""
         return {"forward": self.forward, "backward": self.backward, "result": self.result,
                 "grad": self.grad, "abandon": self.abandon, "step_report": self.step_report,
-                "flush": self.flush}
+                "flush": self.flush, "norm_note": self.norm_note}

@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from swarmd.averaging.messages import Progress, Start, parse_round
 from swarmd.averaging.trigger import exact_step
 from swarmd.errors import BadActivation, BadRoundMessage
-from swarmd.pipeline.exact import (MAX_SOURCES, Posted, Sources, StepBoard, clip_coefficient,
-                                  stages_behind)
-from swarmd.pipeline.messages import (Expect, Forward, StepAnswer, StepReport, parse_forward,
-                                      parse_step_answer, parse_step_report)
+from swarmd.errors import NotOnPath
+from swarmd.pipeline.exact import (MAX_SOURCES, NormNotes, Posted, Sources, StepBoard,
+                                  clip_coefficient, stages_behind)
+from swarmd.pipeline.messages import (Expect, Forward, NormNote, StepAnswer, StepReport,
+                                      parse_forward, parse_norm_note, parse_step_answer,
+                                      parse_step_report)
 from transport.frames import Message
 
 from inprocess_swarm import two_stage_swarm
@@ -155,6 +157,61 @@ def test_the_board_remembers_a_bounded_number_of_steps() -> None:
         board.open(step, samples=1)
     assert len(board._steps) <= 4
     assert board.post(0, 0, 1.0, stage_step=0, samples=1) == Posted.NOT_OPEN
+
+
+# ---- norm notes --------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1e12, allow_subnormal=False), min_size=2, max_size=5),
+       st.floats(0.0, 10.0), st.randoms(use_true_random=False))
+def test_a_stage_holding_every_part_s_norm_gets_the_trainer_s_answer_bitwise(
+        sqnorms: list[float], clip: float, rnd: Any) -> None:
+    """The board's answer and a stage's notes: the same coefficient to the last bit, in
+    whatever order the reports and notes come (their sums of the same numbers could otherwise
+    differ in the last place, and the parts would step apart)."""
+    *stages, own = sqnorms
+    board = StepBoard(num_stages=len(stages), clip=clip)
+    board.open(7, samples=4)
+    board.own(7, own)
+    for stage in rnd.sample(range(len(stages)), len(stages)):
+        board.post(7, stage, stages[stage], stage_step=3, samples=4)
+    notes = NormNotes(num_stages=len(stages))
+    parts = [*enumerate(stages), (len(stages), own)]
+    for part, sqnorm in rnd.sample(parts, len(parts)):
+        assert notes.coefficient("T", 7) is None
+        notes.add("T", 7, part, sqnorm, clip if part == len(stages) else None)
+    assert notes.coefficient("T", 7) == board.answer(7)
+    assert notes.coefficient("U", 7) is None and notes.coefficient("T", 8) is None
+
+
+def test_norm_notes_need_the_trainer_s_clip_keep_the_first_of_a_part_and_stay_bounded() -> None:
+    notes = NormNotes(num_stages=1, keep=4)
+    notes.add("T", 0, 0, 4.0)
+    notes.add("T", 0, 1, 5.0)  # the trainer's part without its bound: not complete
+    assert notes.has_trainer("T", 0) and notes.coefficient("T", 0) is None
+    notes.add("T", 0, 1, 5.0, clip=1.0)
+    notes.add("T", 0, 0, 100.0)  # a second note of a part: the first stays
+    assert notes.coefficient("T", 0) == clip_coefficient([4.0, 5.0], 1.0)
+    for step in range(1, 100):
+        notes.add("T", step, 0, 1.0)
+    assert len(notes._parts) <= 4 and not notes.has_trainer("T", 0)
+
+
+def test_a_norm_note_round_trips_and_bad_ones_are_refused() -> None:
+    mine = NormNote(trainer="T", step=3, part=2, sqnorm=2.5, clip=1.0)
+    theirs = NormNote(trainer="T", step=3, part=1, sqnorm=0.0)
+    for note in (mine, theirs):
+        assert parse_norm_note(Message(**note.wire()), num_stages=2) == note
+    for base, bad in ((mine, {"sqnorm": float("nan")}), (mine, {"sqnorm": -1.0}),
+                      (mine, {"clip": float("inf")}), (mine, {"clip": True}),
+                      (mine, {"clip": None}), (theirs, {"clip": 1.0}), (mine, {"part": 3}),
+                      (mine, {"part": -1}), (mine, {"trainer": ""}), (mine, {"step": 1.5})):
+        meta = {k: v for k, v in {**base.wire()["meta"], **bad}.items() if v is not None}
+        with pytest.raises(BadActivation):
+            parse_norm_note(Message(kind="norm_note", meta=meta), num_stages=2)
+    with pytest.raises(BadActivation):
+        parse_norm_note(Message(kind="norm_note", meta=mine.wire()["meta"],
+                                tensors=(torch.zeros(1),)), num_stages=2)
 
 
 # ---- messages -------------------------------------------------------------------------------
@@ -302,6 +359,84 @@ def test_a_step_sends_its_opening_burst_before_anything_comes_back() -> None:
     assert peaks == [1, 2, 3, 0, 1, 2, 3, 0]
 
 
+def test_a_state_saved_after_a_step_resumes_before_the_next_step_s_early_batches() -> None:
+    """The next step's opening burst starts before the step is taken (the norm notes went):
+    what ``on_step`` sees as drawn ahead (``drawn_ahead``, which a saved state's data
+    position leaves out) is exactly what was drawn beyond the steps taken."""
+    from swarmd.models.gpt import ModelConfig
+    from swarmd.pipeline.inflight import InFlight
+    from swarmd.training.swarm_optim import OptimSettings
+
+    config = ModelConfig(width=16, heads=2, layers=2, seq_len=16)
+    optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+    batches = [b for step in _batches(4) for b in step]
+    drawn: list[int] = []
+    seen: list[tuple[int, int]] = []  # (drawn, drawn ahead) at each step's end
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        drawn.append(1)
+        return batches[len(drawn) - 1]
+
+    async def scenario() -> None:
+        async with _swarm(config, optim) as (servers, trainer):
+            async def stepped(step: int, loss: float) -> bool:
+                seen.append((len(drawn), trainer.drawn_ahead))
+                return False
+
+            await trainer.train(draw, steps=4, microbatches=3,
+                                window=InFlight(floor=1, ceiling=3), on_step=stepped,
+                                barrier=True)
+            assert trainer.counters["steps_started_early"] == 2  # steps 2 and 3
+
+    uvloop.run(asyncio.wait_for(scenario(), 120))
+    assert [n - ahead for n, ahead in seen] == [3, 6, 9, 12]
+    assert [ahead for _, ahead in seen] == [0, 3, 3, 0]
+
+
+def test_a_stage_takes_a_norm_note_only_from_the_trainer_or_a_peer_of_the_stage_it_tells_of(
+        ) -> None:
+    """The trainer's part only from that trainer; a stage's only from a peer the view lists
+    at that stage, and never this peer's own stage: the rest are refused and counted, and
+    change nothing."""
+    from swarmd.models.gpt import ModelConfig
+    from swarmd.training.swarm_optim import OptimSettings
+
+    config = ModelConfig(width=16, heads=2, layers=2, seq_len=16)
+    optim = OptimSettings(name="adamw", lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+
+    async def scenario() -> None:
+        async with _swarm(config, optim) as (servers, trainer):
+            s0, s1 = servers
+            me, zero = trainer.host.peer_id, s0.host.peer_id
+
+            async def told(server: Any, peer: str, **note: Any) -> None:
+                await server.on_norm_note(Message(**NormNote(**note).wire()), peer)
+
+            for server, peer, note in (
+                    (s1, zero, dict(trainer=me, step=0, part=2, sqnorm=1.0, clip=1.0)),
+                    (s1, me, dict(trainer=me, step=0, part=0, sqnorm=1.0)),  # not stage 0's
+                    (s1, zero, dict(trainer=me, step=0, part=1, sqnorm=1.0)),  # its own stage
+                    (s0, s1.host.peer_id, dict(trainer=me, step=0, part=0, sqnorm=1.0))):
+                with pytest.raises(NotOnPath):
+                    await told(server, peer, **note)
+            assert s1.counters["refused.note_sender"] == 3
+            assert s0.counters["refused.note_sender"] == 1
+            assert not s1.notes.has_trainer(me, 0) and s1.counters["norm_notes_in"] == 0
+            await told(s1, me, trainer=me, step=0, part=2, sqnorm=4.0, clip=1.0)
+            await told(s1, zero, trainer=me, step=0, part=0, sqnorm=5.0)
+            s1.notes.add(me, 0, 1, 7.0)  # its own, as it reports
+            assert s1.counters["norm_notes_in"] == 2
+            assert s1.notes.coefficient(me, 0) == clip_coefficient([5.0, 7.0, 4.0], 1.0)
+
+    uvloop.run(asyncio.wait_for(scenario(), 120))
+
+
+async def _until(condition: Any, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
 def _batches(n: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     g = torch.Generator().manual_seed(seed)
     return [[(torch.randint(0, 256, (2, 16), generator=g),
@@ -309,11 +444,16 @@ def _batches(n: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tenso
             for _ in range(n)]
 
 
-def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model() -> None:
+@pytest.mark.parametrize("answers", ["prompt", "late"])
+def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model(
+        answers: str) -> None:
     """Two stages and a trainer on real libp2p hosts in this process, codec none, one peer per
     stage, a step target of exactly one trainer step, a clipping bound the gradients exceed:
     after three steps every weight equals a single process's with AdamW and
-    ``clip_grad_norm_`` over the whole model (per-part clipping would not)."""
+    ``clip_grad_norm_`` over the whole model (per-part clipping would not). With the
+    trainer's answers ``late`` (held 1.5 s), the stages step on the norm notes alone, the
+    next step's forwards already there, and the answers that come after agree bit for
+    bit."""
     from swarmd.models.gpt import FullModel, ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
 
@@ -323,6 +463,15 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
 
     async def swarm() -> dict[str, torch.Tensor]:
         async with _swarm(config, optim) as (servers, trainer):
+            if answers == "late":
+                answer = trainer._on_step_report
+
+                async def held(message: Message, peer: str) -> Message:
+                    reply = await answer(message, peer)
+                    await asyncio.sleep(1.5)
+                    return reply
+
+                trainer.host.set_request_handler(trainer.proto["step_report"], held)
             await _train(trainer, steps)
             # where the last step's time went (train-metrics.jsonl's "phases"): every phase
             # of an exact step, the first microbatch back no later than the last
@@ -336,6 +485,8 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
                     if s.step == 3:
                         break
                     await asyncio.sleep(0.01)
+            # (late answers are waited for: the stages stepped without them)
+            await _until(lambda: all(s.counters["step_reports"] == 3 for s in servers))
             out = {f"head.{n}": p.detach().clone() for n, p in trainer.head.named_parameters()}
             for s in servers:  # stage 0 holds the embedding
                 assert s.step == 3 and s.counters["step_reports"] == 3
@@ -343,6 +494,13 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
                             p.detach().clone() for n, p in s.module.named_parameters()})
             assert trainer.counters["steps_exact"] == 3 and trainer.counters["steps_clipped"] == 3
             assert trainer.board.expected() == (3, 3)
+            assert trainer.counters["norm_notes_sent"] == 6  # each step, to both stages
+            if answers == "late":
+                assert trainer.counters["steps_started_early"] == 1  # step 2 (1: no at yet)
+                for s in servers:
+                    assert s.counters["steps_noted"] == 3
+                    await _until(lambda: not s._background)  # every late answer compared
+                    assert s.counters["step_notes_disagree"] == 0
             return out
 
     weights = uvloop.run(asyncio.wait_for(swarm(), 120))
@@ -476,8 +634,6 @@ def test_a_report_from_a_peer_that_served_the_step_counts_while_the_view_lost_it
     """c served step 0 at stage 1, then the trainer's view lost it for a moment (its
     announcements late while a mate was frozen): its report still counts. A peer neither
     listed nor on the step's paths is refused, as before."""
-    from swarmd.errors import NotOnPath
-
     table = {0: {"a": (1.0, 0, ())}, 1: {"c": (1.0, 0, ())}}
     trainer = _trainer(table)
     trainer._route(("a", "c"))

@@ -31,6 +31,18 @@ stage can ever run a forward that names it (each refuses with busy), so a traine
 forwards keep failing while every peer of a stage announces a lower step
 (:func:`stages_behind`) stops naming stage steps until the stages report again.
 
+**Norm notes.** Waiting for the answer costs a stage a round trip to the trainer at every
+step boundary, and the stage that finishes last (stage 0, where the embedding is) holds up
+the next step's forwards for it. So where one trainer's step is the whole swarm step and the
+trainer holds no embedding (its part's gradient is complete once every microbatch's head
+backward ran, before the stages finish), the trainer sends its part's squared norm and its
+clipping bound to the stage peers (``messages.NormNote``), each stage peer stepping alone
+sends its own to the other stages' peers as it reports, and a stage peer holding every
+part's norm computes the coefficient itself (:class:`NormNotes`) instead of waiting: the same
+number the trainer answers, bitwise, since both sum the parts in one order
+(:func:`whole_coefficient`). The report still goes (the trainer needs the stage's norm and
+stage step); whichever comes first, the notes or the answer, is used.
+
 After the coefficient scales a part's gradient, its own clipping (``SwarmOptimizer``,
 ``training.grad_clip``) is a no-op: a part's norm is at most the whole model's.
 """
@@ -44,8 +56,8 @@ from dataclasses import dataclass, field
 
 from swarmd.averaging.trigger import exact_step
 
-__all__ = ["Sources", "exact_step", "clip_coefficient", "StepBoard", "Posted",
-           "MAX_SOURCES", "EPS"]
+__all__ = ["Sources", "exact_step", "clip_coefficient", "whole_coefficient", "StepBoard",
+           "Posted", "NormNotes", "MAX_SOURCES", "EPS"]
 
 #: a peer reports at most this many (trainer, step) sources of its samples
 MAX_SOURCES = 8
@@ -109,6 +121,13 @@ def clip_coefficient(sqnorms: Iterable[float], clip: float) -> float:
     if not clip or not math.isfinite(total):
         return 1.0
     return min(1.0, clip / (total + EPS))
+
+
+def whole_coefficient(stages: Sequence[float], trainer: float, clip: float) -> float:
+    """:func:`clip_coefficient` over the stages' squared norms (stage order) and then the
+    trainer's part's: the one order in which the trainer's board and a stage holding every
+    part's norm (``NormNotes``) both sum them, so that they get the same number, bitwise."""
+    return clip_coefficient([*stages, trainer], clip)
 
 
 def stages_behind(expected: Sequence[int],
@@ -215,7 +234,11 @@ class StepBoard:
         return [s for s in range(self.num_stages) if entry is None or s not in entry.stages]
 
     def own(self, step: int, sqnorm: float) -> None:
-        self._steps.setdefault(step, _Step(samples=-1)).own = sqnorm
+        """The trainer's part's squared norm of ``step``; the first one given stays (the one
+        its norm notes told the stages: ``NormNotes``)."""
+        entry = self._steps.setdefault(step, _Step(samples=-1))
+        if entry.own is None:
+            entry.own = sqnorm
 
     def complete(self, step: int) -> bool:
         entry = self._steps.get(step)
@@ -230,8 +253,8 @@ class StepBoard:
             return None
         if not entry.answered and self.complete(step):
             assert entry.own is not None
-            entry.coefficient = clip_coefficient(
-                [entry.own, *(v[0] for v in entry.stages.values())], self.clip)
+            entry.coefficient = whole_coefficient(
+                [entry.stages[s][0] for s in range(self.num_stages)], entry.own, self.clip)
             entry.answered = True
             for stage, (_, stage_step, samples) in entry.stages.items():
                 self._applied_at[stage] = stage_step
@@ -274,3 +297,45 @@ class StepBoard:
     def reset(self) -> None:
         """Forget the stages' steps (a restart, or a schedule that does not report)."""
         self._applied_at.clear()
+
+
+@dataclass(slots=True)
+class NormNotes:
+    """A stage peer's side of the norm notes: the parts' squared norms of the trainer steps it
+    was told of (part ``num_stages`` is the trainer's, with its clipping bound), at most
+    ``keep`` steps. ``coefficient`` is the whole model's once every part's norm is here (this
+    peer's own included), else None."""
+
+    num_stages: int
+    keep: int = 16
+    #: (trainer, step) -> part -> squared norm
+    _parts: dict[Source, dict[int, float]] = field(default_factory=dict)
+    _clip: dict[Source, float] = field(default_factory=dict)
+
+    def add(self, trainer: str, step: int, part: int, sqnorm: float,
+            clip: float | None = None) -> None:
+        """A part's norm (checked by the caller: a part of this model, finite, >= 0; the
+        trainer's part with its ``clip``). A second note of a part keeps the first."""
+        key = (trainer, step)
+        parts = self._parts.get(key)
+        if parts is None:
+            parts = self._parts[key] = {}
+            while len(self._parts) > self.keep:
+                oldest = min(self._parts, key=lambda k: (k[1], k[0]))
+                del self._parts[oldest]
+                self._clip.pop(oldest, None)
+        parts.setdefault(part, sqnorm)
+        if part == self.num_stages and clip is not None:
+            self._clip.setdefault(key, clip)
+
+    def has_trainer(self, trainer: str, step: int) -> bool:
+        """Whether the trainer told its part's norm of ``step`` (it takes part in notes)."""
+        return self.num_stages in self._parts.get((trainer, step), {})
+
+    def coefficient(self, trainer: str, step: int) -> float | None:
+        parts = self._parts.get((trainer, step), {})
+        clip = self._clip.get((trainer, step))
+        if clip is None or any(p not in parts for p in range(self.num_stages + 1)):
+            return None
+        return whole_coefficient([parts[s] for s in range(self.num_stages)],
+                                 parts[self.num_stages], clip)

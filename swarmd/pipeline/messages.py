@@ -24,6 +24,7 @@ from swarmd.errors import BadActivation, ModelMismatch, WrongStage
 
 __all__ = ["Expect", "Forward", "Backward", "Result", "Grad", "Abandon", "HopReply",
            "StepReport", "StepAnswer", "Flush", "parse_flush", "parse_flushed",
+           "NormNote", "parse_norm_note",
            "TrainerProgress", "parse_forward", "parse_backward",
            "parse_result", "parse_grad", "parse_abandon", "parse_hop_reply",
            "parse_step_report", "parse_step_answer", "parse_progress", "progress_meta",
@@ -186,6 +187,50 @@ class StepReport:
         if self.failed:
             meta["failed"] = True
         return {"kind": "step_report", "meta": meta}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NormNote:
+    """One part's squared norm of a trainer's step (``swarmd.pipeline.exact``, "Norm
+    notes"), to the stage peers that step with it: from the trainer (``part`` is
+    ``num_stages``, with its clipping bound ``clip``) once its part's gradient is complete,
+    from a stage peer (``part`` its stage) as it reports the step. Answered ``ok``."""
+
+    trainer: str
+    step: int
+    part: int
+    sqnorm: float
+    clip: float | None = None
+
+    def wire(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"trainer": self.trainer, "step": self.step, "part": self.part,
+                                "sqnorm": self.sqnorm}
+        if self.clip is not None:
+            meta["clip"] = self.clip
+        return {"kind": "norm_note", "meta": meta}
+
+
+def parse_norm_note(message: Any, *, num_stages: int) -> NormNote:
+    """A ``NormNote``: a part of this model (a stage, or ``num_stages``: the trainer's, which
+    alone has a ``clip``), finite numbers >= 0."""
+    meta = _meta(message, "norm_note")
+    _tensors(message, 0, "norm_note")
+    part = _int(meta, "part", 0, num_stages + 1, "norm_note")
+    numbers = {}
+    for key in ("sqnorm", "clip"):
+        value = meta.get(key)
+        if value is None and key == "clip":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value >= 0):
+            raise BadActivation("not_finite", f"norm_note meta {key!r} must be a finite "
+                                              f"number >= 0")
+        numbers[key] = float(value)
+    if ("clip" in numbers) != (part == num_stages):
+        raise BadActivation("clip", "a norm_note has a clip exactly when it is the trainer's")
+    return NormNote(trainer=_text(meta, "trainer", MAX_PEER_CHARS, "norm_note"),
+                    step=_int(meta, "step", 0, MAX_STEP, "norm_note"), part=part,
+                    sqnorm=numbers["sqnorm"], clip=numbers.get("clip"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,12 +36,12 @@ from swarmd.averaging.allreduce import Averager
 from swarmd.averaging.messages import Exact, Source
 from swarmd.averaging.stage_sync import StageSync, SyncSettings
 from swarmd.averaging.trigger import RoundTrigger, exact_step
-from swarmd.pipeline.exact import AGREE
+from swarmd.pipeline.exact import AGREE, NormNotes
 from swarmd.pipeline.batching import MAX_BATCH, MAX_QUEUE, Batcher, Compute, Throughput
 from swarmd.pipeline.handlers import PipelineHandlers
 from swarmd.errors import NotOnPath, StageBusy, SwarmdError
-from swarmd.pipeline.messages import (Expect, StepReport, hop_seconds, parse_flush,
-                                      parse_step_answer)
+from swarmd.pipeline.messages import (Expect, NormNote, StepReport, hop_seconds, parse_flush,
+                                      parse_norm_note, parse_step_answer)
 from swarmd.pipeline.held import HOP_TIMEOUT_S
 from swarmd.pipeline.progress import TrainerBook
 from swarmd.pipeline.router import Router
@@ -66,6 +66,10 @@ FAILED_REPORT_S = 5.0
 FLUSH_WAIT_S = 60.0
 #: a step of several trainers: how long the others' answers are waited for after the first
 REPORT_OTHERS_S = 10.0
+#: norm notes (``swarmd.pipeline.exact``): how long sending one may take, and to how many
+#: peers of each other stage a peer stepping alone sends its own
+NOTE_TIMEOUT_S = 5.0
+NOTE_PEERS_PER_STAGE = 4
 
 __all__ = ["StageServer", "MAX_QUEUE", "MAX_BATCH", "HOP_TIMEOUT_S", "DRAIN_S",
            "hop_seconds", "protocols"]
@@ -110,6 +114,13 @@ class StageServer:
         self.model_hash = model_hash
         self.proto = protocols(swarm)
         self.peers_of = peers_of
+        self.codec = codec
+        #: the parts' norms of the trainer steps told here, and an event set (and replaced)
+        #: whenever one comes (``on_norm_note``)
+        self.notes = NormNotes(num_stages)
+        self._note_came = asyncio.Event()
+        #: notes being sent, answers a noted step no longer waits for
+        self._background: set[asyncio.Future[Any]] = set()
         self.module = module if module is not None else seam.build_stage(
             stage, num_stages, seed=seed, device=device, dtype=dtype)
         #: > 0: token ids come in (stage 0 holding the embedding)
@@ -165,6 +176,7 @@ class StageServer:
                                       self.gate.passing(self.handlers.on_backward))
         self.host.set_request_handler(self.proto["abandon"], self.handlers.on_abandon)
         self.host.set_request_handler(self.proto["flush"], self.on_flush)
+        self.host.set_request_handler(self.proto["norm_note"], self.on_norm_note)
         self.sync.start()
 
     async def close(self) -> None:
@@ -172,6 +184,9 @@ class StageServer:
         self.host.remove_handler(self.proto["backward"])
         self.host.remove_handler(self.proto["abandon"])
         self.host.remove_handler(self.proto["flush"])
+        self.host.remove_handler(self.proto["norm_note"])
+        for task in list(self._background):
+            task.cancel()
         if self.router is not None:
             await self.router.aclose()
         await self.sync.close()
@@ -284,20 +299,44 @@ class StageServer:
                             f"{FLUSH_WAIT_S:.0f} s: not flushed") from None
         return Message(kind="ok", meta={"stage_step": stage_step})
 
+    async def on_norm_note(self, message: Message, peer: str) -> Message:
+        """A part's squared norm of a trainer's step (``NormNote``): from that trainer for its
+        own part, or from a peer the view lists at the stage it tells of (another stage)."""
+        note = parse_norm_note(message, num_stages=self.num_stages)  # refusals: request_errors
+        if note.part == self.num_stages:
+            if peer != note.trainer:
+                self.counters["refused.note_sender"] += 1
+                raise NotOnPath("sender", f"{peer} tells the part of trainer {note.trainer}")
+        elif note.part == self.stage or peer not in self.peers_of(note.part):
+            self.counters["refused.note_sender"] += 1
+            raise NotOnPath("sender", f"{peer} is not a peer of stage {note.part} here")
+        self.notes.add(note.trainer, note.step, note.part, note.sqnorm, note.clip)
+        self.counters["norm_notes_in"] += 1
+        self._note_came.set()
+        self._note_came = asyncio.Event()
+        return Message(kind="ok")
+
     async def step_failed(self, exact: Exact) -> None:
         """Tell the trainers of ``exact`` that this stage takes no step for their steps now
         (its round failed), so that they do not wait for the report."""
         await self.report_step(exact, 0.0, 0, failed=True)
 
     async def report_step(self, exact: Exact, sqnorm: float, samples: int, *,
-                          failed: bool = False) -> float | None:
+                          failed: bool = False, alone: bool = False) -> float | None:
         """Report the step about to be applied to each trainer whose step it is made of
         (``exact``, one step per trainer) and return the whole model's clipping coefficient
         they answer; None (each part clips its own) when there is none, one answers None or
-        cannot be asked, or they disagree (``step_reports_disagree``)."""
+        cannot be asked, or they disagree (``step_reports_disagree``). A peer stepping
+        ``alone`` on one trainer's step that trainer sent its norm note for takes part in
+        the notes (``_noted_or_answered``)."""
         if not exact:
             return None
-        asks = [asyncio.ensure_future(self._report_one(trainer, step, sqnorm, samples, failed))
+        stage_step = self.sync.step
+        if alone and len(exact) == 1 and not failed and math.isfinite(sqnorm):
+            trainer, step = exact[0]
+            return await self._noted_or_answered(trainer, step, sqnorm, samples, stage_step)
+        asks = [asyncio.ensure_future(self._report_one(trainer, step, sqnorm, samples, failed,
+                                                       stage_step))
                 for trainer, step in exact]
         # the trainers of one step answer together (each once every part reported); one that
         # does not within REPORT_OTHERS_S of the first has died or left: not waited for
@@ -317,9 +356,68 @@ class StageServer:
             return None
         return min(coefficients)
 
+    async def _noted_or_answered(self, trainer: str, step: int, sqnorm: float, samples: int,
+                                 stage_step: int) -> float | None:
+        """Report this stage's norm of ``trainer``'s ``step``, and tell the other stages too
+        once that trainer's own note is here (it takes part in notes); the coefficient is the
+        notes' once every part's norm is here, or the answer if that comes first (an answer
+        that comes after is checked against it: ``step_notes_disagree``)."""
+        ask = asyncio.ensure_future(self._report_one(trainer, step, sqnorm, samples, False,
+                                                     stage_step))
+        told = False
+        try:
+            while not ask.done():
+                if not told and self.notes.has_trainer(trainer, step):
+                    told = True
+                    self.notes.add(trainer, step, self.stage, sqnorm)
+                    self._send_notes(NormNote(trainer=trainer, step=step, part=self.stage,
+                                              sqnorm=sqnorm))
+                coefficient = self.notes.coefficient(trainer, step)
+                if coefficient is not None:
+                    self.counters["steps_noted"] += 1
+                    self._background.add(ask)
+                    ask.add_done_callback(
+                        lambda done: self._answer_after_notes(done, coefficient))
+                    return coefficient
+                came = asyncio.ensure_future(self._note_came.wait())
+                try:
+                    await asyncio.wait((ask, came), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    came.cancel()
+        except BaseException:
+            ask.cancel()
+            raise
+        return ask.result()
+
+    def _answer_after_notes(self, ask: asyncio.Future[float | None], noted: float) -> None:
+        self._background.discard(ask)
+        if ask.cancelled() or ask.exception() is not None:
+            return
+        answer = ask.result()
+        if answer is not None and answer != noted:
+            self.counters["step_notes_disagree"] += 1
+            log.warning("stage %d: the trainer answered %r for a step this stage took with "
+                        "%r from the norm notes", self.stage, answer, noted)
+
+    def _send_notes(self, note: NormNote) -> None:
+        """``note`` to the peers of every other stage (at most ``NOTE_PEERS_PER_STAGE``
+        each), in the background: one try each, within ``NOTE_TIMEOUT_S``."""
+        message = Message(**note.wire())
+        for stage in range(self.num_stages):
+            if stage == self.stage:
+                continue
+            for peer, row in list(self.peers_of(stage).items())[:NOTE_PEERS_PER_STAGE]:
+                task = asyncio.ensure_future(self._note_one(peer, tuple(row[2]), message))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _note_one(self, peer: str, addrs: tuple[str, ...], message: Message) -> None:
+        await send_note(self.host, self.proto["norm_note"], self.codec, self.counters, peer,
+                        addrs, message)
+
     async def _report_one(self, trainer: str, step: int, sqnorm: float, samples: int,
-                          failed: bool) -> float | None:
-        report = StepReport(step=step, stage=self.stage, stage_step=self.sync.step,
+                          failed: bool, stage_step: int) -> float | None:
+        report = StepReport(step=step, stage=self.stage, stage_step=stage_step,
                             sqnorm=sqnorm if math.isfinite(sqnorm) else 0.0, samples=samples,
                             failed=failed or not math.isfinite(sqnorm))  # overflow: skipped
         try:
@@ -413,7 +511,7 @@ class _SyncPort:
         coefficient = None
         if exact:  # the gradient's norm only for a step that is reported
             sqnorm, samples = await s.compute.run(s.stepper.mean_sqnorm)
-            coefficient = await s.report_step(exact, sqnorm, samples)
+            coefficient = await s.report_step(exact, sqnorm, samples, alone=True)
         await s.gate.between(s.stepper.step_alone, coefficient)
         return () if exact else tuple(pairs)
 
@@ -421,6 +519,20 @@ class _SyncPort:
         self._s._step_moved()
         for listener in list(self._s._step_listeners):
             listener()
+
+
+async def send_note(host: Any, protocol: str, codec: Any, counters: Counter[str], peer: str,
+                    addrs: tuple[str, ...], message: Message) -> None:
+    """One ``NormNote`` to ``peer``, one try within ``NOTE_TIMEOUT_S`` (``norm_notes_sent``,
+    ``norm_notes_failed``: a note only saves time, the trainer's answer still comes)."""
+    try:
+        async with asyncio.timeout(NOTE_TIMEOUT_S):
+            await host.connect(peer, addrs)
+            await host.request(peer, protocol, message, codec=codec, timeout=NOTE_TIMEOUT_S)
+        counters["norm_notes_sent"] += 1
+    except Exception as exc:
+        counters["norm_notes_failed"] += 1
+        log.debug("norm note to %s failed: %s", peer, exc)
 
 
 def _sqnorm(vector: torch.Tensor) -> float:

@@ -198,8 +198,9 @@ async def _save(trainer: Any, batches: Any, home: Path | None) -> None:
     from swarmd.state import trainer_state
 
     if home is not None:
+        data = batches.state(trainer.drawn_ahead)  # the first batch of the next step
         await asyncio.to_thread(
-            lambda: trainer_state.save(home, trainer_state.capture(trainer, batches.state())))
+            lambda: trainer_state.save(home, trainer_state.capture(trainer, data)))
 
 
 @contextlib.asynccontextmanager

@@ -7,9 +7,10 @@ arriving here; compute the loss and its gradient, send it back along the recorde
 0's ``grad`` finishes the embedding's backward (empty for token ids: it says the chain is
 done). A microbatch whose chain breaks in
 a way no hop could route around (a peer holding its activations died) is run again from the
-start (``restarted``). Gradients are added to the parameters only once a microbatch has fully
-succeeded, so a restart never counts twice. ``lost`` counts microbatches given up; while some
-stage has no peer the trainer waits and says which.
+start (``restarted``). A microbatch's head gradients are added once, at its first head
+backward (a restart's would be the same: the weights do not change within a step), its
+embedding's once it fully succeeded, so a restart never counts twice. ``lost`` counts
+microbatches given up; while some stage has no peer the trainer waits and says which.
 
 Two schedules. ``train`` (``swarmd train``) keeps the pipeline full across step boundaries
 (docs/pipeline.md, "Latency hiding"): up to ``InFlight.target`` microbatches in flight at any
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -43,11 +45,11 @@ from swarmd.errors import InternalError, NotOnPath, StageUnavailable, SwarmdErro
 from swarmd.pipeline.exact import StepBoard
 from swarmd.pipeline.held import HeldTimes
 from swarmd.pipeline.inflight import InFlight
-from swarmd.pipeline.messages import (Abandon, Backward, Forward, TrainerProgress,
+from swarmd.pipeline.messages import (Abandon, Backward, Forward, NormNote, TrainerProgress,
                                       parse_grad, parse_result, progress_meta)
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
-from swarmd.pipeline.server import protocols
+from swarmd.pipeline.server import NOTE_PEERS_PER_STAGE, protocols, send_note
 from swarmd.trainer.shares import share_of
 from swarmd.trainer.step_reports import StepReports
 from swarmd.trainer.trainer_compute import TrainerCompute
@@ -216,6 +218,21 @@ class Trainer(TrainerCompute, StepReports):
         self._running: set[asyncio.Task[tuple[float, list[torch.Tensor], float, int]]] = set()
         #: sends whose answer already arrived, finishing in the background
         self._late: set[asyncio.Future[Any]] = set()
+        #: set (and replaced) whenever ``step`` moves: a microbatch of a later step waits on
+        #: it before it meets the head (``_step_reached``)
+        self._step_moved = asyncio.Event()
+        #: step -> its microbatches whose head gradients were added
+        self._heads: Counter[int] = Counter()
+        #: (step, microbatches): once that many of ``step``'s passed the head, its part's norm
+        #: goes to the stages (``swarmd.pipeline.exact``, "Norm notes"); None: no notes
+        self._note_plan: tuple[int, int] | None = None
+        #: ``train`` starts the next step's opening burst with ``_early(step)`` once the
+        #: notes went; its forwards name ``_early_at``, the stage steps each stage will be at
+        self._early: Callable[[int], None] | None = None
+        self._early_at: tuple[int, ...] | None = None
+        #: batches ``train`` drew for a step it has not taken (its opening burst, started
+        #: early): a state saved now resumes from the first of them (``TrainData.state``)
+        self.drawn_ahead = 0
 
     @property
     def wiring(self) -> Wiring:
@@ -292,10 +309,29 @@ class Trainer(TrainerCompute, StepReports):
         # the step begins; without it every step is ``microbatches``
         size = self.share(microbatches) if barrier else microbatches
         sent = done = 0  # of the step under way (the barrier: nothing of the next one)
+        early = 0  # of the next step, started before this one was taken (``_early``)
         losses: list[float] = []
         phases = self._phases = {"start": self._clock()}
         busy = self.counters["hop_busy"]
         running = self._running
+
+        def start_early(step: int) -> None:
+            """The next step's opening burst, before this step is taken: the norm notes
+            went, so its stages step without waiting for the answer (``_notes``)."""
+            nonlocal early, launched
+            if stop or early or step != self.step + 1 or taken + 1 >= steps:
+                return
+            self.counters["steps_started_early"] += 1
+            for _ in range(min(window.opening, microbatches)):
+                x, y = next_batch()
+                running.add(asyncio.create_task(
+                    self._microbatch(x, y, float(x.shape[0]), step)))
+                early += 1
+                launched += 1
+
+        if barrier:
+            self._plan_notes(size)
+            self._early = start_early
         try:
             while running or (taken < steps and not stop):
                 if self.counters["hop_busy"] > busy:  # a stage's queue was full
@@ -320,15 +356,22 @@ class Trainer(TrainerCompute, StepReports):
                     if done == 1:
                         phases["first_back"] = self._clock()
                     losses.append(loss)
-                    await self._run(self._add, grads, samples)
+                    await self._run(self._add, grads)
                     if done == size:
                         phases["last_back"] = self._clock()
-                        stop = bool(await on_step(*await self._pipelined_step(losses, window)))
-                        losses, taken, done, sent = [], taken + 1, 0, sent - size
+                        taken_step = await self._pipelined_step(losses, window)
+                        self.drawn_ahead = early  # (what a state saved in on_step leaves out)
+                        stop = bool(await on_step(*taken_step))
+                        if not stop:
+                            self.drawn_ahead = 0
+                        losses, taken, done, sent = [], taken + 1, 0, sent - size + early
+                        early = 0
                         phases = self._phases = {"start": self._clock()}
                         if barrier:
                             size = self.share(microbatches)
+                            self._plan_notes(size)
         finally:
+            self._early = self._note_plan = None
             for task in running:
                 task.cancel()
             running.clear()
@@ -373,6 +416,55 @@ class Trainer(TrainerCompute, StepReports):
     def _trainers_changed(self) -> bool:
         return frozenset(self.other_trainers()) != self._step_trainers
 
+    def _plan_notes(self, size: int) -> None:
+        """Norm notes for the step under way (``swarmd.pipeline.exact``) when it is exact,
+        this trainer's alone, and its part's gradient complete once its ``size``
+        microbatches passed the head (stage 0 holds the embedding; no float16 loss scale,
+        which may skip the step)."""
+        self._note_plan = None
+        if (self.exact and self.seam.stage0_embeds and self.scaler is None
+                and not self._step_trainers and not self._trainers_changed()):
+            self._note_plan = (self.step, size)
+            self._head_added(self.step, 0)  # its early burst may all have passed already
+
+    def _head_added(self, step: int, n: int = 1) -> None:
+        """``n`` more of ``step``'s microbatches passed the head: with the last one, notes."""
+        self._heads[step] += n
+        plan = self._note_plan
+        if plan is not None and plan[0] == step and self._heads[step] >= plan[1]:
+            self._note_plan = None
+            sender = asyncio.ensure_future(self._notes(step))
+            self._late.add(sender)
+            sender.add_done_callback(_finish_late(self._late))
+
+    async def _notes(self, step: int) -> None:
+        """``step``'s part's squared norm and the clipping bound to every stage's peers (at
+        most ``NOTE_PEERS_PER_STAGE`` each), kept as the board's own (the stages and the
+        board must sum the same numbers); then the next step's opening burst, its forwards
+        naming the stage steps each stage will be at (one each step)."""
+        own = await self._run(self._own_sqnorm)
+        if step != self.step or not math.isfinite(own) or not self.exact:
+            return
+        self.board.own(step, own)
+        note = NormNote(trainer=self.host.peer_id, step=step, part=self.num_stages,
+                        sqnorm=own, clip=self.board.clip)
+        message = Message(**note.wire())
+        sends = [asyncio.ensure_future(send_note(self.host, self.proto["norm_note"], self.codec,
+                                                 self.counters, peer, tuple(row[2]), message))
+                 for stage in range(self.num_stages)
+                 for peer, row in list(self.peers_of(stage).items())[:NOTE_PEERS_PER_STAGE]]
+        expected = self.board.expected()
+        if expected is not None and self._early is not None:
+            self._early_at = tuple(s + 1 for s in expected)
+            self._early(step + 1)
+        await asyncio.gather(*sends)
+
+    async def _step_reached(self, step: int) -> None:
+        """Until the trainer took the steps before ``step`` (a microbatch of the next step,
+        sent early, meets the head only after it stepped)."""
+        while self.step < step:
+            await self._step_moved.wait()
+
     async def _stepped(self) -> None:
         samples, step = self._samples, self.step
         phases = self._phases
@@ -405,6 +497,10 @@ class Trainer(TrainerCompute, StepReports):
         phases["apply"] = self._clock()
         self._record_phases()
         self.step += 1
+        for old in [s for s in self._heads if s < self.step]:
+            del self._heads[old]
+        self._step_moved.set()
+        self._step_moved = asyncio.Event()
         if self.after_step is not None:
             self.after_step(samples)
 
@@ -422,8 +518,8 @@ class Trainer(TrainerCompute, StepReports):
 
         async def one(x: torch.Tensor, y: torch.Tensor) -> float:
             async with gate:  # gradients are sums over samples everywhere (see the module doc)
-                loss, grads, _, samples = await self._microbatch(x, y, float(x.shape[0]))
-            self._add(grads, samples)  # nothing else touches the gradients meanwhile
+                loss, grads, _, _ = await self._microbatch(x, y, float(x.shape[0]))
+            await self._run(self._add, grads)
             return loss
 
         return list(await asyncio.gather(*(one(x, y) for x, y in batches)))
@@ -459,12 +555,17 @@ class Trainer(TrainerCompute, StepReports):
         out, _ = await self._forward(h, self._next_mb(), eval_only=True)
         return await self._run(self._eval_loss, out, y)
 
-    async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float
-                          ) -> tuple[float, list[torch.Tensor], float, int]:
-        """One microbatch, restarted as needed: (loss, gradients of the embedding and head,
-        its round trip in seconds, samples). The caller adds the gradients (``_add``): only
-        once it fully succeeded, so a restart never counts twice."""
-        loss, grads, path, life = await self._with_restarts(lambda: self._attempt(x, y, scale))
+    async def _microbatch(self, x: torch.Tensor, y: torch.Tensor, scale: float,
+                          step: int | None = None
+                          ) -> tuple[float, list[torch.Tensor | None], float, int]:
+        """One microbatch of ``step`` (default: the one under way), restarted as needed:
+        (loss, gradients of the embedding, its round trip in seconds, samples). The head's
+        gradients are added at its first head backward; the caller adds the embedding's
+        (``_add``): only once it fully succeeded, so a restart never counts twice."""
+        step = self.step if step is None else step
+        headed = [False]
+        loss, grads, path, life = await self._with_restarts(
+            lambda: self._attempt(x, y, scale, step, headed))
         self.stats.microbatches += 1
         self.stats.tokens += x.numel()
         self._route(path)
@@ -503,21 +604,27 @@ class Trainer(TrainerCompute, StepReports):
             self.stats.routes[stage][peer] += 1
             self._step_peers.setdefault(stage, set()).add(peer)
 
-    async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float
-                       ) -> tuple[float, list[torch.Tensor], tuple[str, ...], float]:
+    async def _attempt(self, x: torch.Tensor, y: torch.Tensor, scale: float, step: int,
+                       headed: list[bool]
+                       ) -> tuple[float, list[torch.Tensor | None], tuple[str, ...], float]:
         h, versions = await self._run(self._embed_kept, x)  # (B, T, width), keeps its graph
         sent = self._clock()
         mb = self._next_mb()
         tried: set[str] = set()  # the stage-0 peers it was sent to
         path: tuple[str, ...] = ()
         try:
-            out, path = await self._forward(h, mb, eval_only=False, tried=tried)
+            out, path = await self._forward(h, mb, eval_only=False, tried=tried, step=step)
+            await self._step_reached(step)
             loss, g_out, g_head, overflow = await self._run(self._head_backward, out, y, scale)
             if overflow:  # float16: this step is skipped here and by the stages of the path
                 self._overflow, g_out = True, torch.zeros_like(g_out)
+            if not headed[0]:
+                headed[0] = True
+                await self._run(self._add_head, g_head, int(x.shape[0]))
+                self._head_added(step)
             arrival = self._expect("grad", mb, self._hop0_grad_shape(h), first={path[0]},
                                    path=path).future
-            backward = Backward(mb=mb, stage=self.num_stages - 1, step=self.step, path=path,
+            backward = Backward(mb=mb, stage=self.num_stages - 1, step=step, path=path,
                                 trainer=self.host.peer_id, model=self.model_hash, grad=g_out,
                                 scale=self.loss_scale, overflow=overflow)
             try:
@@ -531,7 +638,7 @@ class Trainer(TrainerCompute, StepReports):
             raise
         life = self._clock() - sent
         g_emb = await self._run(self._embed_backward, x, h, versions, g_h)
-        return loss, self._gradients(g_emb, g_head), path, life
+        return loss, g_emb, path, life
 
     def _abandon(self, mb: str, peers: set[str]) -> None:
         """Tell the peers that may keep ``mb``'s forward that it was given up
@@ -558,13 +665,17 @@ class Trainer(TrainerCompute, StepReports):
         return f"{self.host.peer_id[-10:]}/{self._counter}"
 
     async def _forward(self, h: torch.Tensor, mb: str, *, eval_only: bool,
-                       tried: set[str] | None = None) -> tuple[torch.Tensor, tuple[str, ...]]:
-        """Send ``h`` into the swarm as microbatch ``mb``; returns the last stage's output and
-        the path it took. ``tried`` gets every stage-0 peer it was sent to."""
+                       tried: set[str] | None = None, step: int | None = None
+                       ) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """Send ``h`` into the swarm as microbatch ``mb`` of ``step`` (default: the one under
+        way); returns the last stage's output and the path it took. ``tried`` gets every
+        stage-0 peer it was sent to."""
         expected = self._expect("result", mb, tuple(h.shape) if h.is_floating_point()
                                 else (*h.shape, self.seam.width), first=tried)
-        at = self.board.expected() if self.exact else None
-        forward = Forward(mb=mb, stage=0, step=self.step, path=(), trainer=self.host.peer_id,
+        step = self.step if step is None else step
+        at = None if not self.exact else (
+            self._early_at if step > self.step else self.board.expected())
+        forward = Forward(mb=mb, stage=0, step=step, path=(), trainer=self.host.peer_id,
                           model=self.model_hash, x=_on_wire(h), eval=eval_only,
                           at=at)
         try:

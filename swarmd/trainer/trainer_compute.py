@@ -33,10 +33,32 @@ class TrainerCompute:
         """The loss is multiplied by this before backward (float16; else 1)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _add(self, grads: list[torch.Tensor], samples: int) -> None:
+    def _add_head(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """A microbatch's head gradients (once per microbatch, however often it restarted)
+        and its samples; a parameter without one gets zeros (it still takes the step)."""
         for p, g in zip(self.params, grads):
-            p.grad = g if p.grad is None else p.grad + g
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
         self._samples += samples
+
+    def _add(self, grads: list[torch.Tensor | None]) -> None:
+        """A finished microbatch's embedding gradients (None where the embedding plays no
+        part, and for every parameter where stage 0 holds the embedding)."""
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def _own_sqnorm(self) -> float:
+        """What ``_mean_gradient`` will give, without changing the gradients: the norm note
+        of a step whose microbatches all passed the head (``swarmd.pipeline.exact``)."""
+        n = max(1, self._samples)
+        total = 0.0
+        for p in self.params:
+            if p.grad is not None:
+                total += float((p.grad / n).detach().float().pow(2).sum())
+        return total / (self.loss_scale * self.loss_scale)
 
     def _mean_gradient(self) -> float:
         """The sums over samples become the step's mean gradient; its squared norm (loss scale
@@ -111,10 +133,3 @@ class TrainerCompute:
         with torch.no_grad():
             out = to_device(out, self.device, self.dtype)
             return float(self.parts.loss(self.parts.head(out), to_device(y, self.device)))
-
-    def _gradients(self, g_emb: list[torch.Tensor | None], g_head: list[torch.Tensor | None]
-                   ) -> list[torch.Tensor]:
-        """Each parameter's gradient from the embedding's and the head's backward (a tied
-        weight gets both)."""
-        return [torch.zeros_like(p) if a is None and b is None else a if b is None
-                else b if a is None else a + b for p, a, b in zip(self.params, g_emb, g_head)]
