@@ -184,14 +184,20 @@ def test_a_stage_holding_every_part_s_norm_gets_the_trainer_s_answer_bitwise(
     assert notes.coefficient("U", 7) is None and notes.coefficient("T", 8) is None
 
 
-def test_norm_notes_need_the_trainer_s_clip_keep_the_first_of_a_part_and_stay_bounded() -> None:
+def test_norm_notes_need_the_trainer_s_clip_keep_a_stage_s_first_and_stay_bounded() -> None:
     notes = NormNotes(num_stages=1, keep=4)
     notes.add("T", 0, 0, 4.0)
     notes.add("T", 0, 1, 5.0)  # the trainer's part without its bound: not complete
     assert notes.has_trainer("T", 0) and notes.coefficient("T", 0) is None
+    notes = NormNotes(num_stages=1, keep=4)
     notes.add("T", 0, 1, 5.0, clip=1.0)
-    notes.add("T", 0, 0, 100.0)  # a second note of a part: the first stays
+    notes.add("T", 0, 0, 4.0)
+    notes.add("T", 0, 0, 100.0)  # a second note of a stage's part: the first stays
     assert notes.coefficient("T", 0) == clip_coefficient([4.0, 5.0], 1.0)
+    notes.add("T", 0, 1, 9.0, clip=2.0)  # the trainer again (restarted): the step starts over
+    assert notes.coefficient("T", 0) is None
+    notes.add("T", 0, 0, 16.0)
+    assert notes.coefficient("T", 0) == clip_coefficient([16.0, 9.0], 2.0)
     for step in range(1, 100):
         notes.add("T", step, 0, 1.0)
     assert len(notes._parts) <= 4 and not notes.has_trainer("T", 0)

@@ -315,9 +315,15 @@ class NormNotes:
     def add(self, trainer: str, step: int, part: int, sqnorm: float,
             clip: float | None = None) -> None:
         """A part's norm (checked by the caller: a part of this model, finite, >= 0; the
-        trainer's part with its ``clip``). A second note of a part keeps the first."""
+        trainer's part with its ``clip``). A second note of a stage's part keeps the first; a
+        second of the trainer's starts the step over (the trainer sends one a step: this is
+        a restarted trainer taking that step again, and what was told before is stale)."""
         key = (trainer, step)
         parts = self._parts.get(key)
+        if parts is not None and part == self.num_stages and part in parts:
+            del self._parts[key]
+            self._clip.pop(key, None)
+            parts = None
         if parts is None:
             parts = self._parts[key] = {}
             while len(self._parts) > self.keep:
