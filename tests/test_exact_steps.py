@@ -390,7 +390,7 @@ def test_a_state_saved_after_a_step_resumes_before_the_next_step_s_early_batches
                 return False
 
             await trainer.train(draw, steps=4, microbatches=3,
-                                window=InFlight(floor=1, ceiling=3), on_step=stepped,
+                                window=InFlight(floor=1, ceiling=8), on_step=stepped,
                                 barrier=True)
             assert trainer.counters["steps_started_early"] == 2  # steps 2 and 3
 

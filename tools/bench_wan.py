@@ -190,7 +190,10 @@ def membership_convergence(lab: WanLab, root: Path, env: dict[str, str], tag: st
 
 #: stage counters a pipeline run reports (their change over the run), per stage daemon
 STAGE_COUNTERS = ("stage.optimizer_steps", "stage.step_gate_closed_ms", "stage.busy",
-                  "stage.late_samples", "stage.stepped_samples", "stage.compute_busy_ms")
+                  "stage.late_samples", "stage.stepped_samples", "stage.compute_busy_ms",
+                  "stage.busy_behind_step", "stage.ahead_of_forward", "stage.steps_noted",
+                  "stage.step_notes_disagree", "stage.norm_notes_failed",
+                  "stage.busy_budget.requests")
 
 
 def stage_counters(stages: list[daemons.LabDaemon]) -> list[dict[str, int]]:

@@ -230,6 +230,9 @@ class Trainer(TrainerCompute, StepReports):
         #: notes went; its forwards name ``_early_at``, the stage steps each stage will be at
         self._early: Callable[[int], None] | None = None
         self._early_at: tuple[int, ...] | None = None
+        #: forwards sent to stage 0 whose ``ok`` (the rest of the chain took it) has not come:
+        #: each counts against that peer's budget of requests in flight (``budgets``)
+        self._stage0_sends = 0
         #: batches ``train`` drew for a step it has not taken (its opening burst, started
         #: early): a state saved now resumes from the first of them (``TrainData.state``)
         self.drawn_ahead = 0
@@ -319,10 +322,13 @@ class Trainer(TrainerCompute, StepReports):
             """The next step's opening burst, before this step is taken: the norm notes
             went, so its stages step without waiting for the answer (``_notes``)."""
             nonlocal early, launched
-            if stop or early or step != self.step + 1 or taken + 1 >= steps:
+            # within stage 0's budget of requests in flight: this step's last forwards may
+            # still wait for their chain's ok (beyond it, busy and a paused peer)
+            burst = min(window.opening - self._stage0_sends, microbatches)
+            if stop or early or step != self.step + 1 or taken + 1 >= steps or burst < 1:
                 return
             self.counters["steps_started_early"] += 1
-            for _ in range(min(window.opening, microbatches)):
+            for _ in range(burst):
                 x, y = next_batch()
                 running.add(asyncio.create_task(
                     self._microbatch(x, y, float(x.shape[0]), step)))
@@ -720,8 +726,12 @@ class Trainer(TrainerCompute, StepReports):
     async def _send_stage0(self, message: Message, expected: _Expected) -> None:
         deadline = self._clock() + MISSING_STAGE_PATIENCE_S
         await self._wait_for_stages(deadline)
-        await self.router.send(message, timeout=max(0.0, deadline - self._clock()),
-                               wait=True, on_attempt=expected.first.add)
+        self._stage0_sends += 1
+        try:
+            await self.router.send(message, timeout=max(0.0, deadline - self._clock()),
+                                   wait=True, on_attempt=expected.first.add)
+        finally:
+            self._stage0_sends -= 1
 
     async def _wait_for_stages(self, deadline: float) -> None:
         """Until every stage has a peer in the view (says which is missing meanwhile)."""
