@@ -201,6 +201,11 @@ def test_norm_notes_need_the_trainer_s_clip_keep_a_stage_s_first_and_stay_bounde
     for step in range(1, 100):
         notes.add("T", step, 0, 1.0)
     assert len(notes._parts) <= 4 and not notes.has_trainer("T", 0)
+    # a trainer starting at step 0 (a new run) after another's high steps: kept, not dropped
+    # as the oldest (every step of a 40-step run on `far` lost its notes that way)
+    for step in range(8):
+        notes.add("U", step, 1, 5.0, clip=1.0)
+        assert notes.has_trainer("U", step)
 
 
 def test_a_norm_note_round_trips_and_bad_ones_are_refused() -> None:

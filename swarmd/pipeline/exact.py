@@ -302,8 +302,9 @@ class StepBoard:
 @dataclass(slots=True)
 class NormNotes:
     """A stage peer's side of the norm notes: the parts' squared norms of the trainer steps it
-    was told of (part ``num_stages`` is the trainer's, with its clipping bound), at most
-    ``keep`` steps. ``coefficient`` is the whole model's once every part's norm is here (this
+    was told of (part ``num_stages`` is the trainer's, with its clipping bound), the last
+    ``keep`` (trainer, step) told of (not the highest steps: a trainer that starts over at
+    step 0 after another ran to step 40 must not have its notes dropped as old). ``coefficient`` is the whole model's once every part's norm is here (this
     peer's own included), else None."""
 
     num_stages: int
@@ -326,8 +327,8 @@ class NormNotes:
             parts = None
         if parts is None:
             parts = self._parts[key] = {}
-            while len(self._parts) > self.keep:
-                oldest = min(self._parts, key=lambda k: (k[1], k[0]))
+            while len(self._parts) > self.keep:  # the first told is forgotten first
+                oldest = next(iter(self._parts))
                 del self._parts[oldest]
                 self._clip.pop(oldest, None)
         parts.setdefault(part, sqnorm)
