@@ -462,9 +462,9 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
     stage, a step target of exactly one trainer step, a clipping bound the gradients exceed:
     after three steps every weight equals a single process's with AdamW and
     ``clip_grad_norm_`` over the whole model (per-part clipping would not). With the
-    trainer's answers ``late`` (held 1.5 s), the stages step on the norm notes alone, the
-    next step's forwards already there, and the answers that come after agree bit for
-    bit."""
+    trainer's answers ``late`` (held until the stage stepped), the stages step on the norm
+    notes alone, the next step's forwards already there, and the answers that come after
+    agree bit for bit."""
     from swarmd.models.gpt import FullModel, ModelConfig
     from swarmd.training.swarm_optim import OptimSettings
 
@@ -476,10 +476,14 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
         async with _swarm(config, optim) as (servers, trainer):
             if answers == "late":
                 answer = trainer._on_step_report
+                by_peer = {s.host.peer_id: s for s in servers}
 
                 async def held(message: Message, peer: str) -> Message:
+                    # held until the reporting stage stepped without it (at most 10 s)
                     reply = await answer(message, peer)
-                    await asyncio.sleep(1.5)
+                    report = parse_step_report(message, num_stages=2)
+                    with contextlib.suppress(TimeoutError):
+                        await _until(lambda: by_peer[peer].step > report.stage_step, 10.0)
                     return reply
 
                 trainer.host.set_request_handler(trainer.proto["step_report"], held)
