@@ -318,7 +318,9 @@ async def _exact(swarm: Any) -> AsyncIterator[tuple[list[Any], Any]]:
 
 
 async def _train(trainer: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """The default schedule's path: a barrier at every step, up to 3 in flight."""
+    """The default schedule's path: a barrier at every step of 3 microbatches, up to 6 in
+    flight, so the next step's early burst has room even while all 3 of this step's forwards
+    still wait for their chain's ok (an opening of 3 left it none under a loaded CI)."""
     from swarmd.pipeline.inflight import InFlight
 
     drawn = iter([b for batches in steps for b in batches])
@@ -327,7 +329,7 @@ async def _train(trainer: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor
         return False
 
     await trainer.train(lambda: next(drawn), steps=len(steps), microbatches=3,
-                        window=InFlight(floor=2, ceiling=3), on_step=stepped, barrier=True)
+                        window=InFlight(floor=2, ceiling=6), on_step=stepped, barrier=True)
 
 
 def test_a_step_sends_its_opening_burst_before_anything_comes_back() -> None:
