@@ -27,6 +27,7 @@ import logging
 import math
 import random
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -403,13 +404,11 @@ class StageServer:
         """``note`` to the peers of every other stage (at most ``NOTE_PEERS_PER_STAGE``
         each), in the background: one try each, within ``NOTE_TIMEOUT_S``."""
         message = Message(**note.wire())
-        for stage in range(self.num_stages):
-            if stage == self.stage:
-                continue
-            for peer, row in list(self.peers_of(stage).items())[:NOTE_PEERS_PER_STAGE]:
-                task = asyncio.ensure_future(self._note_one(peer, tuple(row[2]), message))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+        others = [stage for stage in range(self.num_stages) if stage != self.stage]
+        for peer, addrs in note_peers(self.peers_of, others):
+            task = asyncio.ensure_future(self._note_one(peer, addrs, message))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _note_one(self, peer: str, addrs: tuple[str, ...], message: Message) -> None:
         await send_note(self.host, self.proto["norm_note"], self.codec, self.counters, peer,
@@ -519,6 +518,14 @@ class _SyncPort:
         self._s._step_moved()
         for listener in list(self._s._step_listeners):
             listener()
+
+
+def note_peers(peers_of: Callable[[int], dict[str, Any]],
+               stages: Iterable[int]) -> list[tuple[str, tuple[str, ...]]]:
+    """Where a norm note goes: at most ``NOTE_PEERS_PER_STAGE`` peers of each of ``stages``
+    in the view, with their addresses."""
+    return [(peer, tuple(row[2])) for stage in stages
+            for peer, row in list(peers_of(stage).items())[:NOTE_PEERS_PER_STAGE]]
 
 
 async def send_note(host: Any, protocol: str, codec: Any, counters: Counter[str], peer: str,

@@ -49,7 +49,7 @@ from swarmd.pipeline.messages import (Abandon, Backward, Forward, NormNote, Trai
                                       parse_grad, parse_result, progress_meta)
 from swarmd.pipeline.penalties import CONTENT_REASONS
 from swarmd.pipeline.router import Router
-from swarmd.pipeline.server import NOTE_PEERS_PER_STAGE, protocols, send_note
+from swarmd.pipeline.server import note_peers, protocols, send_note
 from swarmd.trainer.shares import share_of
 from swarmd.trainer.step_reports import StepReports
 from swarmd.trainer.trainer_compute import TrainerCompute
@@ -456,9 +456,8 @@ class Trainer(TrainerCompute, StepReports):
                         sqnorm=own, clip=self.board.clip)
         message = Message(**note.wire())
         sends = [asyncio.ensure_future(send_note(self.host, self.proto["norm_note"], self.codec,
-                                                 self.counters, peer, tuple(row[2]), message))
-                 for stage in range(self.num_stages)
-                 for peer, row in list(self.peers_of(stage).items())[:NOTE_PEERS_PER_STAGE]]
+                                                 self.counters, peer, addrs, message))
+                 for peer, addrs in note_peers(self.peers_of, range(self.num_stages))]
         expected = self.board.expected()
         if expected is not None and self._early is not None:
             self._early_at = tuple(s + 1 for s in expected)

@@ -10,6 +10,7 @@ head, loss), ``params`` (tied weights once), ``optimizer`` (a ``SwarmOptimizer``
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,26 +55,26 @@ class TrainerCompute:
         """What ``_mean_gradient`` will give, without changing the gradients: the norm note
         of a step whose microbatches all passed the head (``swarmd.pipeline.exact``)."""
         n = max(1, self._samples)
-        total = 0.0
-        for p in self.params:
-            if p.grad is not None:
-                total += float((p.grad / n).detach().float().pow(2).sum())
-        return total / (self.loss_scale * self.loss_scale)
+        return self._sqnorm(p.grad / n for p in self.params if p.grad is not None)
 
     def _mean_gradient(self) -> float:
         """The sums over samples become the step's mean gradient; its squared norm (loss scale
         removed: what the optimizer would clip)."""
-        total = 0.0
         for p in self.params:
             if p.grad is not None:
                 p.grad /= max(1, self._samples)
-                total += float(p.grad.detach().float().pow(2).sum())
-        return total / (self.loss_scale * self.loss_scale)
+        return self._gradient_sqnorm()
 
     def _gradient_sqnorm(self) -> float:
         """The squared norm of the parts' (mean) gradient as it is now, loss scale removed."""
-        total = sum(float(p.grad.detach().float().pow(2).sum()) for p in self.params
-                    if p.grad is not None)
+        return self._sqnorm(p.grad for p in self.params if p.grad is not None)
+
+    def _sqnorm(self, grads: Iterable[torch.Tensor]) -> float:
+        """The squared norm of ``grads``, summed in their order (the norm note and the step
+        must give the same float), loss scale removed."""
+        total = 0.0
+        for g in grads:
+            total += float(g.detach().float().pow(2).sum())
         return total / (self.loss_scale * self.loss_scale)
 
     def _step_and_zero(self, coefficient: float | None = None) -> None:
