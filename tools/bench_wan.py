@@ -265,6 +265,7 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
                                              "steady_step_phases",
                                              "steady_in_flight_target", "steady_round_trip_ms",
                                              "rerouted", "restarted", "lost",
+                                             "steps_exact", "steps_started_early",
                                              "initial_val_loss", "final_val_loss", "stages",
                                              "cpu")}
     say(f"{name}: pipeline {out['pipeline_tokens_per_s']:,.0f} tokens/s")
@@ -407,6 +408,8 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
                 t.get("steady_step_phases"))
             out["pipeline"]["lost"] += t.get("lost") or 0
             out.setdefault("pipeline_rounds_stages", []).append(t["stages"])
+            out.setdefault("pipeline_rounds_steps_started_early", []).append(
+                t.get("steps_started_early"))
             say(f"{name}: pipeline (round {r + 1}) {rate:,.0f} tokens/s")
 
 

@@ -71,6 +71,9 @@ class TrainResult:
     #: steps every part of the model took on exactly their target batch, clipped together
     #: (``swarmd.pipeline.exact``)
     steps_exact: int = 0
+    #: exact steps whose opening burst went before the step before it was taken (its norm
+    #: notes sent: ``Trainer.train``'s early start)
+    steps_started_early: int = 0
 
 
 async def train(config: Any, *, bootstrap: Sequence[str], steps: int,
@@ -318,7 +321,8 @@ async def _run_steps(trainer: Any, batches: Any, config: Any, plan: _Plan, shown
                        metrics_file=str(plan.metrics_file) if plan.metrics_file else None,
                        resumed_from=resumed, skipped_steps=trainer.optimizer.skipped,
                        microbatches=s.microbatches,
-                       steps_exact=trainer.counters.get("steps_exact", 0))
+                       steps_exact=trainer.counters.get("steps_exact", 0),
+                       steps_started_early=trainer.counters.get("steps_started_early", 0))
 
 
 async def _steps(trainer: Any, batches: Any, config: Any, plan: _Plan,
