@@ -227,6 +227,17 @@ def test_a_norm_note_round_trips_and_bad_ones_are_refused() -> None:
 
 # ---- messages -------------------------------------------------------------------------------
 
+def test_a_norm_note_goes_to_a_bounded_number_of_peers_of_each_stage_named() -> None:
+    from swarmd.pipeline.server import NOTE_PEERS_PER_STAGE, note_peers
+
+    view = {0: {f"a{i}": (0, 0, [f"/ip4/127.0.0.1/tcp/{i}"]) for i in range(6)},
+            1: {"b0": (0, 0, ["/ip4/127.0.0.1/tcp/9"])}, 2: {}}
+    peers = note_peers(lambda stage: view.get(stage, {}), [0, 1, 2])
+    assert [p for p, _ in peers] == [f"a{i}" for i in range(NOTE_PEERS_PER_STAGE)] + ["b0"]
+    assert dict(peers)["b0"] == ("/ip4/127.0.0.1/tcp/9",)
+    assert note_peers(lambda stage: view[stage], [1]) == [("b0", ("/ip4/127.0.0.1/tcp/9",))]
+
+
 def test_a_stage_is_behind_when_every_peer_of_it_announces_less_than_the_named_step() -> None:
     assert stages_behind((6, 6, 6), [{"a": 6}, {"b": 5}, {"c": 6, "d": 5}]) == [1]
     assert stages_behind((6, 6), [{"a": 7}, {"b": 5, "c": 6}]) == []
