@@ -508,11 +508,7 @@ def test_three_exact_steps_through_the_swarm_equal_clip_grad_norm_over_one_model
                                    "apply"} and min(phases.values()) >= 0
             assert phases["first_back"] <= phases["last_back"]
             # the last step's forwards-to-be: the stages must have taken it
-            for s in servers:
-                for _ in range(200):
-                    if s.step == 3:
-                        break
-                    await asyncio.sleep(0.01)
+            await _until(lambda: all(s.step == 3 for s in servers))
             # (late answers are waited for: the stages stepped without them)
             await _until(lambda: all(s.counters["step_reports"] == 3 for s in servers))
             out = {f"head.{n}": p.detach().clone() for n, p in trainer.head.named_parameters()}

@@ -260,6 +260,7 @@ def measure_profile(lab: WanLab, name: str, *, root: Path, server: dict[str, Any
     out["pipeline_whole_run_tokens_per_s"] = t["tokens_per_s"]
     out["pipeline_runs_others_cpu_share"] = [t["cpu"]["others_share"]]
     out["pipeline_runs_delayer_cpu_share"] = [t["cpu"]["delayer_share"]]
+    out["pipeline_rounds_steps_started_early"] = [t.get("steps_started_early")]
     out["pipeline"] = {k: t.get(k) for k in ("steps", "seconds", "steady_steps",
                                              "steady_seconds", "steady_step_seconds",
                                              "steady_step_phases",
@@ -397,6 +398,7 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
                 out["pipeline_runs_tokens_per_s"].append(None)
                 out["pipeline_runs_others_cpu_share"].append(None)
                 out["pipeline_runs_delayer_cpu_share"].append(None)
+                out["pipeline_rounds_steps_started_early"].append(None)
                 continue
             rate = t["rate"]
             out["pipeline_runs_tokens_per_s"].append(rate)
@@ -408,8 +410,7 @@ def pipeline_again(lab: WanLab, profiles: list[str], results: dict[str, Any], *,
                 t.get("steady_step_phases"))
             out["pipeline"]["lost"] += t.get("lost") or 0
             out.setdefault("pipeline_rounds_stages", []).append(t["stages"])
-            out.setdefault("pipeline_rounds_steps_started_early", []).append(
-                t.get("steps_started_early"))
+            out["pipeline_rounds_steps_started_early"].append(t.get("steps_started_early"))
             say(f"{name}: pipeline (round {r + 1}) {rate:,.0f} tokens/s")
 
 

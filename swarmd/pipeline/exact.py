@@ -304,8 +304,9 @@ class NormNotes:
     """A stage peer's side of the norm notes: the parts' squared norms of the trainer steps it
     was told of (part ``num_stages`` is the trainer's, with its clipping bound), the last
     ``keep`` (trainer, step) told of (not the highest steps: a trainer that starts over at
-    step 0 after another ran to step 40 must not have its notes dropped as old). ``coefficient`` is the whole model's once every part's norm is here (this
-    peer's own included), else None."""
+    step 0 after another ran to step 40 must not have its notes dropped as old).
+    ``coefficient`` is the whole model's once every part's norm is here (this peer's own
+    included), else None."""
 
     num_stages: int
     keep: int = 16
